@@ -1,0 +1,20 @@
+"""daftrain: train deep networks in far less memory, with no model rewrite.
+
+Every activation autograd saves for backward is stored quantized per group and bit-packed::
+
+    import daftrain
+    with daftrain.compress(bits=2) as ctx:
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    print(ctx.stats.ratio)
+"""
+
+from . import ops  # noqa: F401  (registers the daftrain:: custom ops)
+from .config import CompressionConfig
+from .hooks import compress
+from .layout import LayoutError, PackedLayout
+from .stats import CompressionStats
+
+__version__ = "0.1.0"
+
+__all__ = ["CompressionConfig", "CompressionStats", "LayoutError", "PackedLayout", "__version__", "compress"]

@@ -1,0 +1,175 @@
+"""Pure PyTorch reference kernels: the executable spec of the unified layout (see ``layout.py``).
+
+They run on every device. They are vectorised and work on chunks of whole groups so that their
+temporaries stay bounded (``_CHUNK_VALUES`` values at a time) however large the tensor is. Fast
+kernels (``kernels/cpu.py``, ``kernels/triton.py``) must produce byte-identical output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..layout import MASK32, PackedLayout
+
+_CHUNK_VALUES = 1 << 20
+_INF = float("inf")
+
+
+def _chunks(num_groups: int, group_size: int) -> Iterator[tuple[int, int]]:
+    step = max(1, _CHUNK_VALUES // group_size)
+    for g0 in range(0, num_groups, step):
+        yield g0, min(num_groups, g0 + step)
+
+
+def _group_block(x: torch.Tensor, g0: int, g1: int, group_size: int, fill: float) -> torch.Tensor:
+    """Groups ``g0:g1`` of flat ``x`` as float32 [g1 - g0, G], the ragged tail padded with ``fill``."""
+    start, stop = g0 * group_size, min(g1 * group_size, x.numel())
+    block = x[start:stop].to(torch.float32)
+    pad = (g1 - g0) * group_size - (stop - start)
+    if pad:
+        block = torch.cat([block, block.new_full((pad,), fill)])
+    return block.view(g1 - g0, group_size)
+
+
+def group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-group ``[min, max, min over positive values (+inf if none)]`` as float32 [num_groups, 3].
+
+    NaN propagates into min and max, so a caller can tell a non-finite group from its stats alone.
+    """
+    x = x.reshape(-1)
+    num_groups = -(-x.numel() // group_size)
+    out = torch.empty(num_groups, 3, dtype=torch.float32, device=x.device)
+    for g0, g1 in _chunks(num_groups, group_size):
+        lo_block = _group_block(x, g0, g1, group_size, _INF)
+        out[g0:g1, 0] = lo_block.amin(dim=1)
+        out[g0:g1, 2] = torch.where(lo_block > 0, lo_block, _INF).amin(dim=1)
+        out[g0:g1, 1] = _group_block(x, g0, g1, group_size, -_INF).amax(dim=1)
+    return out
+
+
+def _bf16_round_up(v: torch.Tensor) -> torch.Tensor:
+    """Non-negative float32 -> the smallest bfloat16 >= it (inf and NaN stay inf and NaN)."""
+    bits = v.contiguous().view(torch.int32).to(torch.int64)
+    up = torch.where(torch.isfinite(v), (bits + 0xFFFF) >> 16, bits >> 16)
+    return up.to(torch.int16).view(torch.bfloat16)
+
+
+def group_params(stats: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo float32, scale bfloat16)`` per group from ``group_minmax`` stats (see ``layout.py``)."""
+    levels = (1 << bits) - 1
+    mn, mx, min_pos = stats[:, 0], stats[:, 1], stats[:, 2]
+    zero_exact = (mn == 0) & (mx > 0)
+    if levels >= 2:
+        lo_zero = min_pos
+        step_zero = (mx - min_pos) / (levels - 1)
+    else:
+        lo_zero = (min_pos + mx) * 0.5
+        step_zero = torch.zeros_like(mx)
+    lo = torch.where(zero_exact, lo_zero, mn)
+    step = torch.where(zero_exact, step_zero, (mx - mn) / levels)
+    scale = _bf16_round_up(step)
+    scale = torch.where(zero_exact, -scale, scale)
+    return lo.contiguous(), scale.contiguous()
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``(h * c) mod 2**32`` for int64 ``h`` in [0, 2**32), without signed overflow."""
+    lo = h * (c & 0xFFFF)
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def uniform_noise(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """float32 ``u`` in [0, 1) for int64 value indices (vectorised ``layout.uniform_noise``)."""
+    h = (index & MASK32) ^ (seed & MASK32)
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    h = h ^ (h >> 16)
+    return (h >> 8).to(torch.float32) * (2.0**-24)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., G] -> uint8 bytes [..., G * bits / 8], LSB first."""
+    per_byte = 8 // bits
+    c = codes.reshape(*codes.shape[:-1], -1, per_byte)
+    out = c[..., 0].clone()
+    for k in range(1, per_byte):
+        out |= c[..., k] << (k * bits)
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 bytes [..., B] -> uint8 codes [..., B * 8 / bits] (inverse of ``pack_codes``)."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    parts = [(packed >> (k * bits)) & mask for k in range(per_byte)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def quantize_pack(
+    x: torch.Tensor, bits: int, group_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat float ``x`` -> ``(codes uint8 [num_groups, G*bits/8], lo float32, scale bfloat16)``."""
+    x = x.reshape(-1)
+    layout = PackedLayout(bits, group_size, x.numel())
+    levels = layout.levels
+    lo, scale = group_params(group_minmax(x, group_size), bits)
+    codes = torch.empty(layout.num_groups, layout.bytes_per_group, dtype=torch.uint8, device=x.device)
+    step = scale.to(torch.float32).abs()
+    inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    zero_exact = torch.signbit(scale)
+    for g0, g1 in _chunks(layout.num_groups, group_size):
+        block = _group_block(x, g0, g1, group_size, 0.0)
+        index = torch.arange(g0 * group_size, g1 * group_size, dtype=torch.int64, device=x.device)
+        u = uniform_noise(index, seed).view_as(block)
+        t = (block - lo[g0:g1, None]) * inv[g0:g1, None]
+        r = torch.floor(t + u)
+        plain = r.clamp(0, levels)
+        zero = torch.where(block == 0, 0.0, r.clamp(0, levels - 1) + 1)
+        c = torch.where(zero_exact[g0:g1, None], zero, plain)
+        c = torch.where(index.view_as(block) < x.numel(), c, 0.0)
+        codes[g0:g1] = pack_codes(c.to(torch.uint8), bits)
+    return codes, lo, scale
+
+
+def unpack_dequantize(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of ``quantize_pack``: flat tensor of ``numel`` values of ``dtype``."""
+    layout = PackedLayout(bits, group_size, numel)
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    step = scale.to(torch.float32).abs()
+    zero_exact = torch.signbit(scale)
+    shift = zero_exact.to(torch.float32)
+    for g0, g1 in _chunks(layout.num_groups, group_size):
+        c = unpack_codes(codes[g0:g1], bits).to(torch.float32)
+        v = lo[g0:g1, None] + (c - shift[g0:g1, None]) * step[g0:g1, None]
+        v = torch.where(zero_exact[g0:g1, None] & (c == 0), 0.0, v)
+        start, stop = g0 * group_size, min(g1 * group_size, numel)
+        out[start:stop] = v.view(-1)[: stop - start].to(dtype)
+    return out
+
+
+def pack_bool(x: torch.Tensor) -> torch.Tensor:
+    """Flat bool -> uint8 [ceil(n/8)], value i at bit i % 8 of byte i // 8."""
+    x = x.reshape(-1)
+    pad = -x.numel() % 8
+    c = x.to(torch.uint8)
+    if pad:
+        c = torch.cat([c, c.new_zeros(pad)])
+    return pack_codes(c.view(1, -1), 1).view(-1)
+
+
+def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of ``pack_bool``."""
+    return unpack_codes(packed.view(1, -1), 1).view(-1)[:numel].to(torch.bool)

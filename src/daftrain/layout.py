@@ -1,0 +1,204 @@
+"""The unified packed layout: the one byte format every backend reads and writes.
+
+A float tensor of ``numel`` values (taken in memory order) is cut into ``num_groups = ceil(numel / G)``
+groups of ``G = group_size`` values; the last group may be ragged. Each group stores:
+
+* ``lo``    float32: the value that code ``z`` decodes to (see the two modes below);
+* ``scale`` bfloat16: the step between codes, rounded *up* to bfloat16 so that every value of the group
+  lies inside ``[lo, lo + (L - z) * |scale|]``; its sign bit selects the mode;
+* ``codes`` ``G * bits / 8`` bytes: ``bits``-bit codes, value ``j`` of the group at bit
+  ``(j * bits) % 8`` of byte ``(j * bits) // 8``, least significant bit first. Since bits is 1, 2, 4
+  or 8 a code never straddles a byte, and since G is a multiple of 32 each group fills whole 32-bit
+  words. Codes of the padding past ``numel`` are 0.
+
+with ``L = 2**bits - 1``. The two modes (``z = signbit(scale)``):
+
+* **plain** (``z = 0``): ``lo = min``, ``|scale| >= (max - min) / L``, value = ``lo + c * |scale|``.
+* **zero-exact** (``z = 1``, chosen when the group's min is exactly 0 and its max is positive, as in a
+  ReLU output): code 0 *is* the value 0 and only 0; a positive value gets a code in ``1..L`` and
+  decodes to ``lo + (c - 1) * |scale|`` with ``lo`` = the smallest positive value. No positive value
+  becomes 0 and no 0 becomes positive, so ops that rebuild a mask from their saved output (ReLU,
+  threshold) get the exact mask. At 1 bit there is a single positive level: ``lo`` is then the
+  midpoint of the positive range and the group is *not* elementwise unbiased (the mask stays exact).
+
+Rounding is stochastic, ``c = clamp(floor(t + u))`` with ``t = (x - lo) * (1 / |scale|)`` evaluated in
+float32 (the reciprocal is correctly rounded; no fused multiply-add), and ``u`` a counter-based
+uniform: ``u = (fmix32((i mod 2**32) XOR seed) >> 8) * 2**-24`` for the value's index ``i`` in the
+tensor, ``fmix32`` being MurmurHash3's finaliser. So ``E[decode(c)] = x`` and the result depends only on
+(x, seed), never on the backend or the thread count. Decoding evaluates ``lo + (c - z) * |scale|`` in
+float32 with two roundings, then casts to the tensor's dtype.
+
+Worked example (``bits=2``, one group, first four values shown)::
+
+    x        = [-1.0, 2.0, 0.0, 1.0, ...]   min -1.0, max 2.0 -> L = 3, scale = (2 - -1) / 3 = 1.0
+    lo       = -1.0 -> float32 bytes  00 00 80 bf
+    scale    =  1.0 -> bfloat16 bytes 80 3f        (sign bit clear: plain mode)
+    codes    = [0, 3, 1, 2]  (values on the grid round the same way whatever u is)
+    byte 0   = 0 | 3 << 2 | 1 << 4 | 2 << 6 = 0b10011100 = 0x9c
+
+``tests/test_layout.py`` pins this example. ``to_bytes`` / ``from_bytes`` serialise one record with a
+checked header (used to spill records to disk and for the golden test vectors).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .config import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS
+
+MAGIC = b"DAFT"
+VERSION = 1
+
+KIND_QUANTIZED = 1
+KIND_BOOL = 2
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.bool: 4,
+}
+QUANTIZABLE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+_HEADER = struct.Struct("<4sBBBBIQ")  # magic, version, kind, bits, dtype code, group_size, numel
+_CRC = struct.Struct("<I")
+MASK32 = 0xFFFFFFFF
+
+
+class LayoutError(ValueError):
+    """A packed buffer that does not follow the unified layout (bad header, size or checksum)."""
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Sizes of one quantized record in the unified layout."""
+
+    bits: int
+    group_size: int
+    numel: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise LayoutError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if not (MIN_GROUP_SIZE <= self.group_size <= MAX_GROUP_SIZE) or self.group_size % 32:
+            raise LayoutError(f"group_size must be a multiple of 32 in [32, 65536], got {self.group_size}")
+        if self.numel < 0:
+            raise LayoutError(f"numel must be >= 0, got {self.numel}")
+
+    @property
+    def levels(self) -> int:
+        """``L = 2**bits - 1``, the largest code."""
+        return (1 << self.bits) - 1
+
+    @property
+    def num_groups(self) -> int:
+        return math.ceil(self.numel / self.group_size)
+
+    @property
+    def bytes_per_group(self) -> int:
+        return self.group_size * self.bits // 8
+
+    @property
+    def codes_nbytes(self) -> int:
+        return self.num_groups * self.bytes_per_group
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory: codes + float32 lo + bfloat16 scale per group."""
+        return self.codes_nbytes + self.num_groups * (4 + 2)
+
+
+def bool_nbytes(numel: int) -> int:
+    """Bytes of a bool tensor packed 1 bit per value (LSB first)."""
+    return (numel + 7) // 8
+
+
+def fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser on a Python int (the spec of the kernels' noise hash)."""
+    h &= MASK32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & MASK32
+    h ^= h >> 16
+    return h
+
+
+def uniform_noise(index: int, seed: int) -> float:
+    """The stochastic-rounding offset ``u`` for value ``index`` under ``seed`` (scalar spec)."""
+    return (fmix32((index & MASK32) ^ (seed & MASK32)) >> 8) * 2.0**-24
+
+
+def record_seed(base_seed: int, step: int, record: int) -> int:
+    """A 32-bit seed per (base seed, step, record), decorrelated by hashing."""
+    h = fmix32(base_seed ^ (base_seed >> 32))
+    h = fmix32(h ^ fmix32(step * 0x9E3779B9 + 0x7F4A7C15))
+    return fmix32(h ^ fmix32(record * 0x85EBCA77 + 0x165667B1))
+
+
+def _le_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def to_bytes(
+    kind: int, dtype: torch.dtype, numel: int, payload: tuple[torch.Tensor, ...], bits: int = 1, group_size: int = 32
+) -> bytes:
+    """Serialise one record: header, payload tensors in order, CRC32 of all that precedes it.
+
+    ``payload`` is ``(lo, scale, codes)`` for ``KIND_QUANTIZED`` and ``(packed,)`` for ``KIND_BOOL``.
+    """
+    header = _HEADER.pack(MAGIC, VERSION, kind, bits, DTYPE_CODES[dtype], group_size, numel)
+    body = header + b"".join(_le_bytes(p) for p in payload)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+@dataclass(frozen=True)
+class DecodedRecord:
+    kind: int
+    dtype: torch.dtype
+    numel: int
+    bits: int
+    group_size: int
+    payload: tuple[torch.Tensor, ...]
+
+
+def from_bytes(data: bytes) -> DecodedRecord:
+    """Parse what ``to_bytes`` wrote; raises ``LayoutError`` on any corruption."""
+    if len(data) < _HEADER.size + _CRC.size:
+        raise LayoutError(f"packed record too short: {len(data)} bytes")
+    body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
+    if zlib.crc32(body) != crc:
+        raise LayoutError("packed record checksum mismatch: the data is corrupted")
+    magic, version, kind, bits, dtype_code, group_size, numel = _HEADER.unpack(body[: _HEADER.size])
+    if magic != MAGIC:
+        raise LayoutError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise LayoutError(f"unsupported layout version {version} (this build reads {VERSION})")
+    dtypes = {v: k for k, v in DTYPE_CODES.items()}
+    if dtype_code not in dtypes:
+        raise LayoutError(f"unknown dtype code {dtype_code}")
+    dtype = dtypes[dtype_code]
+    raw = bytearray(body[_HEADER.size :])
+    if kind == KIND_QUANTIZED:
+        layout = PackedLayout(bits, group_size, numel)
+        sizes = (layout.num_groups * 4, layout.num_groups * 2, layout.codes_nbytes)
+        dtypes_out = (torch.float32, torch.bfloat16, torch.uint8)
+    elif kind == KIND_BOOL:
+        sizes, dtypes_out = (bool_nbytes(numel),), (torch.uint8,)
+    else:
+        raise LayoutError(f"unknown record kind {kind}")
+    if len(raw) != sum(sizes):
+        raise LayoutError(f"payload is {len(raw)} bytes, the header implies {sum(sizes)}")
+    payload, offset = [], 0
+    for size, dt in zip(sizes, dtypes_out, strict=True):
+        chunk = torch.frombuffer(raw, dtype=torch.uint8, count=size, offset=offset).clone()
+        payload.append(chunk.view(dt))
+        offset += size
+    if kind == KIND_QUANTIZED:
+        payload[2] = payload[2].view(layout.num_groups, layout.bytes_per_group)
+    return DecodedRecord(kind, dtype, numel, bits, group_size, tuple(payload))

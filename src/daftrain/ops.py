@@ -1,0 +1,138 @@
+"""daftrain's kernels as ``torch.library`` custom ops.
+
+Each op is defined once here with its schema and a fake (meta) implementation; the pure PyTorch
+reference in ``kernels/reference.py`` is registered for every device and is the spec. Fast kernels
+register themselves for their device key beside it (``kernels/cpu.py``, ``kernels/triton.py``) and
+must be byte-identical to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import reference
+from .layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
+
+__all__ = ["group_minmax", "pack_bool", "quantize_pack", "unpack_bool", "unpack_dequantize"]
+
+
+def _check_float(x: torch.Tensor) -> None:
+    torch._check(
+        x.dtype in QUANTIZABLE_DTYPES,
+        lambda: f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}",
+    )
+
+
+def _check_group(group_size: int) -> None:
+    torch._check(
+        32 <= group_size <= 65536 and group_size % 32 == 0,
+        lambda: f"group_size must be a multiple of 32 in [32, 65536], got {group_size}",
+    )
+
+
+@torch.library.custom_op("daftrain::group_minmax", mutates_args=())
+def group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-group ``[min, max, min positive]`` of flat ``x`` as float32 [num_groups, 3]."""
+    _check_float(x)
+    _check_group(group_size)
+    return reference.group_minmax(x, group_size)
+
+
+@group_minmax.register_fake
+def _(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    _check_float(x)
+    return x.new_empty(-(-x.numel() // group_size), 3, dtype=torch.float32)
+
+
+@torch.library.custom_op("daftrain::quantize_pack", mutates_args=())
+def quantize_pack(
+    x: torch.Tensor, bits: int, group_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize flat ``x`` per group with stochastic rounding and bit-pack it.
+
+    Returns ``(codes uint8 [num_groups, group_size*bits/8], lo float32 [num_groups],
+    scale bfloat16 [num_groups])`` in the unified layout (``layout.py``).
+    """
+    _check_float(x)
+    PackedLayout(bits, group_size, x.numel())
+    return reference.quantize_pack(x, bits, group_size, seed)
+
+
+@quantize_pack.register_fake
+def _(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_float(x)
+    layout = PackedLayout(bits, group_size, x.numel())
+    return (
+        x.new_empty(layout.num_groups, layout.bytes_per_group, dtype=torch.uint8),
+        x.new_empty(layout.num_groups, dtype=torch.float32),
+        x.new_empty(layout.num_groups, dtype=torch.bfloat16),
+    )
+
+
+@torch.library.custom_op("daftrain::unpack_dequantize", mutates_args=())
+def unpack_dequantize(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode what ``quantize_pack`` wrote into a flat tensor of ``numel`` values of ``dtype``."""
+    _check_unpack(codes, lo, scale, bits, group_size, numel, dtype)
+    return reference.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype)
+
+
+@unpack_dequantize.register_fake
+def _(codes, lo, scale, bits, group_size, numel, dtype):  # type: ignore[no-untyped-def]
+    _check_unpack(codes, lo, scale, bits, group_size, numel, dtype)
+    return codes.new_empty(numel, dtype=dtype)
+
+
+def _check_unpack(
+    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
+    dtype: torch.dtype,
+) -> None:
+    layout = PackedLayout(bits, group_size, numel)
+    torch._check(dtype in QUANTIZABLE_DTYPES, lambda: f"cannot dequantize to {dtype}")
+    torch._check(
+        codes.dtype == torch.uint8 and tuple(codes.shape) == (layout.num_groups, layout.bytes_per_group),
+        lambda: f"codes must be uint8 {(layout.num_groups, layout.bytes_per_group)}, got {codes.dtype} "
+        f"{tuple(codes.shape)}",
+    )
+    torch._check(
+        lo.dtype == torch.float32 and tuple(lo.shape) == (layout.num_groups,),
+        lambda: f"lo must be float32 [{layout.num_groups}], got {lo.dtype} {tuple(lo.shape)}",
+    )
+    torch._check(
+        scale.dtype == torch.bfloat16 and tuple(scale.shape) == (layout.num_groups,),
+        lambda: f"scale must be bfloat16 [{layout.num_groups}], got {scale.dtype} {tuple(scale.shape)}",
+    )
+
+
+@torch.library.custom_op("daftrain::pack_bool", mutates_args=())
+def pack_bool(x: torch.Tensor) -> torch.Tensor:
+    """Flat bool tensor -> uint8 [ceil(n/8)], 1 bit per value, LSB first."""
+    torch._check(x.dtype == torch.bool, lambda: f"pack_bool takes a bool tensor, got {x.dtype}")
+    return reference.pack_bool(x)
+
+
+@pack_bool.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(bool_nbytes(x.numel()), dtype=torch.uint8)
+
+
+@torch.library.custom_op("daftrain::unpack_bool", mutates_args=())
+def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of ``pack_bool``."""
+    torch._check(
+        packed.dtype == torch.uint8 and packed.numel() == bool_nbytes(numel),
+        lambda: f"packed must be uint8 [{bool_nbytes(numel)}], got {packed.dtype} [{packed.numel()}]",
+    )
+    return reference.unpack_bool(packed, numel)
+
+
+@unpack_bool.register_fake
+def _(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    return packed.new_empty(numel, dtype=torch.bool)

@@ -1,0 +1,117 @@
+"""What to do with a saved tensor, decided from its metadata only (never from its values)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .config import CompressionConfig
+from .layout import QUANTIZABLE_DTYPES
+
+
+class Treatment(enum.Enum):
+    QUANTIZE = "quantize"
+    QUANTIZE_IF_LOSSLESS = "quantize_if_lossless"
+    PACK_BOOL = "pack_bool"
+    KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class Decision:
+    treatment: Treatment
+    reason: str
+    """Why a tensor is kept: parameter, layout, tiny, integer, bool, dtype, exact, constant."""
+
+
+class ParameterRegistry:
+    """The storages of a model's parameters and buffers, so that no view or alias of them is compressed.
+
+    Storages are held by ``StorageWeakRef``: a freed storage whose address is reused can never be
+    mistaken for a parameter, and the registry keeps no tensor alive.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._storages: set[StorageWeakRef] = set()
+        if model is not None:
+            for tensor in (*model.parameters(), *model.buffers()):
+                self._storages.add(StorageWeakRef(tensor.untyped_storage()))
+
+    def __len__(self) -> int:
+        return len(self._storages)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return bool(self._storages) and StorageWeakRef(t.untyped_storage()) in self._storages
+
+
+# NOTE [ Recognising parameters ]
+# A saved tensor is treated as a parameter (kept as it is, and left out of the byte counts, since the
+# model holds it anyway) when any of these holds:
+#   1. it is an nn.Parameter, or a view whose ``_base`` is one (``weight.t()`` saved by ``linear``);
+#   2. its storage belongs to a parameter or buffer of the ``model`` given to ``compress``;
+#   3. it is a leaf that requires grad: in a network only parameters are such leaves;
+#   4. it is a cast or view of such a leaf (autocast's ``weight.to(bfloat16).t()``): its grad_fn chain
+#      is only casts and views up to an AccumulateGrad node.
+# A data pointer alone is never used: addresses are reused as soon as a tensor is freed.
+#
+# NOTE [ Constants are stored losslessly or kept ]
+# A float tensor outside the differentiable graph (no grad_fn, no requires_grad) is never quantized
+# lossily. Such tensors are the auxiliary outputs ops save for their own backward (LayerNorm's rstd,
+# BatchNorm's inverse std, SDPA's logsumexp), frozen weights and their autocast casts (LoRA's base
+# layers), the batch itself, and dropout masks on CPU (float tensors of 0 and 1/(1-p)). Errors in the
+# first kinds enter backward multiplicatively or exponentially (a 1-bit logsumexp wrecks attention's
+# gradient). Their group min/max decide: when every group is constant, or zero plus one positive
+# value (a dropout mask), the 1-bit layout stores it exactly (see layout.py) and it is packed;
+# otherwise it is kept as it is.
+def is_parameter_like(t: torch.Tensor, registry: ParameterRegistry) -> bool:
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        return True
+    if registry.holds(t):
+        return True
+    if t.grad_fn is None:
+        return t.requires_grad
+    return _is_cast_or_view_of_leaf(t.grad_fn)
+
+
+# Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).
+_CAST_AND_VIEW_NODES = frozenset(
+    {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+     "ReshapeAliasBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0"}
+)
+
+
+def _is_cast_or_view_of_leaf(node: object, max_depth: int = 4) -> bool:
+    for _ in range(max_depth):
+        if type(node).__name__ not in _CAST_AND_VIEW_NODES:
+            return False
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]  # type: ignore[attr-defined]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
+def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegistry) -> Decision:
+    """The treatment of one saved tensor; see ``NOTE [ Recognising parameters ]``."""
+    if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+        return Decision(Treatment.KEEP, "layout")
+    if is_parameter_like(t, registry):
+        return Decision(Treatment.KEEP, "parameter")
+    if t.numel() < config.min_numel:
+        return Decision(Treatment.KEEP, "tiny")
+    if t.dtype == torch.bool:
+        return Decision(Treatment.PACK_BOOL, "") if config.pack_bool else Decision(Treatment.KEEP, "bool")
+    if not (t.is_floating_point() or t.is_complex()):
+        return Decision(Treatment.KEEP, "integer")
+    if t.dtype not in QUANTIZABLE_DTYPES:
+        return Decision(Treatment.KEEP, "dtype")
+    if config.bits is None:
+        return Decision(Treatment.KEEP, "exact")
+    if t.grad_fn is None:
+        return Decision(Treatment.QUANTIZE_IF_LOSSLESS, "constant")
+    return Decision(Treatment.QUANTIZE, "")

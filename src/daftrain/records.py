@@ -1,0 +1,84 @@
+"""Packed records of saved tensors, and the handles that restore each saved view from them."""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import PackedLayout
+
+
+class QuantizedRecord:
+    """A float region quantized into the unified layout (``layout.py``)."""
+
+    __slots__ = ("__weakref__", "codes", "dtype", "layout", "lo", "scale")
+
+    def __init__(
+        self, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, layout: PackedLayout, dtype: torch.dtype
+    ) -> None:
+        self.codes, self.lo, self.scale, self.layout, self.dtype = codes, lo, scale, layout, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes
+
+    def decode(self) -> torch.Tensor:
+        ly = self.layout
+        return torch.ops.daftrain.unpack_dequantize(
+            self.codes, self.lo, self.scale, ly.bits, ly.group_size, ly.numel, self.dtype
+        )
+
+
+class BoolRecord:
+    """A bool region stored 1 bit per value."""
+
+    __slots__ = ("__weakref__", "numel", "packed")
+
+    def __init__(self, packed: torch.Tensor, numel: int) -> None:
+        self.packed, self.numel = packed, numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def decode(self) -> torch.Tensor:
+        return torch.ops.daftrain.unpack_bool(self.packed, self.numel)
+
+
+class ExactRecord:
+    """A region kept as it is (the lossless fallback, e.g. for non-finite values)."""
+
+    __slots__ = ("__weakref__", "flat", "reason")
+
+    def __init__(self, flat: torch.Tensor, reason: str) -> None:
+        self.flat, self.reason = flat, reason
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    def decode(self) -> torch.Tensor:
+        return self.flat
+
+
+Record = QuantizedRecord | BoolRecord | ExactRecord
+
+
+class SavedHandle:
+    """What the pack hook returns for a packed tensor: a record plus the view to rebuild from it.
+
+    ``dense`` handles index the record's flat region in memory order (``as_strided``), so one record
+    serves every dense view of the same storage span; other views were packed from their contents
+    in logical order and are copied back into a tensor with the original strides.
+    """
+
+    __slots__ = ("dense", "record", "size", "stride")
+
+    def __init__(self, record: Record, size: torch.Size, stride: tuple[int, ...], dense: bool) -> None:
+        self.record, self.size, self.stride, self.dense = record, size, stride, dense
+
+    def restore(self) -> torch.Tensor:
+        flat = self.record.decode()
+        if self.dense:
+            return flat.as_strided(self.size, self.stride)
+        out = torch.empty_strided(self.size, self.stride, dtype=flat.dtype, device=flat.device)
+        return out.copy_(flat.view(self.size))

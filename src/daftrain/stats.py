@@ -1,0 +1,55 @@
+"""Counters of what one compressed forward pass saved."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompressionStats:
+    """What the hooks saw during the last forward pass of a ``compress`` context.
+
+    Byte counts are over unique storages (plain PyTorch) and unique records (daftrain), parameters
+    left out of both since the model holds them anyway.
+    """
+
+    tensors_seen: int = 0
+    """Pack calls, parameters included."""
+    parameters: int = 0
+    """Saved tensors recognised as parameters (kept, not counted in bytes)."""
+    compressed: int = 0
+    """Float regions quantized (unique records)."""
+    bool_packed: int = 0
+    """Bool regions stored at 1 bit per value (unique records)."""
+    deduplicated: int = 0
+    """Pack calls served by a record made earlier in the same pass (same storage span and version)."""
+    kept: int = 0
+    """Non-parameter tensors kept exact; ``kept_reasons`` says why."""
+    raw_bytes: int = 0
+    """Bytes plain PyTorch would hold for the non-parameter saved tensors (unique storages)."""
+    packed_bytes: int = 0
+    """Bytes of daftrain's packed records."""
+    kept_bytes: int = 0
+    """Bytes of the tensors daftrain kept exact (unique storages)."""
+    kept_reasons: Counter[str] = field(default_factory=Counter)
+    by_dtype: Counter[str] = field(default_factory=Counter)
+    """Pack calls per dtype."""
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes daftrain holds for backward: packed records plus tensors kept exact."""
+        return self.packed_bytes + self.kept_bytes
+
+    @property
+    def ratio(self) -> float:
+        """``raw_bytes / stored_bytes``: how many times less memory the saved activations take."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def summary(self) -> str:
+        return (
+            f"saved tensors: {self.tensors_seen} seen, {self.compressed} quantized, {self.bool_packed} bool-packed, "
+            f"{self.deduplicated} deduplicated, {self.kept} kept ({dict(self.kept_reasons)}), "
+            f"{self.parameters} parameters; {self.raw_bytes / 1e6:.2f} MB -> {self.stored_bytes / 1e6:.2f} MB "
+            f"({self.ratio:.1f}x)"
+        )
