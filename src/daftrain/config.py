@@ -39,6 +39,10 @@ class CompressionConfig:
     seed: int | None = None
     """Base seed of the stochastic-rounding stream; ``None`` derives it from ``torch.initial_seed()``."""
 
+    asynchronous: bool = False
+    """Pack on a worker thread while the next layers compute, and decode ahead in backward
+    (see ``packer.py``). Results are identical to the synchronous path."""
+
     def __post_init__(self) -> None:
         if self.bits is not None and (
             isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS
@@ -55,6 +59,8 @@ class CompressionConfig:
             )
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be a non-negative int, got {self.min_numel!r}")
+        if not isinstance(self.asynchronous, bool):
+            raise TypeError(f"asynchronous must be a bool, got {type(self.asynchronous).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise TypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
         if self.seed is not None and (

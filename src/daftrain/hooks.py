@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import weakref
 from types import TracebackType
 from typing import Any
@@ -14,7 +16,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .config import CompressionConfig
 from .layout import PackedLayout, record_seed
 from .policy import Decision, ParameterRegistry, Treatment, decide
-from .records import BoolRecord, ExactRecord, QuantizedRecord, Record, SavedHandle
+from .packer import AsyncPacker
+from .records import BoolRecord, ExactRecord, PendingRecord, QuantizedRecord, Record, SavedHandle, encode
 from .stats import CompressionStats
 
 __all__ = ["compress"]
@@ -79,8 +82,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         base = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._base_seed = base & ((1 << 64) - 1)
         self.step = -1
-        self.stats = CompressionStats()
-        self._records: weakref.WeakValueDictionary[_Key, Record] = weakref.WeakValueDictionary()
+        self._stats = CompressionStats()
+        self._stats_lock = threading.Lock()
+        self._packer = AsyncPacker() if self.config.asynchronous else None
+        self._records: weakref.WeakValueDictionary[_Key, Record | PendingRecord] = weakref.WeakValueDictionary()
         self._raw_storages: set[StorageWeakRef] = set()
         self._kept_storages: set[StorageWeakRef] = set()
         self._num_records = 0
@@ -88,12 +93,22 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
 
     def __enter__(self) -> compress:  # type: ignore[override]
         self.step += 1
-        self.stats = CompressionStats()
+        self._stats = CompressionStats()
+        if self._packer is not None:
+            self._packer.new_step()
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
         self._num_records = 0
         super().__enter__()
         return self
+
+    @property
+    def stats(self) -> CompressionStats:
+        """What the latest forward pass saved (waits for the packer to finish its queued jobs)."""
+        if self._packer is not None:
+            self._packer.drain()
+            self._stats.peak_pending_bytes = self._packer.peak_pending_bytes
+        return self._stats
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -104,7 +119,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
 
     # -- the hooks ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor | SavedHandle:
-        stats = self.stats
+        stats = self._stats
         stats.tensors_seen += 1
         stats.by_dtype[str(t.dtype).removeprefix("torch.")] += 1
         decision = decide(t, self.config, self.registry)
@@ -131,55 +146,53 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         return SavedHandle(record, t.shape, t.stride(), dense)
 
     def _unpack(self, packed: torch.Tensor | SavedHandle) -> torch.Tensor:
-        return packed if isinstance(packed, torch.Tensor) else packed.restore()
+        if isinstance(packed, torch.Tensor):
+            return packed
+        flat = self._packer.decode(packed.record) if self._packer is not None else packed.record.decode()
+        return packed.restore(flat)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _keep(self, t: torch.Tensor, storage: StorageWeakRef, decision: Decision) -> torch.Tensor:
-        self.stats.kept += 1
-        self.stats.kept_reasons[decision.reason] += 1
+        self._stats.kept += 1
+        self._stats.kept_reasons[decision.reason] += 1
         if storage not in self._kept_storages:
             self._kept_storages.add(storage)
-            self.stats.kept_bytes += t.untyped_storage().nbytes()
+            self._stats.kept_bytes += t.untyped_storage().nbytes()
         # NOTE: detach(), not t: for a saved *output*, t's grad_fn owns the saved variable, and
         # returning t itself would form a reference cycle that is never freed. Unpacking restores
         # the grad_fn, and no data is copied.
         return t.detach()
 
-    def _make_record(self, flat: torch.Tensor, decision: Decision) -> Record:
-        stats = self.stats
-        if decision.treatment is Treatment.PACK_BOOL:
-            record: Record = BoolRecord(torch.ops.daftrain.pack_bool(flat), flat.numel())
-            stats.bool_packed += 1
-        elif decision.treatment is Treatment.QUANTIZE_IF_LOSSLESS:
-            record = self._pack_if_lossless(flat)
-        else:
-            record = self._quantize(flat, self.config.bits)
-        if isinstance(record, ExactRecord):
-            stats.kept += 1
-            stats.kept_reasons[record.reason] += 1
-            stats.kept_bytes += record.nbytes
-        else:
-            stats.compressed += isinstance(record, QuantizedRecord)
-            stats.packed_bytes += record.nbytes
-        return record
-
-    def _pack_if_lossless(self, flat: torch.Tensor) -> Record:
-        # See NOTE [ Constants are stored losslessly or kept ] in policy.py.
-        stats = torch.ops.daftrain.group_minmax(flat, self.config.group_size)
-        mn, mx, min_pos = stats.unbind(1)
-        if bool(((mn == mx) | ((mn == 0) & (min_pos == mx))).all()):
-            return self._quantize(flat, 1)
-        return ExactRecord(flat, "constant")
-
-    def _quantize(self, flat: torch.Tensor, bits: int | None) -> Record:
-        group_size = self.config.group_size
-        assert bits is not None  # decide() keeps tensors when bits is None
+    def _make_record(self, flat: torch.Tensor, decision: Decision) -> Record | PendingRecord:
+        kind = _KINDS[decision.treatment]
+        bits = self.config.bits if self.config.bits is not None else 1
         seed = record_seed(self._base_seed, self.step, self._num_records)
         self._num_records += 1
-        codes, lo, scale = torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed)
-        # NOTE [ Non-finite activations ]: a NaN or Inf anywhere in a group shows in that group's lo or
-        # scale. Such a tensor is kept exact, so backward sees exactly what plain PyTorch would: values
-        # are never silently replaced. The check reads num_groups values, not the tensor.
-        if not bool(torch.isfinite(lo).all() and torch.isfinite(scale).all()):
-            return ExactRecord(flat, "nonfinite")
-        return QuantizedRecord(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype)
+        job = functools.partial(encode, kind=kind, bits=bits, group_size=self.config.group_size, seed=seed)
+        if self._packer is None:
+            record = job(flat)
+            self._account(self._stats, record)
+            return record
+        pending = self._packer.submit(flat, job)
+        stats = self._stats
+        pending.future.add_done_callback(lambda f: f.exception() is None and self._account(stats, f.result()))
+        return pending
+
+    def _account(self, stats: CompressionStats, record: Record) -> None:
+        with self._stats_lock:
+            if isinstance(record, ExactRecord):
+                stats.kept += 1
+                stats.kept_reasons[record.reason] += 1
+                stats.kept_bytes += record.nbytes
+            else:
+                stats.compressed += isinstance(record, QuantizedRecord)
+                stats.bool_packed += isinstance(record, BoolRecord)
+                stats.packed_bytes += record.nbytes
+
+    def close(self) -> None:
+        """Stop the packer thread (asynchronous mode); the context cannot pack afterwards."""
+        if self._packer is not None:
+            self._packer.close()
+
+
+_KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool"}

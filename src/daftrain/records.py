@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from .layout import PackedLayout
@@ -63,6 +65,45 @@ class ExactRecord:
 Record = QuantizedRecord | BoolRecord | ExactRecord
 
 
+def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int) -> Record:
+    """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
+    1-bit layout is exact, else keep) or ``"bool"``. Runs on the caller's or the packer's thread."""
+    if kind == "bool":
+        return BoolRecord(torch.ops.daftrain.pack_bool(flat), flat.numel())
+    if kind == "lossless":
+        # See NOTE [ Constants are stored losslessly or kept ] in policy.py.
+        mn, mx, min_pos = torch.ops.daftrain.group_minmax(flat, group_size).unbind(1)
+        if not bool(((mn == mx) | ((mn == 0) & (min_pos == mx))).all()):
+            return ExactRecord(flat, "constant")
+        bits = 1
+    codes, lo, scale = torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed)
+    # NOTE [ Non-finite activations ]: a NaN or Inf anywhere in a group shows in that group's lo or
+    # scale. Such a tensor is kept exact, so backward sees exactly what plain PyTorch would: values
+    # are never silently replaced. The check reads num_groups values, not the tensor.
+    if not bool(torch.isfinite(lo).all() and torch.isfinite(scale).all()):
+        return ExactRecord(flat, "nonfinite")
+    return QuantizedRecord(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype)
+
+
+class PendingRecord:
+    """A record still being packed on the packer thread; ``result()`` waits for it."""
+
+    __slots__ = ("__weakref__", "future", "index", "raw_nbytes")
+
+    def __init__(self, future: Future[Record], index: int, raw_nbytes: int) -> None:
+        self.future, self.index, self.raw_nbytes = future, index, raw_nbytes
+
+    def result(self) -> Record:
+        return self.future.result()
+
+    @property
+    def nbytes(self) -> int:
+        return self.result().nbytes
+
+    def decode(self) -> torch.Tensor:
+        return self.result().decode()
+
+
 class SavedHandle:
     """What the pack hook returns for a packed tensor: a record plus the view to rebuild from it.
 
@@ -73,11 +114,11 @@ class SavedHandle:
 
     __slots__ = ("dense", "record", "size", "stride")
 
-    def __init__(self, record: Record, size: torch.Size, stride: tuple[int, ...], dense: bool) -> None:
+    def __init__(self, record: Record | PendingRecord, size: torch.Size, stride: tuple[int, ...], dense: bool) -> None:
         self.record, self.size, self.stride, self.dense = record, size, stride, dense
 
-    def restore(self) -> torch.Tensor:
-        flat = self.record.decode()
+    def restore(self, flat: torch.Tensor) -> torch.Tensor:
+        """The saved view, rebuilt from its record's decoded flat region."""
         if self.dense:
             return flat.as_strided(self.size, self.stride)
         out = torch.empty_strided(self.size, self.stride, dtype=flat.dtype, device=flat.device)

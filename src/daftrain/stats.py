@@ -32,6 +32,8 @@ class CompressionStats:
     """Bytes of daftrain's packed records."""
     kept_bytes: int = 0
     """Bytes of the tensors daftrain kept exact (unique storages)."""
+    peak_pending_bytes: int = 0
+    """Asynchronous mode: the most raw bytes waiting for the packer at one time (held until packed)."""
     kept_reasons: Counter[str] = field(default_factory=Counter)
     by_dtype: Counter[str] = field(default_factory=Counter)
     """Pack calls per dtype."""
