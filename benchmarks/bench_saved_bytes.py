@@ -54,6 +54,23 @@ def step(model, loss_fn, ctx) -> int:
     return ctx.saved_bytes if isinstance(ctx, SavedTensorCounter) else ctx.stats.stored_bytes
 
 
+def bytes_only(name: str, bits_list: list[int]) -> dict:
+    """Saved bytes from one forward per configuration (no backward, no timing): the quick figure."""
+    model, loss_fn = CASES[name]()
+    model.train()
+    rows: dict[str, dict] = {}
+    for k, b in {"plain": None, **{f"{b}bit": b for b in bits_list}}.items():
+        ctx = SavedTensorCounter(exclude=model.buffers()) if b is None else daftrain.compress(bits=b, model=model)
+        with ctx:
+            loss_fn()
+        rows[k] = {"saved_bytes": ctx.saved_bytes if b is None else ctx.stats.stored_bytes}
+        print(f"  {name} {k}: {rows[k]['saved_bytes'] / 1e6:.1f} MB", flush=True)
+    for row in rows.values():
+        row.update(saved_ratio_vs_plain=rows["plain"]["saved_bytes"] / row["saved_bytes"],
+                   step_time_median_s=float("nan"), step_time_ratio_vs_plain=float("nan"))
+    return rows
+
+
 def run_case(name: str, repeats: int, bits_list: list[int]) -> dict:
     model, loss_fn = CASES[name]()
     model.train()
@@ -90,13 +107,14 @@ def main() -> None:
     parser.add_argument("--models", default="resnet18,gpt2_small")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bits", default="8,4,2")
+    parser.add_argument("--bytes-only", action="store_true", help="one forward per config, no timing")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "saved_bytes.json"))
     args = parser.parse_args()
     bits_list = [int(b) for b in args.bits.split(",")]
     results, verdicts = {}, {}
     for name in args.models.split(","):
         print(f"{name}:", flush=True)
-        results[name] = run_case(name, args.repeats, bits_list)
+        results[name] = bytes_only(name, bits_list) if args.bytes_only else run_case(name, args.repeats, bits_list)
     print(f"\n{'model':<12} {'config':<7} {'saved MB':>9} {'x less':>7} {'step s':>7} {'x time':>7}")
     for name, rows in results.items():
         for k, row in rows.items():
