@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -15,6 +16,7 @@ import torch
 
 def environment() -> dict[str, Any]:
     import daftrain
+    from daftrain.kernels.registry import kernel_report
 
     return {
         "daftrain": daftrain.__version__,
@@ -22,7 +24,8 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
-        "kernels": daftrain.kernel_report() if hasattr(daftrain, "kernel_report") else "reference",
+        "kernels": kernel_report(),
+        "load_average": list(os.getloadavg()),
     }
 
 

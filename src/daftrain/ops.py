@@ -13,7 +13,7 @@ import torch
 from .kernels import reference
 from .layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
 
-__all__ = ["group_minmax", "pack_bool", "quantize_pack", "unpack_bool", "unpack_dequantize"]
+__all__ = ["ARGUMENT_CHECKS", "group_minmax", "pack_bool", "quantize_pack", "unpack_bool", "unpack_dequantize"]
 
 
 def _check_float(x: torch.Tensor) -> None:
@@ -24,17 +24,34 @@ def _check_float(x: torch.Tensor) -> None:
 
 
 def _check_group(group_size: int) -> None:
+    PackedLayout(8, group_size, 0)  # raises LayoutError (a ValueError) for a bad group size
+
+
+def _check_group_minmax(x: torch.Tensor, group_size: int) -> None:
+    _check_float(x)
+    _check_group(group_size)
+
+
+def _check_quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> None:
+    _check_float(x)
+    PackedLayout(bits, group_size, x.numel())
+
+
+def _check_pack_bool(x: torch.Tensor) -> None:
+    torch._check(x.dtype == torch.bool, lambda: f"pack_bool takes a bool tensor, got {x.dtype}")
+
+
+def _check_unpack_bool(packed: torch.Tensor, numel: int) -> None:
     torch._check(
-        32 <= group_size <= 65536 and group_size % 32 == 0,
-        lambda: f"group_size must be a multiple of 32 in [32, 65536], got {group_size}",
+        numel >= 0 and packed.dtype == torch.uint8 and packed.numel() == bool_nbytes(numel),
+        lambda: f"packed must be uint8 [{bool_nbytes(numel)}], got {packed.dtype} [{packed.numel()}]",
     )
 
 
 @torch.library.custom_op("daftrain::group_minmax", mutates_args=())
 def group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per-group ``[min, max, min positive]`` of flat ``x`` as float32 [num_groups, 3]."""
-    _check_float(x)
-    _check_group(group_size)
+    _check_group_minmax(x, group_size)
     return reference.group_minmax(x, group_size)
 
 
@@ -53,8 +70,7 @@ def quantize_pack(
     Returns ``(codes uint8 [num_groups, group_size*bits/8], lo float32 [num_groups],
     scale bfloat16 [num_groups])`` in the unified layout (``layout.py``).
     """
-    _check_float(x)
-    PackedLayout(bits, group_size, x.numel())
+    _check_quantize_pack(x, bits, group_size, seed)
     return reference.quantize_pack(x, bits, group_size, seed)
 
 
@@ -114,7 +130,7 @@ def _check_unpack(
 @torch.library.custom_op("daftrain::pack_bool", mutates_args=())
 def pack_bool(x: torch.Tensor) -> torch.Tensor:
     """Flat bool tensor -> uint8 [ceil(n/8)], 1 bit per value, LSB first."""
-    torch._check(x.dtype == torch.bool, lambda: f"pack_bool takes a bool tensor, got {x.dtype}")
+    _check_pack_bool(x)
     return reference.pack_bool(x)
 
 
@@ -126,13 +142,23 @@ def _(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("daftrain::unpack_bool", mutates_args=())
 def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of ``pack_bool``."""
-    torch._check(
-        packed.dtype == torch.uint8 and packed.numel() == bool_nbytes(numel),
-        lambda: f"packed must be uint8 [{bool_nbytes(numel)}], got {packed.dtype} [{packed.numel()}]",
-    )
+    _check_unpack_bool(packed, numel)
     return reference.unpack_bool(packed, numel)
 
 
 @unpack_bool.register_fake
 def _(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return packed.new_empty(numel, dtype=torch.bool)
+
+
+# NOTE [ Argument checks run before every kernel ]
+# A kernel registered for a device key replaces the op's Python body above, and the fast kernels
+# trust their sizes (no bounds checks). So the registry (``kernels/registry.py``) calls these same
+# checks, with the op's own arguments, before any fast kernel runs: one definition, every backend.
+ARGUMENT_CHECKS = {
+    "group_minmax": _check_group_minmax,
+    "quantize_pack": _check_quantize_pack,
+    "unpack_dequantize": _check_unpack,
+    "pack_bool": _check_pack_bool,
+    "unpack_bool": _check_unpack_bool,
+}

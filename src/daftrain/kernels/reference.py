@@ -37,15 +37,23 @@ def group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per-group ``[min, max, min over positive values (+inf if none)]`` as float32 [num_groups, 3].
 
     NaN propagates into min and max, so a caller can tell a non-finite group from its stats alone.
+    Zeros follow IEEE 754's total order (-0.0 < +0.0): a group holding both has min -0.0 and max
+    +0.0. PyTorch's ``amin``/``amax`` leave that tie to the lane layout of their vectorised loop, so
+    it is settled explicitly here and every backend returns the same bytes.
     """
     x = x.reshape(-1)
     num_groups = -(-x.numel() // group_size)
     out = torch.empty(num_groups, 3, dtype=torch.float32, device=x.device)
     for g0, g1 in _chunks(num_groups, group_size):
         lo_block = _group_block(x, g0, g1, group_size, _INF)
-        out[g0:g1, 0] = lo_block.amin(dim=1)
+        hi_block = _group_block(x, g0, g1, group_size, -_INF)
+        mn, mx = lo_block.amin(dim=1), hi_block.amax(dim=1)
+        is_zero = lo_block == 0
+        neg_zero = (is_zero & torch.signbit(lo_block)).any(dim=1)
+        pos_zero = (is_zero & ~torch.signbit(lo_block)).any(dim=1)
+        out[g0:g1, 0] = torch.where(mn == 0, torch.where(neg_zero, -0.0, 0.0), mn)
+        out[g0:g1, 1] = torch.where(mx == 0, torch.where(pos_zero, 0.0, -0.0), mx)
         out[g0:g1, 2] = torch.where(lo_block > 0, lo_block, _INF).amin(dim=1)
-        out[g0:g1, 1] = _group_block(x, g0, g1, group_size, -_INF).amax(dim=1)
     return out
 
 

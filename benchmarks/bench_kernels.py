@@ -1,0 +1,252 @@
+"""Throughput of the fast CPU kernels against the reference and against ``copy_`` (the memory limit).
+
+    PYTHONPATH=src python benchmarks/bench_kernels.py [--sizes 16] [--bits 1 2 4 8] [--out PATH]
+
+For each size (millions of values) it measures, as medians over repeats, in one process:
+
+* ``copy_`` of the input into a preallocated tensor of the same size: the physical limit, GB/s of
+  input read (it also writes as many bytes); timed alternately with each fast op (this machine may
+  be shared: a burst of load then slows both), so each row has its own copy figure;
+* ``quantize_pack``: reference and fast (the registered ``daftrain::`` op), GB/s of input read;
+* ``unpack_dequantize``: reference and fast, GB/s of output written (the op allocates its output:
+  first-touch page faults are part of its cost, as for any caller); also the fast kernel decoding
+  into a preallocated output (``cpu.unpack_dequantize_into``), to show what the allocation costs;
+* ``group_minmax`` with each reduction strategy (``per_group``, ``two_level``) and the registered op
+  (whatever the ``ReductionSelector`` calibrated).
+
+and the ratios fast / copy (fraction of the memory bandwidth) and fast / reference (speed-up). The
+targets, printed PASS/FAIL: quantize_pack and unpack_dequantize at 2 and 4 bits reach >= 50 % of the
+copy bandwidth and are >= 15x faster than the reference. Threads: ``torch.get_num_threads()`` (or
+``--threads``); the numba kernels follow it. JSON goes to ``--out`` (default ``benchmarks/results/kernels.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from daftrain import ops  # noqa: E402,F401
+from daftrain.kernels import cpu, reference, registry  # noqa: E402
+
+TARGET_COPY_FRACTION = 0.5
+TARGET_SPEEDUP = 15.0
+TARGET_BITS = (2, 4)
+
+
+_BEST: dict[int, float] = {}  # id(fn) -> best time of its last measurement (reported beside the median)
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    _BEST[id(fn)] = min(times)
+    return statistics.median(times)
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """(median, best) seconds."""
+    med = median_seconds(fn, repeats)
+    return med, _BEST[id(fn)]
+
+
+def paired(copy: Callable[[], Any], fn: Callable[[], Any], repeats: int) -> tuple[float, float, float]:
+    """Medians of ``copy`` and ``fn`` timed alternately (so that a burst of load on this shared
+    machine hits both alike), and the best time of ``fn``."""
+    copy()
+    fn()
+    t_copy, t_fn = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy()
+        t1 = time.perf_counter()
+        fn()
+        t2 = time.perf_counter()
+        t_copy.append(t1 - t0)
+        t_fn.append(t2 - t1)
+    return statistics.median(t_copy), statistics.median(t_fn), min(t_fn)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    status = registry.load_fast_kernels(warmup=True)
+    if status.cpu != "numba":
+        raise SystemExit(f"the numba kernels did not load: {status}")
+    dtype = getattr(torch, args.dtype)
+    threads = torch.get_num_threads()
+    rows: list[dict[str, Any]] = []
+    minmax_rows: list[dict[str, Any]] = []
+    gen = torch.Generator().manual_seed(0)
+    for size_m in args.sizes:
+        numel = int(size_m * (1 << 20))
+        x = torch.randn(numel, generator=gen).to(dtype)
+        nbytes = numel * x.element_size()
+        dst = torch.empty_like(x)
+        t_copy, best_copy = timed(lambda: dst.copy_(x), args.repeats)
+        copy_gbps = gbps(nbytes, t_copy)
+        G = args.group_size
+        for bits in args.bits:
+            t_ref_q = median_seconds(lambda: reference.quantize_pack(x, bits, G, 1), args.ref_repeats)
+            copy_q, t_fast_q, best_q = paired(
+                lambda: dst.copy_(x), lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1), args.repeats
+            )
+            codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, G, 1)
+            t_ref_u = median_seconds(
+                lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype), args.ref_repeats
+            )
+            copy_u, t_fast_u, best_u = paired(
+                lambda: dst.copy_(x),
+                lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype),
+                args.repeats,
+            )
+            # The same kernel into a preallocated output: what the op costs without its allocation.
+            t_into = median_seconds(lambda: cpu.unpack_dequantize_into(dst, codes, lo, scale, bits, G), args.repeats)
+            for op, t_ref, t_fast, best, t_pair_copy in (
+                ("quantize_pack", t_ref_q, t_fast_q, best_q, copy_q),
+                ("unpack_dequantize", t_ref_u, t_fast_u, best_u, copy_u),
+            ):
+                fast_gbps = gbps(nbytes, t_fast)
+                pair_copy_gbps = gbps(nbytes, t_pair_copy)
+                row = {
+                    "op": op,
+                    "size_mvalues": size_m,
+                    "numel": numel,
+                    "dtype": args.dtype,
+                    "bits": bits,
+                    "group_size": G,
+                    "copy_ms": t_pair_copy * 1e3,
+                    "copy_first_ms": t_copy * 1e3,
+                    "copy_first_best_ms": best_copy * 1e3,
+                    "copy_gbps": pair_copy_gbps,
+                    "reference_ms": t_ref * 1e3,
+                    "reference_gbps": gbps(nbytes, t_ref),
+                    "fast_ms": t_fast * 1e3,
+                    "fast_best_ms": best * 1e3,
+                    "fast_gbps": fast_gbps,
+                    "fraction_of_copy": fast_gbps / pair_copy_gbps,
+                    "speedup_vs_reference": t_ref / t_fast,
+                }
+                if op == "unpack_dequantize":
+                    row["fast_prealloc_ms"] = t_into * 1e3
+                    row["fast_prealloc_gbps"] = gbps(nbytes, t_into)
+                    row["prealloc_fraction_of_copy"] = row["fast_prealloc_gbps"] / pair_copy_gbps
+                if bits in TARGET_BITS:
+                    row["pass_copy"] = row["fraction_of_copy"] >= TARGET_COPY_FRACTION
+                    row["pass_speedup"] = row["speedup_vs_reference"] >= TARGET_SPEEDUP
+                rows.append(row)
+        t_ref_mm = median_seconds(lambda: reference.group_minmax(x, G), args.ref_repeats)
+        flat = x.reshape(-1)
+        entry: dict[str, Any] = {
+            "size_mvalues": size_m,
+            "group_size": G,
+            "copy_gbps": copy_gbps,
+            "reference_gbps": gbps(nbytes, t_ref_mm),
+        }
+        for name, fn in cpu.STRATEGIES.items():
+            entry[f"{name}_gbps"] = gbps(nbytes, median_seconds(lambda fn=fn: fn(flat, G), args.repeats))
+        entry["op_gbps"] = gbps(nbytes, median_seconds(lambda: torch.ops.daftrain.group_minmax(x, G), args.repeats))
+        minmax_rows.append(entry)
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": threads,
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        },
+        "kernels": registry.kernel_report(),
+        "targets": {"fraction_of_copy": TARGET_COPY_FRACTION, "speedup": TARGET_SPEEDUP, "bits": list(TARGET_BITS)},
+        "rows": rows,
+        "group_minmax": minmax_rows,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    m = result["machine"]
+    print(f"torch {m['torch']}, {m['torch_threads']} threads, {m['cpu_count']} CPUs, load {m['load_average']}")
+    head = (
+        f"{'op':<18}{'MiV':>5}{'bits':>5}{'copy GB/s':>10}{'ref GB/s':>9}{'fast GB/s':>10}"
+        f"{'fast ms':>9}{'%copy':>7}{'x ref':>7}  target"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in result["rows"]:
+        verdict = ""
+        if "pass_copy" in r:
+            verdict = (
+                f"{'PASS' if r['pass_copy'] else 'FAIL'} >=50% copy, "
+                f"{'PASS' if r['pass_speedup'] else 'FAIL'} >=15x"
+            )
+        print(
+            f"{r['op']:<18}{r['size_mvalues']:>5g}{r['bits']:>5}{r['copy_gbps']:>10.2f}{r['reference_gbps']:>9.2f}"
+            f"{r['fast_gbps']:>10.2f}{r['fast_ms']:>9.2f}{100 * r['fraction_of_copy']:>6.0f}%"
+            f"{r['speedup_vs_reference']:>6.1f}x  {verdict}"
+        )
+    print()
+    for r in result["rows"]:
+        if "fast_prealloc_ms" in r:
+            print(
+                f"unpack_dequantize into a preallocated output, {r['bits']} bits: {r['fast_prealloc_ms']:.2f} ms, "
+                f"{r['fast_prealloc_gbps']:.2f} GB/s = {100 * r['prealloc_fraction_of_copy']:.0f}% of copy, "
+                f"{r['reference_ms'] / r['fast_prealloc_ms']:.1f}x the reference op"
+            )
+    print()
+    strategies = "".join(f"{k:>11}" for k in cpu.STRATEGIES)
+    print(f"{'group_minmax':<18}{'MiV':>5}{'copy':>8}{'ref':>8}{strategies}{'op':>8}  (GB/s)")
+    for e in result["group_minmax"]:
+        print(
+            f"{'':<18}{e['size_mvalues']:>5g}{e['copy_gbps']:>8.2f}{e['reference_gbps']:>8.2f}"
+            + "".join(f"{e[f'{k}_gbps']:>11.2f}" for k in cpu.STRATEGIES)
+            + f"{e['op_gbps']:>8.2f}"
+        )
+    choices = result["kernels"]["reduction"].get("cpu", {}).get("choices", [])
+    for c in choices:
+        print(
+            f"  selector: {c['dtype']}, {c['groups']} groups, {c['group_size']} G -> {c['strategy']} "
+            f"(calibration ms: {c['timings_ms']})"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=float, nargs="+", default=[16.0], help="millions (2**20) of values")
+    p.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--group-size", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--ref-repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first (numba follows)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run(args)
+    print_table(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

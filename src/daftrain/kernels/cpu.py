@@ -1,0 +1,883 @@
+"""Numba CPU kernels for the ``daftrain::`` custom ops, byte-identical to ``kernels/reference.py``.
+
+Layout and arithmetic follow ``layout.py``; every float operation is a float32 operation with one
+rounding (``fastmath=False``: no FMA contraction, no reassociation, denormals kept), and everything
+whose result the reference defines only through x86/PyTorch behaviour is done explicitly on bits:
+
+* **stats** use an integer key per value, ``k = b ^ ((b >> 31) & 0x7fffffff)`` on the float32 bits
+  ``b``, whose signed order is IEEE 754's total order. Min/max of the keys are exact, vectorise as
+  plain integer min/max, and do not depend on the reduction order (so neither on the thread count
+  nor on the reduction strategy, see ``reduction.py``). Any NaN in a group makes its min and max
+  the canonical quiet NaN ``0x7fc00000`` (what PyTorch's CPU ``amin``/``amax`` return). Between
+  ``-0.0`` and ``+0.0`` the total order picks ``-0.0`` for the min and ``+0.0`` for the max; the
+  reference leaves that tie to PyTorch's vectorised reduction (see the report in
+  ``tests/kernels/test_cpu.py::test_signed_zero_tie``). It only shows in the stats of a group
+  whose min or max is a zero of both signs, and in ``lo`` of a group made only of zeros of both signs.
+* **NaN results** of ``group_params`` (``inf - inf`` of an all-``±inf`` group is x86's default NaN
+  ``0xffc00000``, whose sign bit then reads as zero-exact mode) and of decoding are produced from
+  explicit rules that reproduce the reference on x86 (``_params``, ``_decode_special``), not left to
+  whatever NaN payload LLVM's instruction selection would produce.
+* float32 -> float16/bfloat16 conversion of decoded values is done on bits: round to nearest even,
+  float16 NaN keeps sign and top payload bits (x86 F16C, as PyTorch), bfloat16 NaN is ``0xffff``
+  (PyTorch's vectorised conversion).
+* the noise hash is computed in uint32 with wrap-around; ``u`` is exact in float32.
+
+Kernels work on raw bits: float32 input as int32, bfloat16 as int16 and float16 as uint16, each a
+separate numba specialisation (``_load_bits`` dispatches on the element type at compile time).
+
+``quantize_pack`` has two schedules: ``per_group`` (one task per run of whole groups: stats, params,
+codes and packing of a group while it is hot in cache -- the input is read once) and ``two_level``
+(tiles inside groups: partial stats per tile in parallel, a combine per group, then codes per tile in
+parallel -- the input is read twice) for few, huge groups. With fewer than 8 groups per thread the
+``ReductionSelector`` (``reduction.py``) picks between them; with more, ``per_group`` always runs.
+Both produce the same bytes. ``make_kernels(selector)`` returns the five op kernels; ``registry.py``
+registers them for the ``cpu`` device key.
+
+Module state: ``_WORKQUEUE_LOCK`` / ``_layer_checked`` (whether numba runs its non-thread-safe
+workqueue layer, then calls are serialised), ``_madvise`` (libc handle). Nothing else is global.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import types
+from numba.extending import intrinsic, overload
+
+from ..layout import PackedLayout
+from .reduction import ReductionSelector
+
+__all__ = [
+    "PER_GROUP",
+    "STRATEGIES",
+    "TWO_LEVEL",
+    "make_kernels",
+    "minmax_per_group",
+    "minmax_two_level",
+    "pack_bool",
+    "quantize_pack_with",
+    "threads",
+    "unpack_bool",
+    "unpack_dequantize",
+    "unpack_dequantize_into",
+    "warmup",
+]
+
+PER_GROUP = "per_group"
+TWO_LEVEL = "two_level"
+
+_JIT = {"cache": True, "nogil": True, "fastmath": False}
+_PJIT = {"parallel": True, **_JIT}
+
+# float32 bit patterns
+_NAN = 0x7FC00000  # canonical quiet NaN (PyTorch CPU amin/amax of a group with a NaN)
+_DEFAULT_NAN = -0x00400000  # 0xffc00000: x86's default NaN (inf - inf, 0 * inf)
+_INF = 0x7F800000
+_KEY_NEG_INF = -0x7F800001  # key of -inf (0xff800000): any key below it is a negative NaN
+_KEY_POS_INF = 0x7F800000  # key of +inf: any key above it is a positive NaN
+# bfloat16 bit patterns (as int16)
+_BF16_NAN_POS = 0x7FC0
+_BF16_NAN_NEG = -0x0040  # 0xffc0
+_BF16_NEG_ZERO = -0x8000  # 0x8000
+
+# Hot loops index with unsigned integers: numba then skips the negative-index wrap-around, which
+# otherwise turns vector loads into per-lane inserts.
+_U = np.uint64
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit casts and dtype conversions
+# ---------------------------------------------------------------------------------------------
+
+
+@intrinsic
+def f32_bits(typingctx, x):  # type: ignore[no-untyped-def]
+    """float32 -> its int32 bit pattern (a bitcast, no conversion)."""
+    if not (isinstance(x, types.Float) and x.bitwidth == 32):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(x), codegen
+
+
+@intrinsic
+def bits_f32(typingctx, v):  # type: ignore[no-untyped-def]
+    """int32 bit pattern -> float32 (a bitcast; wider integers are truncated to 32 bits first)."""
+    if not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        val = args[0]
+        if v.bitwidth > 32:
+            val = builder.trunc(val, ir.IntType(32))
+        elif v.bitwidth < 32:
+            val = builder.sext(val, ir.IntType(32)) if v.signed else builder.zext(val, ir.IntType(32))
+        return builder.bitcast(val, ir.FloatType())
+
+    return types.float32(v), codegen
+
+
+def _load_bits(v):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload
+    """Raw element (int32 = float32, int16 = bfloat16, uint16 = float16) -> float32 bits (int32)."""
+    raise NotImplementedError
+
+
+@njit(**_JIT)
+def _f16_to_f32_bits(v):  # type: ignore[no-untyped-def]
+    h = np.int32(v)
+    r = np.int32((h & 0x7FFF) << 13)
+    # Rebias the exponent by 2**112 (exact, also for subnormal float16, since float32 is wider).
+    b = f32_bits(bits_f32(r) * np.float32(5.192296858534828e33))
+    if (h & 0x7C00) == 0x7C00:  # inf / NaN: keep the payload
+        b = np.int32(r | _INF)
+    return np.int32(b | ((h & 0x8000) << 16))
+
+
+@overload(_load_bits, jit_options=_JIT)
+def _ov_load_bits(v):  # type: ignore[no-untyped-def]
+    if isinstance(v, types.Integer) and v.bitwidth == 32:
+        return lambda v: np.int32(v)
+    if isinstance(v, types.Integer) and v.bitwidth == 16 and v.signed:  # bfloat16
+        return lambda v: np.int32(np.int32(v) << 16)
+    if isinstance(v, types.Integer) and v.bitwidth == 16 and not v.signed:  # float16
+        return lambda v: _f16_to_f32_bits(v)
+    return None
+
+
+@njit(**_JIT)
+def _f32_to_bf16(b):  # type: ignore[no-untyped-def]
+    """float32 bits -> bfloat16 bits, round to nearest even, NaN -> 0xffff (as PyTorch CPU)."""
+    lsb = np.int32(np.int32(b >> 16) & 1)
+    r = np.int32(np.int32(np.uint32(b) + np.uint32(0x7FFF + lsb)) >> 16)
+    return np.int16(r if np.int32(b & 0x7FFFFFFF) <= _INF else np.int32(-1))
+
+
+@njit(**_JIT)
+def _f32_to_f16(b):  # type: ignore[no-untyped-def]
+    """float32 bits -> float16 bits, round to nearest even; NaN keeps sign and top payload (F16C).
+    Branch-free and in int32 (every case computed, one selected) so that the decode loops vectorise."""
+    sign = np.int32(np.int32(b >> 16) & 0x8000)
+    a = np.int32(b & 0x7FFFFFFF)
+    t = np.int32(a - 0x38000000)  # normal float16: rebias the exponent, round the 13 dropped bits
+    r = np.int32(np.int32(t + np.int32(0xFFF + np.int32(np.int32(t >> 13) & 1))) >> 13)
+    f = bits_f32(a) * np.float32(16777216.0)  # subnormal float16: value * 2**24 < 1024, exact
+    sub = np.int32(f32_bits(f + np.float32(8388608.0)) - 0x4B000000)  # to an integer, ties to even
+    r = r if a >= 0x38800000 else sub
+    r = r if a < 0x477FF000 else np.int32(0x7C00)  # overflow -> inf
+    r = r if a <= _INF else np.int32(0x7E00 | np.int32(np.int32(a >> 13) & 0x3FF))  # NaN
+    return np.uint16(r | sign)
+
+
+def _store_bits(out, i, b):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload
+    """Store float32 bits ``b`` into ``out[i]`` converted to the output dtype (by element type)."""
+    raise NotImplementedError
+
+
+@overload(_store_bits, jit_options=_JIT)
+def _ov_store_bits(out, i, b):  # type: ignore[no-untyped-def]
+    dt = out.dtype
+    if isinstance(dt, types.Integer) and dt.bitwidth == 32:
+
+        def impl(out, i, b):  # type: ignore[no-untyped-def]
+            out[i] = b
+
+        return impl
+    if isinstance(dt, types.Integer) and dt.bitwidth == 16 and dt.signed:
+
+        def impl(out, i, b):  # type: ignore[no-untyped-def]
+            out[i] = _f32_to_bf16(b)
+
+        return impl
+    if isinstance(dt, types.Integer) and dt.bitwidth == 16 and not dt.signed:
+
+        def impl(out, i, b):  # type: ignore[no-untyped-def]
+            out[i] = _f32_to_f16(b)
+
+        return impl
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Stats (per-group min / max / min positive) on order-preserving integer keys
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def _stats_range(xb, a, b):  # type: ignore[no-untyped-def]
+    """(min key, max key, min positive bits) of ``xb[a:b]``; identities for an empty range."""
+    kmin = np.int32(0x7FFFFFFF)
+    kmax = np.int32(-0x80000000)
+    pmin = np.int32(_INF)
+    for i in range(a, b):
+        v = _load_bits(xb[_U(i)])
+        k = np.int32(v ^ ((v >> 31) & 0x7FFFFFFF))
+        kmin = k if k < kmin else kmin
+        kmax = k if k > kmax else kmax
+        # 0 < v <= +inf bits: a positive value (NaN and zeros excluded), as torch.where(x > 0, x, inf).
+        p = v if np.uint32(v - 1) < np.uint32(_INF) else np.int32(_INF)
+        pmin = p if p < pmin else pmin
+    return kmin, kmax, pmin
+
+
+@njit(**_JIT)
+def _keys_to_stats(kmin, kmax, pmin):  # type: ignore[no-untyped-def]
+    """Min-key, max-key, min-positive -> float32 bits (min, max, min positive); NaN -> canonical."""
+    if kmin < _KEY_NEG_INF or kmax > _KEY_POS_INF:
+        return np.int32(_NAN), np.int32(_NAN), np.int32(pmin)
+    mn = np.int32(kmin ^ ((kmin >> 31) & 0x7FFFFFFF))
+    mx = np.int32(kmax ^ ((kmax >> 31) & 0x7FFFFFFF))
+    return mn, mx, np.int32(pmin)
+
+
+@njit(**_JIT)
+def _bf16_round_up(step):  # type: ignore[no-untyped-def]
+    """float32 -> bfloat16 bits rounded up (reference ``_bf16_round_up``, on int64 like it)."""
+    b = np.int64(f32_bits(step))
+    if (b & 0x7FFFFFFF) < _INF:
+        return np.int16((b + 0xFFFF) >> 16)
+    return np.int16(b >> 16)
+
+
+@njit(**_JIT)
+def _params(mn_b, mx_b, mp_b, bits):  # type: ignore[no-untyped-def]
+    """Stats bits -> (lo float32 bits, scale bfloat16 bits), as ``reference.group_params``."""
+    mn = bits_f32(mn_b)
+    mx = bits_f32(mx_b)
+    mp = bits_f32(mp_b)
+    levels = (1 << bits) - 1
+    if mn == 0 and mx > 0:  # zero-exact (no NaN in the group, mn is a zero)
+        if levels >= 2:
+            if mp_b == _INF:  # only +inf positives: (inf - inf) is 0xffc00000; -bf16 NaN gives 0x7fc0
+                return mp_b, np.int16(_BF16_NAN_POS)
+            step = (mx - mp) / np.float32(levels - 1)
+            return mp_b, np.int16(_bf16_round_up(step) | _BF16_NEG_ZERO)
+        lo = (mp + mx) * np.float32(0.5)
+        return f32_bits(lo), np.int16(_BF16_NEG_ZERO)
+    if mn != mn:  # NaN group: lo is the canonical NaN, (NaN - NaN) / L keeps it: bf16 0x7fc0
+        return mn_b, np.int16(_BF16_NAN_POS)
+    if mn_b == mx_b and (mn_b & 0x7FFFFFFF) == _INF:  # all +inf or all -inf: inf - inf = 0xffc00000
+        return mn_b, np.int16(_BF16_NAN_NEG)
+    step = (mx - mn) / np.float32(levels)
+    return mn_b, _bf16_round_up(step)
+
+
+@njit(**_JIT)
+def _scale_step(sb):  # type: ignore[no-untyped-def]
+    """bfloat16 scale bits -> (|scale| as float32, zero-exact flag)."""
+    s = np.int32(sb)
+    return bits_f32(np.int32((s << 16) & 0x7FFFFFFF)), (s & 0x8000) != 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantize: codes of a range of values into a uint8 buffer
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def _noise(i, seed):  # type: ignore[no-untyped-def]
+    """u = (fmix32((i mod 2**32) ^ seed) >> 8) * 2**-24 as float32 (exact)."""
+    h = np.uint32(np.uint32(i) ^ seed)
+    h = np.uint32(h ^ (h >> np.uint32(16)))
+    h = np.uint32(h * np.uint32(0x85EBCA6B))
+    h = np.uint32(h ^ (h >> np.uint32(13)))
+    h = np.uint32(h * np.uint32(0xC2B2AE35))
+    h = np.uint32(h ^ (h >> np.uint32(16)))
+    return np.float32(np.int32(h >> np.uint32(8))) * np.float32(5.9604644775390625e-08)
+
+
+@njit(**_JIT)
+def _codes_range(xb, a, b, lo_b, sb, bits, seed, dst):  # type: ignore[no-untyped-def]
+    """Codes (int32) of values ``a:b`` (global flat indices) into ``dst[0:b - a]``."""
+    lo = bits_f32(lo_b)
+    step, zero_exact = _scale_step(sb)
+    inv = np.float32(1.0) / step if step > 0 else np.float32(0.0)
+    levels = np.float32((1 << bits) - 1)
+    if zero_exact:
+        top = levels - np.float32(1.0)
+        for i in range(a, b):
+            x = bits_f32(_load_bits(xb[_U(i)]))
+            r = np.floor((x - lo) * inv + _noise(i, seed))
+            c = top if top < r else r  # (x86 minps/maxps shapes: NaN stays NaN here ...
+            c = c if c > 0 else np.float32(0.0)  # ... and becomes 0 here)
+            dst[_U(i - a)] = np.int32(0) if ((x == 0) | (r != r)) else np.int32(c) + np.int32(1)
+    else:
+        for i in range(a, b):
+            x = bits_f32(_load_bits(xb[_U(i)]))
+            r = np.floor((x - lo) * inv + _noise(i, seed))
+            c = levels if levels < r else r  # clamp to [0, L]; NaN stays NaN here ...
+            c = c if c > 0 else np.float32(0.0)  # ... and becomes 0 here, as PyTorch's float -> uint8
+            dst[_U(i - a)] = np.int32(c)
+
+
+@njit(**_JIT)
+def _pack_words(src, count, bits, out, w0):  # type: ignore[no-untyped-def]
+    """Pack ``count`` int32 codes (a multiple of 8) into words of 8 codes (``out``'s dtype has
+    ``8 * bits`` bits) from ``out[w0]``: code ``s`` of a word at bits ``bits * s``, LSB first."""
+    for k in range(count // 8):
+        j = _U(8 * k)
+        w0_ = src[j] | (src[j + _U(1)] << bits)
+        w1_ = src[j + _U(2)] | (src[j + _U(3)] << bits)
+        w2_ = src[j + _U(4)] | (src[j + _U(5)] << bits)
+        w3_ = src[j + _U(6)] | (src[j + _U(7)] << bits)
+        w0_ = w0_ | (w1_ << (2 * bits))
+        w2_ = w2_ | (w3_ << (2 * bits))
+        out[_U(w0 + k)] = w0_ | (w2_ << (4 * bits))
+
+
+@njit(**_JIT)
+def _word_views(codes):  # type: ignore[no-untyped-def]
+    """uint16 / uint32 / uint64 views of the flat uint8 ``codes`` (made once per task, not per group)."""
+    n = codes.shape[0]
+    return codes[: n - n % 2].view(np.uint16), codes[: n - n % 4].view(np.uint32), codes[: n - n % 8].view(np.uint64)
+
+
+@njit(**_JIT)
+def _quantize_span(  # type: ignore[no-untyped-def]
+    xb, n, a, stop, lo_b, sb, bits, seed, scratch, codes, c16, c32, o0
+):
+    """Codes of the values ``a:stop`` (``stop - a`` a multiple of 32, values past ``n`` padding)
+    packed into the flat uint8 ``codes`` (``c16``, ``c32``: its word views) from byte ``o0``."""
+    b = max(a, min(n, stop))
+    count = stop - a
+    _codes_range(xb, a, b, lo_b, sb, bits, seed, scratch)
+    for k in range(b - a, count):
+        scratch[_U(k)] = 0
+    if bits == 1:
+        _pack_words(scratch, count, 1, codes, o0)
+    elif bits == 2:
+        _pack_words(scratch, count, 2, c16, o0 // 2)
+    elif bits == 4:
+        _pack_words(scratch, count, 4, c32, o0 // 4)
+    else:
+        for k in range(count):
+            codes[_U(o0 + k)] = np.uint8(scratch[_U(k)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(**_PJIT)
+def _minmax_per_group(xb, n, group_size, out, nchunks):  # type: ignore[no-untyped-def]
+    """Strategy ``per_group``: stats of whole groups, parallel over runs of groups. out int32 [ng, 3]."""
+    ng = out.shape[0]
+    per = (ng + nchunks - 1) // nchunks
+    for ci in prange(nchunks):
+        for g in range(ci * per, min(ng, (ci + 1) * per)):
+            a = g * group_size
+            kmin, kmax, pmin = _stats_range(xb, a, min(n, a + group_size))
+            mn, mx, mp = _keys_to_stats(kmin, kmax, pmin)
+            out[g, 0] = mn
+            out[g, 1] = mx
+            out[g, 2] = mp
+
+
+@njit(**_PJIT)
+def _minmax_two_level(xb, n, group_size, tile, out):  # type: ignore[no-untyped-def]
+    """Strategy ``two_level``: partial stats per tile of ``tile`` values inside the groups, in parallel,
+    then one exact combine per group. out int32 [ng, 3]."""
+    ng = out.shape[0]
+    tpg = (group_size + tile - 1) // tile
+    nt = ng * tpg
+    part = np.empty((nt, 3), np.int32)
+    for t in prange(nt):
+        g = t // tpg
+        a = g * group_size + (t % tpg) * tile
+        stop = min(min(n, (g + 1) * group_size), a + tile)
+        kmin, kmax, pmin = _stats_range(xb, a, max(a, stop))
+        part[t, 0] = kmin
+        part[t, 1] = kmax
+        part[t, 2] = pmin
+    for g in prange(ng):
+        kmin = part[g * tpg, 0]
+        kmax = part[g * tpg, 1]
+        pmin = part[g * tpg, 2]
+        for t in range(g * tpg + 1, (g + 1) * tpg):
+            kmin = min(kmin, part[t, 0])
+            kmax = max(kmax, part[t, 1])
+            pmin = min(pmin, part[t, 2])
+        mn, mx, mp = _keys_to_stats(kmin, kmax, pmin)
+        out[g, 0] = mn
+        out[g, 1] = mx
+        out[g, 2] = mp
+
+
+@njit(**_PJIT)
+def _quantize_per_group(  # type: ignore[no-untyped-def]
+    xb, n, group_size, bits, seed, codes, lo_out, scale_out, nchunks
+):
+    """Fused: stats, params, codes and packing of each group in one visit, parallel over runs of groups."""
+    ng = lo_out.shape[0]
+    nbytes = group_size * bits // 8
+    per = (ng + nchunks - 1) // nchunks
+    for ci in prange(nchunks):
+        scratch = np.empty(group_size, np.int32)
+        c16, c32, _ = _word_views(codes)
+        for g in range(ci * per, min(ng, (ci + 1) * per)):
+            a = g * group_size
+            kmin, kmax, pmin = _stats_range(xb, a, min(n, a + group_size))
+            mn, mx, mp = _keys_to_stats(kmin, kmax, pmin)
+            lo_b, sb = _params(mn, mx, mp, bits)
+            lo_out[g] = lo_b
+            scale_out[g] = sb
+            _quantize_span(xb, n, a, a + group_size, lo_b, sb, bits, seed, scratch, codes, c16, c32, g * nbytes)
+
+
+@njit(**_JIT)
+def _params_all(stats, bits, lo_out, scale_out):  # type: ignore[no-untyped-def]
+    for g in range(stats.shape[0]):
+        lo_b, sb = _params(stats[g, 0], stats[g, 1], stats[g, 2], bits)
+        lo_out[g] = lo_b
+        scale_out[g] = sb
+
+
+@njit(**_PJIT)
+def _quantize_tiles(xb, n, group_size, bits, seed, tile, lo_b, scale_b, codes):  # type: ignore[no-untyped-def]
+    """Codes of tiles of ``tile`` values (a multiple of 32) inside groups whose params are known."""
+    ng = lo_b.shape[0]
+    tpg = (group_size + tile - 1) // tile
+    nbytes = group_size * bits // 8
+    for t in prange(ng * tpg):
+        g = t // tpg
+        off = (t % tpg) * tile
+        a = g * group_size + off
+        stop = min((g + 1) * group_size, a + tile)
+        scratch = np.empty(stop - a, np.int32)
+        c16, c32, _ = _word_views(codes)
+        o0 = g * nbytes + off * bits // 8
+        _quantize_span(xb, n, a, stop, lo_b[g], scale_b[g], bits, seed, scratch, codes, c16, c32, o0)
+
+
+@njit(**_JIT)
+def _decode_special(c, lo, step, zero_exact):  # type: ignore[no-untyped-def]
+    """Decode one code of a group with a non-finite lo or step, with the reference's NaN on x86:
+    a NaN operand propagates (quieted; the second one if both are NaN), an invalid operation
+    (0 * inf, inf - inf) gives the default NaN 0xffc00000."""
+    if zero_exact and c == 0:
+        return np.int32(0)
+    k = np.float32(c) - (np.float32(1.0) if zero_exact else np.float32(0.0))
+    if step != step:
+        prod_b = np.int32(f32_bits(step) | 0x00400000)
+    elif k == 0 and (f32_bits(step) & 0x7FFFFFFF) == _INF:
+        prod_b = np.int32(_DEFAULT_NAN)
+    else:
+        prod_b = f32_bits(k * step)
+    prod = bits_f32(prod_b)
+    if prod != prod:
+        return prod_b
+    if lo != lo:
+        return np.int32(f32_bits(lo) | 0x00400000)
+    lo_b = f32_bits(lo)
+    if (lo_b & 0x7FFFFFFF) == _INF and (prod_b & 0x7FFFFFFF) == _INF and lo_b != prod_b:
+        return np.int32(_DEFAULT_NAN)
+    return f32_bits(lo + prod)
+
+
+@njit(**_JIT)
+def _decode_words(words, w0, nwords, bits, lo, step, zero_exact, out, o0):  # type: ignore[no-untyped-def]
+    """Decode ``nwords`` words of 8 codes each (``words``' dtype has ``8 * bits`` bits) of a group
+    with finite lo and step into ``out[o0:o0 + 8 * nwords]``."""
+    mask = (1 << bits) - 1
+    if zero_exact:
+        for k in range(nwords):
+            w = words[_U(w0 + k)]
+            for s in range(8):
+                c = np.int32((w >> (bits * s)) & mask)
+                v = lo + np.float32(c - 1) * step
+                _store_bits(out, _U(o0 + 8 * k + s), np.int32(0) if c == 0 else f32_bits(v))
+    else:
+        for k in range(nwords):
+            w = words[_U(w0 + k)]
+            for s in range(8):
+                c = np.int32((w >> (bits * s)) & mask)
+                v = lo + np.float32(c) * step
+                _store_bits(out, _U(o0 + 8 * k + s), f32_bits(v))
+
+
+@njit(**_JIT)
+def _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b, sb, out, o0):  # type: ignore[no-untyped-def]
+    """Decode ``count`` values of one group (codes from byte ``c0``; ``c16``/``c32``/``c64``: word
+    views of ``codes``) into ``out[o0:o0 + count]``."""
+    lo = bits_f32(lo_b)
+    step, zero_exact = _scale_step(sb)
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    full = 0
+    if np.isfinite(lo) and np.isfinite(step):
+        full = count // 8
+        if bits == 1:
+            _decode_words(codes, c0, full, 1, lo, step, zero_exact, out, o0)
+        elif bits == 2:
+            _decode_words(c16, c0 // 2, full, 2, lo, step, zero_exact, out, o0)
+        elif bits == 4:
+            _decode_words(c32, c0 // 4, full, 4, lo, step, zero_exact, out, o0)
+        else:
+            _decode_words(c64, c0 // 8, full, 8, lo, step, zero_exact, out, o0)
+        full *= 8
+    for j in range(full, count):
+        c = (codes[_U(c0 + j // per)] >> ((j % per) * bits)) & mask
+        _store_bits(out, _U(o0 + j), _decode_special(c, lo, step, zero_exact))
+
+
+@njit(**_PJIT)
+def _dequantize(codes, lo_b, scale_b, bits, group_size, n, out, nchunks):  # type: ignore[no-untyped-def]
+    """Decode all groups, parallel over runs of groups (or over tiles of a few huge groups)."""
+    ng = lo_b.shape[0]
+    nbytes = group_size * bits // 8
+    # Split groups into tiles of whole bytes when there are fewer groups than tasks.
+    tpg = max(1, min(nchunks // max(ng, 1), group_size // 4096))
+    tile = (group_size // tpg + 31) // 32 * 32
+    tpg = (group_size + tile - 1) // tile
+    nt = ng * tpg
+    per = (nt + nchunks - 1) // nchunks
+    for ci in prange(nchunks):
+        c16, c32, c64 = _word_views(codes)
+        for t in range(ci * per, min(nt, (ci + 1) * per)):
+            g = t // tpg
+            off = (t % tpg) * tile
+            a = g * group_size + off
+            count = min(min(n, (g + 1) * group_size), a + tile) - a
+            if count > 0:
+                c0 = g * nbytes + off * bits // 8
+                _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b[g], scale_b[g], out, a)
+
+
+@njit(**_PJIT)
+def _pack_bool(x, out, nchunks):  # type: ignore[no-untyped-def]
+    n = x.shape[0]
+    nb = out.shape[0]
+    per = (nb + nchunks - 1) // nchunks
+    for ci in prange(nchunks):
+        k0 = ci * per
+        k1 = min(nb, k0 + per)
+        kfull = min(k1, n // 8)
+        for k in range(k0, kfull):
+            j = 8 * k
+            out[k] = np.uint8(
+                (x[j] != 0)
+                | ((x[j + 1] != 0) << 1)
+                | ((x[j + 2] != 0) << 2)
+                | ((x[j + 3] != 0) << 3)
+                | ((x[j + 4] != 0) << 4)
+                | ((x[j + 5] != 0) << 5)
+                | ((x[j + 6] != 0) << 6)
+                | ((x[j + 7] != 0) << 7)
+            )
+        for k in range(max(k0, kfull), k1):
+            acc = 0
+            for s in range(8):
+                j = 8 * k + s
+                if j < n and x[j] != 0:
+                    acc |= 1 << s
+            out[k] = np.uint8(acc)
+
+
+@njit(**_PJIT)
+def _unpack_bool(packed, out, nchunks):  # type: ignore[no-untyped-def]
+    n = out.shape[0]
+    nb = packed.shape[0]
+    per = (nb + nchunks - 1) // nchunks
+    for ci in prange(nchunks):
+        k0 = ci * per
+        k1 = min(nb, k0 + per)
+        kfull = min(k1, n // 8)
+        for k in range(k0, kfull):
+            byte = packed[k]
+            for s in range(8):
+                out[8 * k + s] = (byte >> s) & 1
+        for k in range(max(k0, kfull), k1):
+            byte = packed[k]
+            for s in range(8):
+                j = 8 * k + s
+                if j < n:
+                    out[j] = (byte >> s) & 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Python wrappers (the registered kernels)
+# ---------------------------------------------------------------------------------------------
+
+# The workqueue threading layer aborts the process when two Python threads run parallel kernels
+# at once; the tbb and omp layers are thread-safe. Calls are serialised only under workqueue.
+_WORKQUEUE_LOCK = threading.Lock()
+_layer_checked: list[bool] = []
+
+
+def threads() -> int:
+    """Threads the kernels use: PyTorch's intra-op thread count, capped by numba's pool."""
+    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
+def _sync_threads() -> int:
+    n = threads()
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+def _chunks(units: int, nthreads: int) -> int:
+    return max(1, min(units, 4 * nthreads))
+
+
+class _Guard:
+    """Context manager around a parallel numba call: thread count, workqueue serialisation, and
+    PyTorch's thread count kept as it was -- starting numba's OpenMP pool (first parallel call) calls
+    ``omp_set_num_threads`` in the process's libgomp, which resets ``torch.get_num_threads()``."""
+
+    def __enter__(self) -> int:
+        self._locked = False
+        if _layer_checked and _layer_checked[0]:
+            _WORKQUEUE_LOCK.acquire()
+            self._locked = True
+        self._torch_threads = torch.get_num_threads()
+        return _sync_threads()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._locked:
+            _WORKQUEUE_LOCK.release()
+        if torch.get_num_threads() != self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
+        if not _layer_checked:
+            try:
+                _layer_checked.append(numba.threading_layer() == "workqueue")
+            except ValueError:  # no parallel region has run yet
+                pass
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_madvise = _load_madvise()
+
+
+def _empty(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty`` whose pages (when large) are hinted as transparent huge pages before first touch.
+
+    A fresh multi-MB output is a fresh mmap: with 4 KiB pages, faulting it in costs more than the
+    kernel that fills it (in a VM ~3 ms per 16 MiB). ``MADV_HUGEPAGE`` (what PyTorch does under
+    ``THP_MEM_ALLOC_ENABLE=1``) cuts that to a fraction; it is only a hint, failures are ignored.
+    """
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if _madvise is not None and nbytes >= 2 * _HUGE_PAGE:
+        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        stop = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        if stop > start:
+            _madvise(start, stop - start, _MADV_HUGEPAGE)
+    return out
+
+
+def _raw(x: torch.Tensor) -> np.ndarray:
+    """Flat contiguous float tensor -> numpy view of its raw bits (int32 / int16 bf16 / uint16 f16)."""
+    if x.dtype == torch.float32:
+        return x.view(torch.int32).numpy()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy()
+    if x.dtype == torch.float16:
+        return x.view(torch.int16).numpy().view(np.uint16)
+    raise TypeError(f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}")
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1).contiguous()
+
+
+def _tile(group_size: int, num_groups: int, nthreads: int) -> int:
+    """Tile length (a multiple of 32 dividing the work into about 4 tiles per thread)."""
+    want = max(1, -(-4 * nthreads // max(num_groups, 1)))
+    tile = -(-group_size // want)
+    tile = max(1024, -(-tile // 32) * 32)
+    return min(group_size, tile)
+
+
+def minmax_per_group(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``group_minmax`` with the ``per_group`` strategy."""
+    x = _flat(x)
+    PackedLayout(8, group_size, x.numel())
+    n = x.numel()
+    ng = -(-n // group_size)
+    out = torch.empty(ng, 3, dtype=torch.float32)
+    if ng:
+        with _Guard() as nt:
+            _minmax_per_group(_raw(x), n, group_size, out.view(torch.int32).numpy(), _chunks(ng, nt))
+    return out
+
+
+def minmax_two_level(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``group_minmax`` with the ``two_level`` strategy."""
+    x = _flat(x)
+    PackedLayout(8, group_size, x.numel())
+    n = x.numel()
+    ng = -(-n // group_size)
+    out = torch.empty(ng, 3, dtype=torch.float32)
+    if ng:
+        with _Guard() as nt:
+            tile = _tile(group_size, ng, nt)
+            _minmax_two_level(_raw(x), n, group_size, tile, out.view(torch.int32).numpy())
+    return out
+
+
+STRATEGIES = {PER_GROUP: minmax_per_group, TWO_LEVEL: minmax_two_level}
+
+
+def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
+    """The five op kernels, ``group_minmax`` / ``quantize_pack`` scheduled by ``selector``."""
+
+    def group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
+        flat = _flat(x)
+        strategy = selector.choose(flat.numel(), group_size, flat.dtype)
+        return STRATEGIES[strategy](flat, group_size)
+
+    def quantize_pack(
+        x: torch.Tensor, bits: int, group_size: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        flat = _flat(x)
+        n = flat.numel()
+        PackedLayout(bits, group_size, n)  # the kernels trust these sizes
+        ng = -(-n // group_size)
+        nbytes = group_size * bits // 8
+        codes = _empty((ng, nbytes), torch.uint8)
+        lo = torch.empty(ng, dtype=torch.float32)
+        scale = torch.empty(ng, dtype=torch.bfloat16)
+        if ng == 0:
+            return codes, lo, scale
+        seed32 = np.uint32(seed & 0xFFFFFFFF)
+        xb = _raw(flat)
+        lo_np = lo.view(torch.int32).numpy()
+        sc_np = scale.view(torch.int16).numpy()
+        codes_np = codes.view(-1).numpy()
+        # The tiled schedule reads the input twice (stats, then codes); it only pays where the fused
+        # one cannot keep the threads busy: few groups per thread. There the selector decides.
+        strategy = PER_GROUP if ng >= 8 * threads() else selector.choose(n, group_size, flat.dtype)
+        if strategy == TWO_LEVEL:
+            stats = minmax_two_level(flat, group_size)
+            with _Guard() as nt:
+                _params_all(stats.view(torch.int32).numpy(), bits, lo_np, sc_np)
+                tile = _tile(group_size, ng, nt)
+                _quantize_tiles(xb, n, group_size, bits, seed32, tile, lo_np, sc_np, codes_np)
+        else:
+            with _Guard() as nt:
+                _quantize_per_group(xb, n, group_size, bits, seed32, codes_np, lo_np, sc_np, _chunks(ng, nt))
+        return codes, lo, scale
+
+    return {
+        "group_minmax": group_minmax,
+        "quantize_pack": quantize_pack,
+        "unpack_dequantize": unpack_dequantize,
+        "pack_bool": pack_bool,
+        "unpack_bool": unpack_bool,
+    }
+
+
+def unpack_dequantize(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    out = _empty(numel, dtype)
+    return unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+
+
+def unpack_dequantize_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """Decode into a preallocated contiguous 1-D ``out`` (its dtype and numel say what to decode)."""
+    numel = out.numel()
+    layout = PackedLayout(bits, group_size, numel)  # the kernel trusts these sizes: check them
+    if not (out.is_contiguous() and out.dim() == 1 and out.device.type == "cpu"):
+        raise ValueError("out must be a contiguous 1-D CPU tensor")
+    if (
+        codes.dtype != torch.uint8
+        or codes.numel() != layout.codes_nbytes
+        or lo.dtype != torch.float32
+        or lo.numel() != layout.num_groups
+        or scale.dtype != torch.bfloat16
+        or scale.numel() != layout.num_groups
+    ):
+        raise ValueError(
+            f"codes/lo/scale do not match {layout}: got {codes.dtype} [{codes.numel()}], "
+            f"{lo.dtype} [{lo.numel()}], {scale.dtype} [{scale.numel()}]"
+        )
+    if numel == 0 or lo.numel() == 0:
+        return out
+    codes_np = codes.detach().contiguous().view(-1).numpy()
+    lo_np = lo.detach().contiguous().view(torch.int32).numpy()
+    sc_np = scale.detach().contiguous().view(torch.int16).numpy()
+    if out.dtype == torch.float32:
+        out_np = out.view(torch.int32).numpy()
+    elif out.dtype == torch.bfloat16:
+        out_np = out.view(torch.int16).numpy()
+    elif out.dtype == torch.float16:
+        out_np = out.view(torch.int16).numpy().view(np.uint16)
+    else:
+        raise TypeError(f"cannot dequantize to {out.dtype}")
+    with _Guard() as nt:
+        _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt)
+    return out
+
+
+def pack_bool(x: torch.Tensor) -> torch.Tensor:
+    flat = _flat(x)
+    n = flat.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    if n:
+        with _Guard() as nt:
+            _pack_bool(flat.view(torch.uint8).numpy(), out.numpy(), _chunks(out.numel() // 4096 + 1, nt))
+    return out
+
+
+def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    out = _empty(numel, torch.bool)
+    if numel:
+        p = packed.detach().contiguous().view(-1)
+        with _Guard() as nt:
+            _unpack_bool(p.numpy(), out.view(torch.uint8).numpy(), _chunks(p.numel() // 4096 + 1, nt))
+    return out
+
+
+def quantize_pack_with(
+    strategy: str, x: torch.Tensor, bits: int, group_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_pack`` with a forced schedule (``per_group`` / ``two_level``), for tests and benchmarks."""
+    forced = ReductionSelector("cpu", STRATEGIES, forced=strategy)
+    return make_kernels(forced)["quantize_pack"](x, bits, group_size, seed)
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) the float32 specialisations of every kernel."""
+    x = torch.linspace(-1, 1, 100)
+    for strategy in STRATEGIES:
+        c, lo, s = quantize_pack_with(strategy, x, 2, 32, 0)
+        STRATEGIES[strategy](x, 32)
+    unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32)
+    unpack_bool(pack_bool(x > 0), 100)
