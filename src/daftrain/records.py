@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
 from .layout import PackedLayout
+
+if TYPE_CHECKING:
+    from .pool import PagePool, PooledRecord
 
 
 class QuantizedRecord:
@@ -62,7 +66,79 @@ class ExactRecord:
         return self.flat
 
 
-Record = QuantizedRecord | BoolRecord | ExactRecord
+class PagedQuantizedRecord:
+    """A quantized record whose ``(codes, lo, scale)`` live in a ``PagePool``'s pages.
+
+    The pool may demote it to fewer bits (``demote_payload``) or spill it to a file when memory is
+    tight; the bit-width is read back from the stored codes' shape, so decoding always matches what
+    the pool holds. Its pages return to the pool when the record is freed (``PooledRecord.__del__``).
+    """
+
+    __slots__ = ("__weakref__", "dtype", "group_size", "numel", "pooled")
+
+    def __init__(self, pooled: PooledRecord, group_size: int, numel: int, dtype: torch.dtype) -> None:
+        self.pooled, self.group_size, self.numel, self.dtype = pooled, group_size, numel, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.pooled.nbytes
+
+    def decode(self) -> torch.Tensor:
+        with self.pooled.borrow() as (codes, lo, scale):
+            bits = codes.shape[1] * 8 // self.group_size
+            return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, self.group_size, self.numel, self.dtype)
+
+
+class PagedBoolRecord:
+    """A bool record whose packed bits live in a ``PagePool``'s pages (never demoted: it is exact)."""
+
+    __slots__ = ("__weakref__", "numel", "pooled")
+
+    def __init__(self, pooled: PooledRecord, numel: int) -> None:
+        self.pooled, self.numel = pooled, numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.pooled.nbytes
+
+    def decode(self) -> torch.Tensor:
+        with self.pooled.borrow() as (packed,):
+            return torch.ops.daftrain.unpack_bool(packed, self.numel)
+
+
+Record = QuantizedRecord | BoolRecord | ExactRecord | PagedQuantizedRecord | PagedBoolRecord
+
+
+def demote_payload(
+    payload: tuple[torch.Tensor, ...], *, group_size: int, numel: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(codes, lo, scale)`` at ``bits`` -> the same values re-quantized at ``bits // 2``, or ``None``
+    at 1 bit. Decoding is exact and re-quantizing rounds stochastically again, so a demoted record
+    is still an unbiased estimate of the activation, with the variance of both roundings."""
+    codes, lo, scale = payload
+    bits = codes.shape[1] * 8 // group_size
+    if bits <= 1:
+        return None
+    values = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, torch.float32)
+    new = torch.ops.daftrain.quantize_pack(values, bits // 2, group_size, seed ^ (0x9E3779B9 * bits))
+    if not bool(torch.isfinite(new[1]).all() and torch.isfinite(new[2]).all()):
+        return None
+    return new
+
+
+def into_pool(record: Record, pool: PagePool, importance: float, seed: int) -> Record:
+    """Move a freshly packed record's bytes into ``pool`` (exact records stay where they are)."""
+    if isinstance(record, QuantizedRecord):
+        ly = record.layout
+
+        def demote(payload: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+            return demote_payload(payload, group_size=ly.group_size, numel=ly.numel, seed=seed)
+
+        pooled = pool.store((record.codes, record.lo, record.scale), importance, demote=demote)
+        return PagedQuantizedRecord(pooled, ly.group_size, ly.numel, record.dtype)
+    if isinstance(record, BoolRecord):
+        return PagedBoolRecord(pool.store((record.packed,), importance), record.numel)
+    return record
 
 
 def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int) -> Record:

@@ -1,0 +1,137 @@
+"""Pool step policies under a byte budget: DAF's fixed 100 MB step vs the adaptive step.
+
+The drifting workload of ``bench_pool_fragmentation.py`` (log-normal record sizes whose median moves
+every ``--phase-steps`` steps: 1, 2, 0.5, 1 MiB) runs against a ``PagePool`` with ``--budget-mib``
+of budget, small enough that the 2 MiB phase does not fit. Record ``i`` of a step gets importance
+``i / records`` (the last saved is needed first by backward, so it matters most); 4-bit records carry
+a demote callback. Backward loads every record in reverse order (``load(page_in=False)``: a spilled
+record is read from its file, not paged back in, since it is released right after), releases it, then
+``end_step``.
+
+The demote callback is *synthetic*: it keeps the first half of each group's code bytes (exactly the
+size a 4 -> 2-bit re-quantization produces, without its cost: the policies are compared on memory,
+not on kernel time; ``tests/test_pool.py`` demotes with the real kernels).
+
+Policies: ``fixed-100MiB`` = ``FixedStep(100 * 2**20)``, ``adaptive`` = ``AdaptiveStep()`` (defaults),
+``adaptive-dev1`` = ``AdaptiveStep(deviations=1)`` (less headroom, more growth events).
+
+Reported per policy: demotions, spills, page-ins, grow / shrink events, peak and mean reserved bytes,
+mean payload / reserved at each step's peak, time per step.
+
+    python benchmarks/bench_pool_step_policy.py [--steps 1000] [--budget-mib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_pool_fragmentation import MIB, make_source, payload, workload  # noqa: E402
+from common import write_json  # noqa: E402
+
+from daftrain.memory import format_bytes  # noqa: E402
+from daftrain.pool import AdaptiveStep, FixedStep, PagePool, PoolConfig  # noqa: E402
+
+POLICIES = {
+    "fixed-100MiB": lambda: FixedStep(100 * MIB),
+    "adaptive": lambda: AdaptiveStep(),
+    "adaptive-dev1": lambda: AdaptiveStep(deviations=1.0),
+}
+
+
+def halve_codes(pl: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    """Synthetic 4 -> 2-bit demotion: same lo/scale, half the code bytes per group."""
+    lo, scale, codes = pl
+    if codes.shape[1] * 8 // 256 <= 2:
+        return None
+    return (lo, scale, codes[:, : codes.shape[1] // 2].contiguous())
+
+
+def run_policy(name: str, args: argparse.Namespace, sizes, bits, source) -> dict:
+    with tempfile.TemporaryDirectory(prefix="pool-bench-") as spill_dir:
+        cfg = PoolConfig(page_size=args.page_size, budget_bytes=args.budget_mib * MIB,
+                         step=POLICIES[name](), spill_dir=spill_dir)
+        pool = PagePool(cfg)
+        times, reserved, effs = [], [], []
+        start = time.perf_counter()
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            recs = []
+            for i in range(args.records):
+                pl = payload(source, sizes[step, i], bits[step, i], step * 131 + i)
+                demote = halve_codes if bits[step, i] == 4 else None
+                recs.append(pool.store(pl, importance=i / args.records, demote=demote))
+            s = pool.stats()
+            effs.append(s.payload_bytes / s.reserved_bytes if s.reserved_bytes else 1.0)
+            reserved.append(s.reserved_bytes)
+            for r in reversed(recs):
+                r.load(page_in=False)  # backward's last use: read spilled records from their files
+                r.release()
+            del recs
+            pool.end_step()
+            times.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - start
+        s = pool.stats()
+        pool.close()
+    return {
+        "demotions": s.demotions, "spills": s.spills, "page_ins": s.page_ins,
+        "grow_events": s.grow_events, "shrink_events": s.shrink_events,
+        "peak_reserved_bytes": s.peak_reserved_bytes, "peak_used_bytes": s.peak_used_bytes,
+        "mean_reserved_at_peak_bytes": statistics.fmean(reserved),
+        "efficiency_mean": statistics.fmean(effs),
+        "step_ms_median": 1e3 * statistics.median(times), "step_ms_mean": 1e3 * statistics.fmean(times),
+        "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--records", type=int, default=24)
+    p.add_argument("--phase-steps", type=int, default=250)
+    p.add_argument("--sigma", type=float, default=0.75)
+    p.add_argument("--workload", choices=("iid", "layered"), default="iid")
+    p.add_argument("--budget-mib", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=64 << 10)
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of: " + ", ".join(POLICIES))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/pool_step_policy.json")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        p.error(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    torch.set_num_threads(args.threads)
+    sizes, bits = workload(args.steps, args.records, args.phase_steps, args.sigma, args.seed, kind=args.workload)
+    source = make_source(args.seed)
+    demand = sizes.sum(axis=1)
+    print(f"\n{args.workload} workload, {args.steps} steps x {args.records} records, budget {args.budget_mib} MiB, "
+          f"payload/step mean {format_bytes(demand.mean())}, max {format_bytes(demand.max())}")
+    results = {name: run_policy(name, args, sizes, bits, source) for name in names}
+    cols = [
+        ("demotions", lambda r: str(r["demotions"])),
+        ("spills", lambda r: str(r["spills"])),
+        ("page-ins", lambda r: str(r["page_ins"])),
+        ("grow/shrink", lambda r: f"{r['grow_events']}/{r['shrink_events']}"),
+        ("peak reserved", lambda r: format_bytes(r["peak_reserved_bytes"])),
+        ("mean reserved", lambda r: format_bytes(r["mean_reserved_at_peak_bytes"])),
+        ("payload/reserved", lambda r: f"{r['efficiency_mean']:.1%}"),
+        ("ms/step med", lambda r: f"{r['step_ms_median']:.1f}"),
+    ]
+    w = max(len(n) for n in names)
+    print(f"{'policy':{w}}  " + "  ".join(f"{c:>16}" for c, _ in cols))
+    for name, r in results.items():
+        print(f"{name:{w}}  " + "  ".join(f"{f(r):>16}" for _, f in cols))
+    write_json(args.out, {"args": vars(args), "results": results})
+
+
+if __name__ == "__main__":
+    main()
