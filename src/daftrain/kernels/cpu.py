@@ -33,13 +33,15 @@ parallel -- the input is read twice) for few, huge groups. With fewer than 8 gro
 Both produce the same bytes. ``make_kernels(selector)`` returns the five op kernels; ``registry.py``
 registers them for the ``cpu`` device key.
 
-Module state: ``_WORKQUEUE_LOCK`` / ``_layer_checked`` (whether numba runs its non-thread-safe
+Module state: ``_pool_started`` (numba's thread pool, see NOTE [ numba's thread pool:
+workqueue ]), ``_WORKQUEUE_LOCK`` / ``_layer_checked`` (whether numba runs its non-thread-safe
 workqueue layer, then calls are serialised), ``_madvise`` (libc handle). Nothing else is global.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -620,8 +622,19 @@ def threads() -> int:
     return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
-def _sync_threads() -> int:
+# NOTE [ Threads per call ]
+# A parallel region costs a wake-up of every pool thread, and its static schedule waits for the
+# slowest one, which on a busy machine may be waiting for a core. Below a few MB a second thread
+# saves less than that costs (single-threaded: 0.2 ms for 64 Ki values, 1 ms for 1 Mi), so a call
+# gets one thread per ``_VALUES_PER_THREAD`` values. The bytes do not depend on the thread count
+# (see the module docstring), only the speed does.
+_VALUES_PER_THREAD = 1 << 19
+
+
+def _sync_threads(values: int | None = None) -> int:
     n = threads()
+    if values is not None:
+        n = max(1, min(n, values // _VALUES_PER_THREAD))
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
@@ -631,18 +644,52 @@ def _chunks(units: int, nthreads: int) -> int:
     return max(1, min(units, 4 * nthreads))
 
 
+# NOTE [ numba's thread pool: workqueue ]
+# numba's ``omp`` layer runs its parallel regions on PyTorch's OpenMP runtime (the libgomp already
+# loaded), whose idle threads spin before they sleep unless ``OMP_WAIT_POLICY=PASSIVE`` was set
+# before ``import torch``. On a machine with more busy threads than cores (a data loader's workers,
+# other jobs), a thread spinning at a barrier holds a core the thread it waits for needs, and every
+# kernel call stalls for a scheduler time slice: measured here at a constant 12-16 ms per call of
+# any size, against 1.2 ms for 1 Mi values with passive waiting. A library cannot set that variable
+# in time, so daftrain starts numba's own ``workqueue`` pool, whose idle threads sleep: 1.2 ms too,
+# and the same speed as ``omp`` on an idle machine. It is not safe for parallel calls from two
+# Python threads at once, so those are serialised (``_WORKQUEUE_LOCK``). Setting
+# ``NUMBA_THREADING_LAYER`` yourself overrides the choice.
+_POOL_LOCK = threading.Lock()
+_pool_started: list[bool] = []
+
+
+def _start_thread_pool() -> None:
+    with _POOL_LOCK:
+        if _pool_started:
+            return
+        from numba.np.ufunc import parallel
+
+        if "NUMBA_THREADING_LAYER" not in os.environ:
+            numba.config.THREADING_LAYER = "workqueue"
+        parallel._launch_threads()
+        if not _layer_checked:
+            _layer_checked.append(numba.threading_layer() == "workqueue")
+        _pool_started.append(True)
+
+
 class _Guard:
     """Context manager around a parallel numba call: thread count, workqueue serialisation, and
     PyTorch's thread count kept as it was -- starting numba's OpenMP pool (first parallel call) calls
     ``omp_set_num_threads`` in the process's libgomp, which resets ``torch.get_num_threads()``."""
 
+    def __init__(self, values: int | None = None) -> None:
+        self._values = values  # work of the call, in values: sets the thread count (NOTE above)
+
     def __enter__(self) -> int:
+        if not _pool_started:
+            _start_thread_pool()
         self._locked = False
         if _layer_checked and _layer_checked[0]:
             _WORKQUEUE_LOCK.acquire()
             self._locked = True
         self._torch_threads = torch.get_num_threads()
-        return _sync_threads()
+        return _sync_threads(self._values)
 
     def __exit__(self, *exc: object) -> None:
         if self._locked:
@@ -724,7 +771,7 @@ def minmax_per_group(x: torch.Tensor, group_size: int) -> torch.Tensor:
     ng = -(-n // group_size)
     out = torch.empty(ng, 3, dtype=torch.float32)
     if ng:
-        with _Guard() as nt:
+        with _Guard(n) as nt:
             _minmax_per_group(_raw(x), n, group_size, out.view(torch.int32).numpy(), _chunks(ng, nt))
     return out
 
@@ -737,7 +784,7 @@ def minmax_two_level(x: torch.Tensor, group_size: int) -> torch.Tensor:
     ng = -(-n // group_size)
     out = torch.empty(ng, 3, dtype=torch.float32)
     if ng:
-        with _Guard() as nt:
+        with _Guard(n) as nt:
             tile = _tile(group_size, ng, nt)
             _minmax_two_level(_raw(x), n, group_size, tile, out.view(torch.int32).numpy())
     return out
@@ -777,12 +824,12 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         strategy = PER_GROUP if ng >= 8 * threads() else selector.choose(n, group_size, flat.dtype)
         if strategy == TWO_LEVEL:
             stats = minmax_two_level(flat, group_size)
-            with _Guard() as nt:
+            with _Guard(n) as nt:
                 _params_all(stats.view(torch.int32).numpy(), bits, lo_np, sc_np)
                 tile = _tile(group_size, ng, nt)
                 _quantize_tiles(xb, n, group_size, bits, seed32, tile, lo_np, sc_np, codes_np)
         else:
-            with _Guard() as nt:
+            with _Guard(n) as nt:
                 _quantize_per_group(xb, n, group_size, bits, seed32, codes_np, lo_np, sc_np, _chunks(ng, nt))
         return codes, lo, scale
 
@@ -841,7 +888,7 @@ def unpack_dequantize_into(
         out_np = out.view(torch.int16).numpy().view(np.uint16)
     else:
         raise TypeError(f"cannot dequantize to {out.dtype}")
-    with _Guard() as nt:
+    with _Guard(numel) as nt:
         _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt)
     return out
 
@@ -851,7 +898,7 @@ def pack_bool(x: torch.Tensor) -> torch.Tensor:
     n = flat.numel()
     out = torch.empty((n + 7) // 8, dtype=torch.uint8)
     if n:
-        with _Guard() as nt:
+        with _Guard(n // 4) as nt:
             _pack_bool(flat.view(torch.uint8).numpy(), out.numpy(), _chunks(out.numel() // 4096 + 1, nt))
     return out
 
@@ -860,7 +907,7 @@ def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
     out = _empty(numel, torch.bool)
     if numel:
         p = packed.detach().contiguous().view(-1)
-        with _Guard() as nt:
+        with _Guard(numel // 4) as nt:
             _unpack_bool(p.numpy(), out.view(torch.uint8).numpy(), _chunks(p.numel() // 4096 + 1, nt))
     return out
 
