@@ -11,13 +11,30 @@ Every activation autograd saves for backward is stored quantized per group and b
 
 from . import ops  # noqa: F401  (registers the daftrain:: custom ops)
 from .kernels.registry import load_fast_kernels as _load_fast_kernels
+from .allocation import AllocationError
 from .config import CompressionConfig
 from .hooks import compress
+from .importance import AllocationReport, QuantizationVarianceWarning, StateDictError
 from .layout import LayoutError, PackedLayout
+from .pool import PagePool, PoolBudgetError, PoolConfig
 from .stats import CompressionStats
 
 __version__ = "0.1.0"
 
 _load_fast_kernels()  # numba on CPU, Triton on CUDA; the reference where they cannot load (one warning)
 
-__all__ = ["CompressionConfig", "CompressionStats", "LayoutError", "PackedLayout", "__version__", "compress"]
+__all__ = [
+    "AllocationError",
+    "AllocationReport",
+    "CompressionConfig",
+    "CompressionStats",
+    "LayoutError",
+    "PackedLayout",
+    "PagePool",
+    "PoolBudgetError",
+    "PoolConfig",
+    "QuantizationVarianceWarning",
+    "StateDictError",
+    "__version__",
+    "compress",
+]

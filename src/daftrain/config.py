@@ -7,6 +7,11 @@ from dataclasses import dataclass
 SUPPORTED_BITS: tuple[int, ...] = (1, 2, 4, 8)
 """Bit-widths a float activation can be quantized to; ``None`` keeps it exact."""
 
+AUTO_BITS = "auto"
+"""``CompressionConfig(bits=AUTO_BITS)`` picks bits per tensor from its importance."""
+
+MIN_AVG_BITS, MAX_AVG_BITS = 1.0, 32.0
+
 MIN_GROUP_SIZE = 32
 MAX_GROUP_SIZE = 1 << 16
 
@@ -23,8 +28,10 @@ class CompressionConfig:
         loss.backward()
     """
 
-    bits: int | None = 2
-    """Bits per value for float activations: 1, 2, 4 or 8; ``None`` keeps every tensor exact."""
+    bits: int | str | None = 2
+    """Bits per value for float activations: 1, 2, 4 or 8; ``None`` keeps every tensor exact;
+    ``"auto"`` picks each tensor's bits (1, 2, 4, 8 or exact) from its importance under the
+    ``avg_bits`` or ``budget_bytes`` budget (see ``importance.py``)."""
 
     group_size: int = 256
     """Values that share one (min, scale) pair. A multiple of 32, so each group's codes fill whole
@@ -43,13 +50,30 @@ class CompressionConfig:
     """Pack on a worker thread while the next layers compute, and decode ahead in backward
     (see ``packer.py``). Results are identical to the synchronous path."""
 
+    avg_bits: float | None = None
+    """``bits="auto"`` only: the budget as average bits per value over the tensors it allocates, counted
+    with the real layout's per-group overhead (``avg_bits=2.0`` costs exactly the bytes of fixed 2-bit).
+    ``None`` with no ``budget_bytes`` means 2.0."""
+
+    budget_bytes: int | None = None
+    """``bits="auto"`` only: the budget in bytes of packed records per forward pass, instead of ``avg_bits``."""
+
+    adapt_interval: int = 100
+    """``bits="auto"`` only: re-estimate importance and re-allocate bits every this many steps (and
+    whenever the saved tensors' shapes change)."""
+
+    variance_warning: float = 0.1
+    """``bits="auto"`` only: warn when the estimated quantization variance of the gradient exceeds this
+    fraction of the minibatch gradient's own variance (needs ``model`` to measure the latter)."""
+
     def __post_init__(self) -> None:
-        if self.bits is not None and (
+        if self.bits is not None and self.bits != AUTO_BITS and (
             isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS
         ):
             raise ValueError(
-                f"bits must be one of {SUPPORTED_BITS} or None (keep exact), got {self.bits!r}"
+                f"bits must be one of {SUPPORTED_BITS}, {AUTO_BITS!r} or None (keep exact), got {self.bits!r}"
             )
+        self._check_auto()
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
             raise TypeError(f"group_size must be an int, got {type(self.group_size).__name__}")
         if not (MIN_GROUP_SIZE <= self.group_size <= MAX_GROUP_SIZE) or self.group_size % 32:
@@ -67,3 +91,31 @@ class CompressionConfig:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+
+    def _check_auto(self) -> None:
+        auto = self.bits == AUTO_BITS
+        if not auto and (self.avg_bits is not None or self.budget_bytes is not None):
+            raise ValueError(f"avg_bits and budget_bytes only apply with bits={AUTO_BITS!r}, got bits={self.bits!r}")
+        if self.avg_bits is not None and self.budget_bytes is not None:
+            raise ValueError("give the budget as avg_bits or as budget_bytes, not both")
+        if self.avg_bits is not None and (
+            isinstance(self.avg_bits, bool) or not isinstance(self.avg_bits, int | float)
+            or not MIN_AVG_BITS <= self.avg_bits <= MAX_AVG_BITS
+        ):
+            raise ValueError(f"avg_bits must be a number in [{MIN_AVG_BITS}, {MAX_AVG_BITS}], got {self.avg_bits!r}")
+        if self.budget_bytes is not None and (
+            isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
+        ):
+            raise ValueError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
+        if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
+            raise ValueError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")
+        if (
+            isinstance(self.variance_warning, bool) or not isinstance(self.variance_warning, int | float)
+            or not self.variance_warning > 0
+        ):
+            raise ValueError(f"variance_warning must be a positive number, got {self.variance_warning!r}")
+
+    @property
+    def auto(self) -> bool:
+        """True when bits are chosen per tensor (``bits="auto"``)."""
+        return self.bits == AUTO_BITS

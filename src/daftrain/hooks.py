@@ -14,10 +14,23 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .config import CompressionConfig
+from .importance import AllocationReport, AutoBits
 from .layout import PackedLayout, record_seed
 from .policy import Decision, ParameterRegistry, Treatment, decide
 from .packer import AsyncPacker
-from .records import BoolRecord, ExactRecord, PendingRecord, QuantizedRecord, Record, SavedHandle, encode
+from .pool import PagePool
+from .records import (
+    BoolRecord,
+    ExactRecord,
+    PagedBoolRecord,
+    PagedQuantizedRecord,
+    PendingRecord,
+    QuantizedRecord,
+    Record,
+    SavedHandle,
+    encode,
+    into_pool,
+)
 from .stats import CompressionStats
 
 __all__ = ["compress"]
@@ -57,6 +70,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
             (``daftrain.compress(bits=4)``).
         model: optional; its parameters and buffers (and any view of them) are then never compressed,
             recognised by storage. Without it parameters are still recognised, see ``policy.py``.
+        pool: optional ``PagePool``; packed records then live in its pages (no allocation per
+            record in steady state) and, under its byte budget, the least important are demoted to
+            fewer bits or spilled to disk. Entering the context marks a step boundary for the pool.
 
     Example::
 
@@ -73,12 +89,15 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
     """
 
     def __init__(self, config: CompressionConfig | None = None, /, *, model: nn.Module | None = None,
-                 **overrides: Any) -> None:
+                 pool: PagePool | None = None, **overrides: Any) -> None:
         config = config if config is not None else CompressionConfig()
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
         self.config = dataclasses.replace(config, **overrides) if overrides else config
         self.registry = ParameterRegistry(model)
+        if pool is not None and not isinstance(pool, PagePool):
+            raise TypeError(f"pool must be a PagePool or None, got {type(pool).__name__}")
+        self.pool = pool
         base = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._base_seed = base & ((1 << 64) - 1)
         self.step = -1
@@ -89,11 +108,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         self._raw_storages: set[StorageWeakRef] = set()
         self._kept_storages: set[StorageWeakRef] = set()
         self._num_records = 0
+        self._bit_policy = AutoBits(self.config, model) if self.config.auto else None
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> compress:  # type: ignore[override]
         self.step += 1
         self._stats = CompressionStats()
+        if self.pool is not None and self.step > 0:
+            self.pool.end_step()
         if self._packer is not None:
             self._packer.new_step()
         self._records = weakref.WeakValueDictionary()
@@ -141,7 +163,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
             stats.deduplicated += 1
         else:
             flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
-            record = self._make_record(flat, decision)
+            record = self._make_record(flat, decision, t)
             self._records[key] = record
         return SavedHandle(record, t.shape, t.stride(), dense)
 
@@ -163,12 +185,23 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         # the grad_fn, and no data is copied.
         return t.detach()
 
-    def _make_record(self, flat: torch.Tensor, decision: Decision) -> Record | PendingRecord:
+    def _make_record(self, flat: torch.Tensor, decision: Decision,
+                     source: torch.Tensor | None = None) -> Record | PendingRecord:
         kind = _KINDS[decision.treatment]
-        bits = self.config.bits if self.config.bits is not None else 1
+        bits = self.config.bits if isinstance(self.config.bits, int) else 1
+        if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
+            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat)
+            if bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
+                self._num_records += 1
+                exact = ExactRecord(flat, "auto")
+                self._account(self._stats, exact)
+                return exact
         seed = record_seed(self._base_seed, self.step, self._num_records)
         self._num_records += 1
         job = functools.partial(encode, kind=kind, bits=bits, group_size=self.config.group_size, seed=seed)
+        if self.pool is not None:
+            job = functools.partial(_encode_into_pool, job, pool=self.pool, importance=float(self._num_records),
+                                    seed=seed)
         if self._packer is None:
             record = job(flat)
             self._account(self._stats, record)
@@ -185,14 +218,44 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
                 stats.kept_reasons[record.reason] += 1
                 stats.kept_bytes += record.nbytes
             else:
-                stats.compressed += isinstance(record, QuantizedRecord)
-                stats.bool_packed += isinstance(record, BoolRecord)
+                stats.compressed += isinstance(record, (QuantizedRecord, PagedQuantizedRecord))
+                stats.bool_packed += isinstance(record, (BoolRecord, PagedBoolRecord))
                 stats.packed_bytes += record.nbytes
+
+    # -- bits="auto" ------------------------------------------------------------------------------
+    def report(self) -> AllocationReport | None:
+        """``bits="auto"``: each saved tensor's importance and bits; ``str()`` is a table, ``.to_json()``
+        JSON. ``None`` until the first step's backward has run, or with fixed bits."""
+        return self._bit_policy.report() if self._bit_policy is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step counter and (``bits="auto"``) the bit allocation and its estimates, as plain Python
+        values, so that a resumed run decides the same bits. Call it between steps."""
+        if self._bit_policy is not None:
+            return self._bit_policy.state_dict(self.step)
+        return AutoBits.fixed_state_dict(self.config, self.step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a state from another model or config, or a corrupted one, raises
+        ``StateDictError`` and changes nothing."""
+        if self._bit_policy is not None:
+            self.step = self._bit_policy.load_state_dict(state)
+        else:
+            self.step = AutoBits.load_fixed_state_dict(self.config, state)
 
     def close(self) -> None:
         """Stop the packer thread (asynchronous mode); the context cannot pack afterwards."""
         if self._packer is not None:
             self._packer.close()
+
+
+# NOTE [ Importance of a record in the pool ]
+# Until a record carries an importance score of its own, the pool orders records by forward
+# position: the earliest saved is the least important. Backward needs it last, so a record that is
+# demoted or spilled first is also the one with the most time to be paged back in.
+def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, pool: PagePool, importance: float,
+                      seed: int) -> Record:
+    return into_pool(job(flat), pool, importance, seed)
 
 
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool"}

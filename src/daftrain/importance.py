@@ -1,0 +1,512 @@
+"""Importance of each saved tensor, and the per-tensor bit-widths of ``compress(bits="auto")``.
+
+``AutoBits`` is the bit policy a ``compress`` context consults for every float tensor it quantizes. On
+an *adaptation step* (the first step, every ``adapt_interval`` steps, and the step after the saved
+tensors' shapes change) it measures each tensor's importance, then solves the bit allocation
+(``allocation.py``) that the following steps use.
+
+# NOTE [ Slots ]
+# A saved tensor is identified across steps by its *slot*: ``(index, numel, dtype)``, ``index`` being
+# the position of its record among the records the forward pass creates (bool masks included;
+# parameters, tensors kept exact and deduplicated saves create none). The same model running the same
+# code path saves the same sequence, so slot ``i`` is the same layer's same saved tensor every step. A
+# slot whose ``(numel, dtype)`` differs from the allocation's, or an index past its end, means the
+# shapes changed (another batch size or sequence length): that tensor gets the fallback bits
+# (``avg_bits`` rounded down to a supported width; 1 with ``budget_bytes``) and the next step
+# re-estimates. A ragged last batch therefore costs two re-estimations per epoch; drop it to avoid them.
+#
+# NOTE [ Importance estimate ]
+# Quantizing saved tensor ``x_i`` adds zero-mean noise ``e_i`` (stochastic rounding is unbiased) to what
+# backward reads, so the parameter gradient gets an extra variance ``V_i(b) ~= s_i * E||e_i||^2``:
+#   1. ``E||e_i||^2`` at any bit-width follows from the group ranges (``NoiseProfile.energy``); the
+#      ranges come from ``group_minmax`` over the tensor on the adaptation step (one read of it);
+#   2. the sensitivity ``s_i`` is the gradient energy per row reaching the tensor,
+#      ``s_i = ||dL/dx_i||^2 / rows_i`` (rows = numel / features, features = dim 1 of a 4-D NCHW tensor,
+#      else the last dim), read by a tensor hook on ``x_i`` during the adaptation step's own backward.
+#      For a linear or convolution consumer ``y = x W`` the noise reaches the weight gradient as
+#      ``G^T e``, with variance ``||G||^2 / rows * E||e||^2`` for output gradient ``G``; ``dL/dx = G W^T``
+#      stands in for ``G`` because a saved-tensor hook sees the tensor, not the op that saved it
+#      (ActNN weighs by the layer's output gradient, which it can see since it replaces the layers).
+# The estimate costs no extra forward or backward pass (GACT runs three per tensor): one min/max read
+# and one squared-norm per saved tensor on an adaptation step, amortised over ``adapt_interval``
+# steps (``benchmarks/bench_importance_overhead.py`` measures it). ``V_i`` is an order-of-magnitude
+# estimate of the true variance; the allocation only needs it to rank tensors.
+#
+# NOTE [ Variance warning ]
+# Given the model, the adaptation step and the step after it also record the parameter gradients;
+# ``||g_t - g_{t+1}||^2 / 2`` estimates the minibatch gradient's variance (two independent draws of it,
+# quantization noise included). When ``sum_i V_i(b_i)`` exceeds ``variance_warning`` times that, a
+# ``QuantizationVarianceWarning`` says so (GACT warns at 0.1 the same way). One copy of the trainable
+# parameters' gradients is held between those two steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import warnings
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .allocation import Choice, NoiseProfile, budget_for_avg_bits, choices_for, solve
+from .config import SUPPORTED_BITS, CompressionConfig
+
+__all__ = ["AllocationReport", "AutoBits", "QuantizationVarianceWarning", "SlotAllocation", "SlotKey",
+           "StateDictError"]
+
+STATE_FORMAT = "daftrain.compress"
+STATE_VERSION = 1
+
+
+class QuantizationVarianceWarning(UserWarning):
+    """The estimated quantization variance is a large share of the gradient's own variance."""
+
+
+class StateDictError(ValueError):
+    """A state dict that does not belong to this context (another model or config) or is corrupted."""
+
+
+@dataclass(frozen=True, order=True)
+class SlotKey:
+    """A saved tensor's identity across steps; see ``NOTE [ Slots ]``."""
+
+    index: int
+    numel: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class SlotAllocation:
+    """One slot's importance estimate and its allocated bits (``None`` = kept exact)."""
+
+    key: SlotKey
+    shape: tuple[int, ...]
+    itemsize: int
+    rows: int
+    grad_sq: float | None
+    """``||dL/dx||^2`` on the adaptation step; ``None`` when no gradient hook could be set."""
+    noise: NoiseProfile
+    sensitivity: float
+    bits: int | None
+    nbytes: int
+    variance: float
+    """Estimated gradient variance the slot adds at ``bits`` (``sensitivity * noise.energy(bits)``)."""
+
+
+@dataclass(frozen=True)
+class AllocationReport:
+    """The allocation in force: per slot importance and bits, and the budget; ``str()`` is a table."""
+
+    estimated_at_step: int
+    next_adapt_step: int
+    budget_bytes: int
+    used_bytes: int
+    slots: tuple[SlotAllocation, ...]
+    quant_variance: float
+    grad_variance: float | None
+    """Minibatch gradient variance measured around the last adaptation (needs ``model``)."""
+
+    @property
+    def avg_bits(self) -> float:
+        """Stored bits per value over the allocated slots, per-group overhead included."""
+        numel = sum(s.key.numel for s in self.slots)
+        return 8 * self.used_bytes / numel if numel else 0.0
+
+    @property
+    def variance_share(self) -> float | None:
+        if self.grad_variance is None or self.grad_variance <= 0:
+            return None
+        return self.quant_variance / self.grad_variance
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "estimated_at_step": self.estimated_at_step, "next_adapt_step": self.next_adapt_step,
+            "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes, "avg_bits": self.avg_bits,
+            "quant_variance": self.quant_variance, "grad_variance": self.grad_variance,
+            "variance_share": self.variance_share,
+            "slots": [
+                {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
+                 "bits": s.bits, "nbytes": s.nbytes, "sensitivity": s.sensitivity, "variance": s.variance}
+                for s in self.slots
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        lines = [f"{'slot':>5} {'shape':<22} {'dtype':<9} {'sensitivity':>11} {'bits':>5} {'bytes':>11} "
+                 f"{'est. var':>10}"]
+        for s in self.slots:
+            bits = "exact" if s.bits is None else str(s.bits)
+            lines.append(f"{s.key.index:>5} {'x'.join(map(str, s.shape)):<22} {s.key.dtype:<9} "
+                         f"{s.sensitivity:>11.3e} {bits:>5} {s.nbytes:>11,} {s.variance:>10.3e}")
+        share = self.variance_share
+        lines.append(
+            f"{len(self.slots)} slots, {self.used_bytes:,} of {self.budget_bytes:,} budget bytes "
+            f"({self.avg_bits:.2f} bits/value); est. quantization variance {self.quant_variance:.3e}"
+            + (f", {share:.1%} of the gradient variance" if share is not None else "")
+            + f"; estimated at step {self.estimated_at_step}, next at {self.next_adapt_step}"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@dataclass
+class _Observation:
+    key: SlotKey
+    shape: tuple[int, ...]
+    itemsize: int
+    rows: int
+    noise: NoiseProfile
+    grad_sq: float | None = None
+    hooked: bool = False
+
+
+class _GradProbe:
+    """Records the model's trainable gradients on two consecutive steps; see ``NOTE [ Variance warning ]``."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self._first: dict[int, torch.Tensor] = {}
+        self._diff_sq = 0.0
+        self._phase = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        if self._phase == 0:
+            self._first[id(p)] = p.grad.detach().clone()
+        elif id(p) in self._first:
+            first = self._first.pop(id(p))
+            self._diff_sq += float(torch.linalg.vector_norm(p.grad.detach() - first, dtype=torch.float64) ** 2)
+
+    def next_step(self) -> float | None:
+        """Move to the second step; after it, return the variance estimate and stop listening."""
+        self._phase += 1
+        if self._phase == 1:
+            return None
+        self.remove()
+        return self._diff_sq / 2
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._first = [], {}
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of the model's parameter names, shapes and dtypes."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    return h.hexdigest()[:16]
+
+
+def _checksum(payload: Mapping[str, Any]) -> int:
+    return zlib.crc32(json.dumps(payload, sort_keys=True, allow_nan=True).encode())
+
+
+class AutoBits:
+    """The bit policy of ``compress(bits="auto")``; see the module docstring and its NOTEs."""
+
+    def __init__(self, config: CompressionConfig, model: nn.Module | None = None) -> None:
+        if not config.auto:
+            raise ValueError(f"AutoBits needs CompressionConfig(bits='auto'), got bits={config.bits!r}")
+        self.config = config
+        self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        self._fingerprint = model_fingerprint(model) if model is not None else None
+        if config.budget_bytes is not None:
+            self.avg_bits: float | None = None
+            self._fallback = 1
+        else:
+            self.avg_bits = float(config.avg_bits) if config.avg_bits is not None else 2.0
+            self._fallback = max(b for b in SUPPORTED_BITS if b <= self.avg_bits)
+        self._step = -1
+        self._adapt_step = -1
+        self._next_adapt = 0
+        self._adapting = False
+        self._reestimate = False
+        self._observed: dict[SlotKey, _Observation] = {}
+        self._pending = False
+        self._bits: dict[SlotKey, int | None] = {}
+        self._report: AllocationReport | None = None
+        self._probe: _GradProbe | None = None
+        self._grad_variance: float | None = None
+
+    # -- the per-tensor decision -------------------------------------------------------------------
+    def bits_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor) -> int | None:
+        """Bits for the record at forward position ``index`` of ``step`` (``None`` = keep exact)."""
+        if step != self._step:
+            self._new_step(step)
+        key = SlotKey(index, flat.numel(), str(flat.dtype).removeprefix("torch."))
+        if self._adapting:
+            self._observe(key, source, flat)
+        if key in self._bits:
+            return self._bits[key]
+        if self._bits and not self._adapting:
+            self._reestimate = True  # shapes changed: see NOTE [ Slots ]
+        return self._fallback
+
+    def _new_step(self, step: int) -> None:
+        self._step = step
+        if self._pending:
+            self._finalize()
+        if self._probe is not None:
+            variance = self._probe.next_step()
+            if variance is not None:
+                self._probe = None
+                self._grad_variance = variance
+                self._check_variance()
+        self._adapting = self._reestimate or step >= self._next_adapt
+        if self._adapting:
+            self._adapt_step = step
+            self._reestimate = False
+            self._observed = {}
+            self._pending = True
+            if self._params and self._probe is None:
+                self._probe = _GradProbe(self._params)
+
+    def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor) -> None:
+        group = self.config.group_size
+        with torch.no_grad():
+            stats = torch.ops.daftrain.group_minmax(flat.detach(), group).double()
+        mn, mx, min_pos = stats.unbind(1)
+        sizes = torch.full_like(mn, group)
+        sizes[-1] = flat.numel() - group * (mn.numel() - 1)
+        zero = (mn == 0) & (mx > 0)
+        plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
+        zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
+        shape = tuple(source.shape) if source is not None else (flat.numel(),)
+        features = shape[1] if len(shape) == 4 else (shape[-1] if shape else 1)
+        obs = _Observation(key, shape, flat.element_size(), max(1, flat.numel() // max(1, features)),
+                           NoiseProfile(plain_r2, zero_r2))
+        self._observed[key] = obs
+        if source is not None and source.requires_grad:
+            def on_grad(g: torch.Tensor) -> None:
+                sq = float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2)
+                obs.grad_sq = sq if obs.grad_sq is None else obs.grad_sq + sq
+
+            try:
+                source.register_hook(on_grad)
+                obs.hooked = True
+            except RuntimeError:
+                pass
+
+    # -- allocation --------------------------------------------------------------------------------
+    def _complete(self) -> bool:
+        """True when the adaptation step's backward has delivered every gradient it will deliver."""
+        hooked = [o for o in self._observed.values() if o.hooked]
+        return bool(hooked) and all(o.grad_sq is not None for o in hooked)
+
+    def _finalize(self) -> None:
+        self._pending = False
+        observed = sorted(self._observed.values(), key=lambda o: o.key)
+        self._observed = {}
+        if not observed:  # nothing to allocate this time (e.g. a pass that quantized nothing)
+            self._next_adapt = self._adapt_step + self.config.adapt_interval
+            return
+        if not any(o.grad_sq is not None for o in observed):
+            self._reestimate = True  # no backward ran after the adaptation step: try again
+            return
+        known = sorted(o.grad_sq / o.rows for o in observed if o.grad_sq is not None)
+        default = known[len(known) // 2]
+        sens = []
+        for o in observed:
+            if o.grad_sq is not None:
+                sens.append(o.grad_sq / o.rows)
+            else:  # hooked but no gradient reached it: its noise cannot reach the gradient either
+                sens.append(0.0 if o.hooked else default)
+        self._apply([(o.key, o.shape, o.itemsize, o.rows, o.grad_sq, o.noise, s)
+                     for o, s in zip(observed, sens, strict=True)],
+                    estimated_at=self._adapt_step, next_adapt=self._adapt_step + self.config.adapt_interval)
+
+    def _budget(self, numels: list[int]) -> int:
+        if self.config.budget_bytes is not None:
+            return self.config.budget_bytes
+        assert self.avg_bits is not None
+        return budget_for_avg_bits(numels, self.avg_bits, self.config.group_size)
+
+    def _solve(self, slots: list[tuple[Any, ...]], estimated_at: int, next_adapt: int,
+               grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
+        """The allocation for ``slots`` (key, shape, itemsize, rows, grad_sq, noise, sensitivity); pure."""
+        group = self.config.group_size
+        items: list[tuple[Choice, ...]] = [
+            choices_for(key.numel, itemsize, group, noise, s) for key, _, itemsize, _, _, noise, s in slots
+        ]
+        budget = self._budget([s[0].numel for s in slots])
+        solution = solve(items, budget)
+        allocated = []
+        for (key, shape, itemsize, rows, grad_sq, noise, s), c, pick in zip(slots, items, solution.picks, strict=True):
+            ch = c[pick]
+            allocated.append(SlotAllocation(key, shape, itemsize, rows, grad_sq, noise, s, ch.bits, ch.nbytes,
+                                            ch.variance))
+        report = AllocationReport(estimated_at, next_adapt, budget, solution.nbytes, tuple(allocated),
+                                  solution.variance, grad_variance)
+        return {a.key: a.bits for a in allocated}, report
+
+    def _apply(self, slots: list[tuple[Any, ...]], estimated_at: int, next_adapt: int) -> None:
+        self._bits, self._report = self._solve(slots, estimated_at, next_adapt, self._grad_variance)
+        self._next_adapt = next_adapt
+
+    def _check_variance(self) -> None:
+        report, var = self._report, self._grad_variance
+        if report is None or var is None:
+            return
+        self._report = dataclasses.replace(report, grad_variance=var)
+        if var > 0 and report.quant_variance > self.config.variance_warning * var:
+            warnings.warn(
+                f"daftrain: the estimated quantization variance ({report.quant_variance:.3e}) is "
+                f"{report.quant_variance / var:.1%} of the minibatch gradient variance ({var:.3e}), above the "
+                f"{self.config.variance_warning:.0%} threshold; training may converge worse. Raise avg_bits "
+                "(or budget_bytes), or lower the learning rate; ctx.report() lists the tensors.",
+                QuantizationVarianceWarning, stacklevel=2,
+            )
+
+    # -- visibility and persistence ----------------------------------------------------------------
+    def report(self) -> AllocationReport | None:
+        """The allocation in force (``None`` before the first adaptation step's backward)."""
+        if self._pending and self._complete():
+            self._finalize()
+        return self._report
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        if self._pending:
+            if not self._complete():
+                raise RuntimeError(
+                    "state_dict() was called between the forward and the backward of an adaptation step; "
+                    "call it after loss.backward() so the saved state holds that step's estimate"
+                )
+            self._finalize()
+        slots = []
+        if self._report is not None:
+            for a in self._report.slots:
+                slots.append({
+                    "index": a.key.index, "numel": a.key.numel, "dtype": a.key.dtype, "shape": list(a.shape),
+                    "itemsize": a.itemsize, "rows": a.rows, "grad_sq": a.grad_sq, "plain_r2": a.noise.plain_r2,
+                    "zero_r2": a.noise.zero_r2, "sensitivity": a.sensitivity, "bits": a.bits,
+                })
+        payload: dict[str, Any] = {
+            "format": STATE_FORMAT, "version": STATE_VERSION, "step": step,
+            "config": self._config_dict(), "model": self._fingerprint,
+            "next_adapt": self._next_adapt, "reestimate": self._reestimate,
+            "estimated_at": self._report.estimated_at_step if self._report is not None else None,
+            "grad_variance": self._grad_variance, "slots": slots,
+        }
+        return {**payload, "checksum": _checksum(payload)}
+
+    @staticmethod
+    def fixed_state_dict(config: CompressionConfig, step: int) -> dict[str, Any]:
+        """The state of a context with fixed bits: its step counter (the rounding seeds follow it)."""
+        payload = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step,
+                   "config": {"bits": config.bits, "group_size": config.group_size}}
+        return {**payload, "checksum": _checksum(payload)}
+
+    @staticmethod
+    def load_fixed_state_dict(config: CompressionConfig, state: Mapping[str, Any]) -> int:
+        """Validate a fixed-bits state; returns its step."""
+        _check_envelope(state)
+        want = {"bits": config.bits, "group_size": config.group_size}
+        if state.get("config") != want:
+            raise _refuse(f"it was saved with {state.get('config')}, this context has {want}")
+        if isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int):
+            raise _refuse("step must be an int")
+        return state["step"]
+
+    def _config_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {"group_size": c.group_size, "avg_bits": self.avg_bits, "budget_bytes": c.budget_bytes,
+                "adapt_interval": c.adapt_interval}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> int:
+        """Validate ``state`` completely, then apply it; returns its step. Nothing changes on error."""
+        parsed = self._validate(state)
+        slots, estimated_at = parsed["slots"], parsed["estimated_at"]
+        bits: dict[SlotKey, int | None] = {}
+        report = None
+        if slots:
+            bits, report = self._solve([s[:-1] for s in slots], estimated_at, state["next_adapt"],
+                                       parsed["grad_variance"])
+            if bits != {s[0]: s[-1] for s in slots}:
+                raise StateDictError("cannot load this daftrain state dict: its bits do not follow from its "
+                                     "importance estimates (corrupted, or saved by another daftrain version); "
+                                     "nothing was changed")
+        self._bits, self._report, self._grad_variance = bits, report, parsed["grad_variance"]
+        self._next_adapt, self._reestimate = state["next_adapt"], state["reestimate"]
+        self._step = state["step"]
+        self._pending, self._observed, self._adapting = False, {}, False
+        return state["step"]
+
+    def _validate(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        fail = _refuse
+        _check_envelope(state)
+        if state.get("config") != self._config_dict():
+            raise fail(f"it was saved with {state.get('config')}, this context has {self._config_dict()}")
+        if self._fingerprint is not None and state.get("model") is not None and state["model"] != self._fingerprint:
+            raise fail(f"it belongs to another model (parameter fingerprint {state['model']}, this model "
+                       f"{self._fingerprint})")
+        for name in ("step", "next_adapt"):
+            if isinstance(state.get(name), bool) or not isinstance(state.get(name), int):
+                raise fail(f"{name} must be an int")
+        if not isinstance(state.get("reestimate"), bool):
+            raise fail("reestimate must be a bool")
+        raw = state.get("slots")
+        if not isinstance(raw, list):
+            raise fail("slots must be a list")
+        slots = []
+        try:
+            for s in raw:
+                key = SlotKey(int(s["index"]), int(s["numel"]), str(s["dtype"]))
+                bits = s["bits"]
+                if bits is not None and bits not in SUPPORTED_BITS:
+                    raise ValueError(f"bits {bits!r}")
+                grad_sq = None if s["grad_sq"] is None else float(s["grad_sq"])
+                noise = NoiseProfile(float(s["plain_r2"]), float(s["zero_r2"]))
+                values = (float(s["sensitivity"]), noise.plain_r2, noise.zero_r2)
+                if not all(math.isfinite(v) and v >= 0 for v in values) or key.numel <= 0:
+                    raise ValueError("negative or non-finite estimate")
+                slots.append((key, tuple(int(d) for d in s["shape"]), int(s["itemsize"]), int(s["rows"]),
+                              grad_sq, noise, float(s["sensitivity"]), bits))
+        except (KeyError, TypeError, ValueError) as e:
+            raise fail(f"a slot entry is malformed ({e!r})") from None
+        if len({s[0].index for s in slots}) != len(slots):
+            raise fail("two slots share one index")
+        if self._bits and slots and set(self._bits) != {s[0] for s in slots}:
+            raise fail("its slots (saved tensors) differ from the ones this context has seen; "
+                       "it belongs to another model")
+        if slots and not isinstance(state.get("estimated_at"), int):
+            raise fail("estimated_at must be an int")
+        variance = state.get("grad_variance")
+        if variance is not None and (isinstance(variance, bool) or not isinstance(variance, int | float)
+                                     or not math.isfinite(variance) or variance < 0):
+            raise fail("grad_variance must be None or a non-negative number")
+        return {"slots": slots, "estimated_at": state.get("estimated_at"), "grad_variance": variance}
+
+
+def _refuse(why: str) -> StateDictError:
+    return StateDictError(f"cannot load this daftrain state dict: {why}; nothing was changed")
+
+
+def _check_envelope(state: Mapping[str, Any]) -> None:
+    """Format, version and checksum of a state dict."""
+    if not isinstance(state, Mapping):
+        raise _refuse(f"expected a mapping, got {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+        raise _refuse(f"format {state.get('format')!r} version {state.get('version')!r} is not "
+                      f"{STATE_FORMAT!r} version {STATE_VERSION}")
+    payload = {k: v for k, v in state.items() if k != "checksum"}
+    try:
+        ok = state.get("checksum") == _checksum(payload)
+    except (TypeError, ValueError) as e:
+        raise _refuse(f"it is not serialisable ({e})") from None
+    if not ok:
+        raise _refuse("its checksum does not match its contents (corrupted or edited)")
