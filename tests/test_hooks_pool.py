@@ -114,3 +114,26 @@ def test_budget_that_cannot_fit_raises_a_clear_error(batch) -> None:
 def test_pool_must_be_a_page_pool() -> None:
     with pytest.raises(TypeError, match="PagePool"):
         daftrain.compress(pool=object())
+
+
+def test_auto_bits_gives_the_pool_variance_based_importance(batch) -> None:
+    """With bits="auto", once bits are allocated, a pooled record's importance is its slot's
+    estimated gradient variance (from ``ctx.report()``), not its forward position."""
+    model = _model()
+    with PagePool(PoolConfig(page_size=4 * KIB)) as pool:
+        ctx = daftrain.compress(bits="auto", avg_bits=2.0, seed=3, pool=pool, model=model)
+        _grads(model, ctx, *batch)  # the adaptation step
+        _grads(model, ctx, *batch)
+        report = ctx.report()
+        assert report is not None
+        variances = sorted(a.variance for a in report.slots if a.bits is not None)
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            out = model(batch[0])
+        quantized = sorted(e.importance for e in pool._live.values() if e.demote is not None)
+        # Every allocated slot carries its variance; the one other quantized record is the dropout
+        # mask, stored losslessly at 1 bit outside the allocation, which keeps its forward position.
+        assert [v for v in quantized if v in variances] == variances
+        assert len(quantized) == len(variances) + 1
+        F.cross_entropy(out, batch[1]).backward()
+        ctx.close()

@@ -196,12 +196,17 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
                 exact = ExactRecord(flat, "auto")
                 self._account(self._stats, exact)
                 return exact
-        seed = record_seed(self._base_seed, self.step, self._num_records)
+        index = self._num_records
+        seed = record_seed(self._base_seed, self.step, index)
         self._num_records += 1
         job = functools.partial(encode, kind=kind, bits=bits, group_size=self.config.group_size, seed=seed)
         if self.pool is not None:
-            job = functools.partial(_encode_into_pool, job, pool=self.pool, importance=float(self._num_records),
-                                    seed=seed)
+            importance = None
+            if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
+                importance = self._bit_policy.importance_of(index, flat)
+            if importance is None:
+                importance = float(index)
+            job = functools.partial(_encode_into_pool, job, pool=self.pool, importance=importance, seed=seed)
         if self._packer is None:
             record = job(flat)
             self._account(self._stats, record)
@@ -250,9 +255,12 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
 
 
 # NOTE [ Importance of a record in the pool ]
-# Until a record carries an importance score of its own, the pool orders records by forward
-# position: the earliest saved is the least important. Backward needs it last, so a record that is
-# demoted or spilled first is also the one with the most time to be paged back in.
+# With ``bits="auto"`` a quantized record's importance is the gradient variance its slot adds at
+# its allocated bits (``AutoBits.importance_of``): demoting any record scales its variance by the
+# same factor, so the records adding least variance go first. Otherwise (fixed bits, or before the
+# first allocation) the pool orders records by forward position: the earliest saved is the least
+# important. Backward needs it last, so a record demoted or spilled first is also the one with the
+# most time to be paged back in.
 def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, pool: PagePool, importance: float,
                       seed: int) -> Record:
     return into_pool(job(flat), pool, importance, seed)

@@ -242,6 +242,7 @@ class AutoBits:
         self._report: AllocationReport | None = None
         self._probe: _GradProbe | None = None
         self._grad_variance: float | None = None
+        self._slot_variance: tuple[AllocationReport, dict[SlotKey, float]] | None = None
 
     # -- the per-tensor decision -------------------------------------------------------------------
     def bits_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor) -> int | None:
@@ -357,6 +358,20 @@ class AutoBits:
     def _apply(self, slots: list[tuple[Any, ...]], estimated_at: int, next_adapt: int) -> None:
         self._bits, self._report = self._solve(slots, estimated_at, next_adapt, self._grad_variance)
         self._next_adapt = next_adapt
+
+    def importance_of(self, index: int, flat: torch.Tensor) -> float | None:
+        """The estimated gradient variance the record at forward position ``index`` adds at its
+        allocated bits (``None`` before the first allocation, or for a slot it does not know).
+
+        This is what a ``PagePool`` evicts by: demoting a record multiplies its variance by the same
+        factor for any slot, so the records that add least variance are the cheapest to demote."""
+        report = self._report
+        if report is None:
+            return None
+        key = SlotKey(index, flat.numel(), str(flat.dtype).removeprefix("torch."))
+        if self._slot_variance is None or self._slot_variance[0] is not report:
+            self._slot_variance = (report, {a.key: a.variance for a in report.slots})
+        return self._slot_variance[1].get(key)
 
     def _check_variance(self) -> None:
         report, var = self._report, self._grad_variance
