@@ -196,6 +196,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
                 exact = ExactRecord(flat, "auto")
                 self._account(self._stats, exact)
                 return exact
+        if kind == "quantize":
+            bits = max(bits, decision.min_bits)
         index = self._num_records
         seed = record_seed(self._base_seed, self.step, index)
         self._num_records += 1
