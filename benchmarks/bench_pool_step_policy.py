@@ -13,12 +13,16 @@ size a 4 -> 2-bit re-quantization produces, without its cost: the policies are c
 not on kernel time; ``tests/test_pool.py`` demotes with the real kernels).
 
 Policies: ``fixed-100MiB`` = ``FixedStep(100 * 2**20)``, ``adaptive`` = ``AdaptiveStep()`` (defaults),
-``adaptive-dev1`` = ``AdaptiveStep(deviations=1)`` (less headroom, more growth events).
+``adaptive-dev1`` = ``AdaptiveStep(deviations=1)`` (less headroom, more growth events),
+``tracking`` = ``TrackingStep()`` (the reservation follows each step's peak in small granules and is
+given back down to a floor at every step end), ``tracking-dev2`` = ``TrackingStep(deviations=2)``
+(a lower floor: higher occupancy, more memory mapped per step).
 
-Reported per policy: demotions, spills, page-ins, grow / shrink events, peak and mean reserved bytes,
-mean payload / reserved at each step's peak, time per step.
+Reported per policy: evictions (demotions + spills), page-ins, grow / shrink events, peak and mean
+reserved bytes, mean occupancy (pages in use / reserved) and payload / reserved at each step's peak,
+bytes mapped per step, time per step (wall and CPU).
 
-    python benchmarks/bench_pool_step_policy.py [--steps 1000] [--budget-mib 64]
+    python benchmarks/bench_pool_step_policy.py [--steps 2000] [--budget-mib 64]
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ from bench_pool_fragmentation import MIB, make_source, payload, workload  # noqa
 from common import write_json  # noqa: E402
 
 from daftrain.memory import format_bytes  # noqa: E402
-from daftrain.pool import AdaptiveStep, FixedStep, PagePool, PoolConfig  # noqa: E402
+from daftrain.pool import AdaptiveStep, FixedStep, PagePool, PoolConfig, TrackingStep  # noqa: E402
 
 POLICIES = {
     "fixed-100MiB": lambda: FixedStep(100 * MIB),
     "adaptive": lambda: AdaptiveStep(),
     "adaptive-dev1": lambda: AdaptiveStep(deviations=1.0),
+    "tracking": lambda: TrackingStep(),
+    "tracking-dev2": lambda: TrackingStep(deviations=2.0),
 }
 
 
@@ -59,43 +65,51 @@ def run_policy(name: str, args: argparse.Namespace, sizes, bits, source) -> dict
         cfg = PoolConfig(page_size=args.page_size, budget_bytes=args.budget_mib * MIB,
                          step=POLICIES[name](), spill_dir=spill_dir)
         pool = PagePool(cfg)
-        times, reserved, effs = [], [], []
+        times, cpu, reserved, effs, occs, mapped = [], [], [], [], [], []
         start = time.perf_counter()
         for step in range(args.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
+            r0 = pool.stats().reserved_bytes
             recs = []
             for i in range(args.records):
                 pl = payload(source, sizes[step, i], bits[step, i], step * 131 + i)
                 demote = halve_codes if bits[step, i] == 4 else None
                 recs.append(pool.store(pl, importance=i / args.records, demote=demote))
             s = pool.stats()
-            effs.append(s.payload_bytes / s.reserved_bytes if s.reserved_bytes else 1.0)
+            effs.append(s.efficiency)
+            occs.append(s.occupancy)
             reserved.append(s.reserved_bytes)
+            mapped.append(s.reserved_bytes - r0)  # forward only grows
             for r in reversed(recs):
                 r.load(page_in=False)  # backward's last use: read spilled records from their files
                 r.release()
             del recs
             pool.end_step()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         wall = time.perf_counter() - start
         s = pool.stats()
         pool.close()
     return {
-        "demotions": s.demotions, "spills": s.spills, "page_ins": s.page_ins,
+        "policy": repr(POLICIES[name]()),
+        "evictions": s.evictions, "demotions": s.demotions, "spills": s.spills, "page_ins": s.page_ins,
         "grow_events": s.grow_events, "shrink_events": s.shrink_events,
         "peak_reserved_bytes": s.peak_reserved_bytes, "peak_used_bytes": s.peak_used_bytes,
         "mean_reserved_at_peak_bytes": statistics.fmean(reserved),
+        "occupancy_mean": statistics.fmean(occs),
         "efficiency_mean": statistics.fmean(effs),
+        "mapped_bytes_per_step_mean": statistics.fmean(mapped),
         "step_ms_median": 1e3 * statistics.median(times), "step_ms_mean": 1e3 * statistics.fmean(times),
+        "step_cpu_ms_median": 1e3 * statistics.median(cpu),
         "wall_s": wall,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--records", type=int, default=24)
-    p.add_argument("--phase-steps", type=int, default=250)
+    p.add_argument("--phase-steps", type=int, default=500)
     p.add_argument("--sigma", type=float, default=0.75)
     p.add_argument("--workload", choices=("iid", "layered"), default="iid")
     p.add_argument("--budget-mib", type=int, default=64)
@@ -117,14 +131,16 @@ def main(argv: list[str] | None = None) -> None:
           f"payload/step mean {format_bytes(demand.mean())}, max {format_bytes(demand.max())}")
     results = {name: run_policy(name, args, sizes, bits, source) for name in names}
     cols = [
-        ("demotions", lambda r: str(r["demotions"])),
-        ("spills", lambda r: str(r["spills"])),
+        ("evictions", lambda r: str(r["evictions"])),
+        ("demote/spill", lambda r: f"{r['demotions']}/{r['spills']}"),
         ("page-ins", lambda r: str(r["page_ins"])),
         ("grow/shrink", lambda r: f"{r['grow_events']}/{r['shrink_events']}"),
         ("peak reserved", lambda r: format_bytes(r["peak_reserved_bytes"])),
         ("mean reserved", lambda r: format_bytes(r["mean_reserved_at_peak_bytes"])),
+        ("used/reserved", lambda r: f"{r['occupancy_mean']:.1%}"),
         ("payload/reserved", lambda r: f"{r['efficiency_mean']:.1%}"),
-        ("ms/step med", lambda r: f"{r['step_ms_median']:.1f}"),
+        ("mapped/step", lambda r: format_bytes(r["mapped_bytes_per_step_mean"])),
+        ("ms/step wall/CPU", lambda r: f"{r['step_ms_median']:.1f}/{r['step_cpu_ms_median']:.1f}"),
     ]
     w = max(len(n) for n in names)
     print(f"{'policy':{w}}  " + "  ".join(f"{c:>16}" for c, _ in cols))

@@ -17,12 +17,14 @@ import daftrain  # noqa: F401  (registers the ops)
 from daftrain.layout import PackedLayout
 from daftrain.pool import (
     AdaptiveStep,
+    Demand,
     FixedStep,
     PagePool,
     PoolBudgetError,
     PoolConfig,
     PoolError,
     RecordState,
+    TrackingStep,
 )
 from daftrain.records import BoolRecord, QuantizedRecord
 
@@ -120,7 +122,9 @@ def test_bad_config_rejected(kwargs):
 @pytest.mark.parametrize(
     "make",
     [lambda: FixedStep(0), lambda: FixedStep(1.5), lambda: AdaptiveStep(gain=0), lambda: AdaptiveStep(gain=2),
-     lambda: AdaptiveStep(deviations=-1), lambda: AdaptiveStep(min_step_bytes=0)],
+     lambda: AdaptiveStep(deviations=-1), lambda: AdaptiveStep(min_step_bytes=0),
+     lambda: TrackingStep(gain=0), lambda: TrackingStep(deviations=-1), lambda: TrackingStep(granule=0),
+     lambda: TrackingStep(growth=True), lambda: TrackingStep(min_step_bytes=0), lambda: TrackingStep(gain=2)],
 )
 def test_bad_step_policy_rejected(make):
     with pytest.raises(ValueError):
@@ -190,9 +194,11 @@ def test_quantized_and_bool_record_payloads_round_trip():
 # -- accounting ----------------------------------------------------------------------------------------------
 
 
-def test_page_accounting_never_leaks():
+@pytest.mark.parametrize("step", [AdaptiveStep(min_step_bytes=16 * PS), TrackingStep(min_step_bytes=4 * PS)],
+                         ids=["adaptive", "tracking"])
+def test_page_accounting_never_leaks(step):
     rng = random.Random(0)
-    with pool() as p:
+    with pool(step=step) as p:
         for step in range(30):
             recs = []
             for i in range(rng.randint(1, 25)):
@@ -549,6 +555,56 @@ def test_adaptive_step_follows_demand():
         s = p.stats()
         assert s.grow_events > grows and near(s.reserved_bytes, 160)
         assert s.peak_reserved_bytes >= s.reserved_bytes
+
+
+def test_tracking_step_growth_covers_the_shortfall():
+    policy = TrackingStep()
+    rng = random.Random(0)
+    for _ in range(200):
+        mean = rng.uniform(0, 64 * 2**20)
+        demand = Demand(rng.choice([0, 1, 50]), int(mean), mean, rng.uniform(0, mean / 2))
+        shortfall, reserved = rng.randint(1, 32 * 2**20), rng.randint(0, 128 * 2**20)
+        sizes = policy.plan_growth(shortfall, reserved, demand)
+        assert sizes and all(n > 0 for n in sizes) and sum(sizes) >= shortfall
+        if demand.steps:  # one chunk for the shortfall, then granules up to the floor
+            granule = policy.granule_bytes(demand)
+            assert sizes[0] == max(shortfall, granule) and all(n == granule for n in sizes[1:])
+            assert reserved + sum(sizes) < max(policy.keep_bytes(demand), reserved + sizes[0]) + granule
+
+
+def test_tracking_step_follows_each_step_peak():
+    policy = TrackingStep(min_step_bytes=4 * PS)  # the granule is 4 pages at these sizes (mean / 32 < 4)
+    granule = 4 * PS
+    with pool(step=policy) as p:
+        for _ in range(30):
+            run_step(p, [4 * PS] * 25)  # 100 pages a step
+        s = p.stats()
+        # steady workload: the floor has converged to the peak; only whole chunks are freed, so the
+        # pool keeps the shortest prefix of its chunks that holds it (the first step's chunks: 4 pages)
+        assert 100 * PS <= s.reserved_bytes < 100 * PS + granule
+        events = (s.grow_events, s.shrink_events)
+        for _ in range(10):
+            run_step(p, [4 * PS] * 25)
+        assert (p.stats().grow_events, p.stats().shrink_events) == events  # and nothing moves
+        recs = [p.store(raw(PS, i), 1.0) for i in range(160)]  # a busy step: 160 pages
+        s = p.stats()
+        assert s.used_bytes == 160 * PS and s.reserved_bytes - s.used_bytes < granule  # tracked the peak
+        assert s.grow_events > events[0]
+        for r in recs:
+            r.release()
+        p.end_step()
+        s = p.stats()
+        keep = policy.keep_bytes(Demand(1, 0, 100 * PS + 60 * PS / 8, 60 * PS / 4))
+        assert s.shrink_events > events[1] and keep <= s.reserved_bytes < keep + granule  # given back
+        for _ in range(40):
+            run_step(p, [4 * PS] * 10)  # demand drops to 40 pages
+        assert 40 * PS <= p.stats().reserved_bytes < 40 * PS + granule
+        for _ in range(40):
+            run_step(p, [4 * PS] * 40)  # and rises to 160
+        s = p.stats()
+        assert 160 * PS <= s.reserved_bytes < 160 * PS + granule
+        p.check()
+        assert_empty(p)
 
 
 def test_shrinking_returns_memory_to_the_os():
