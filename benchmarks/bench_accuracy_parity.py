@@ -68,8 +68,8 @@ class Run:
 def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftrain.compress | None:
     if config == "fp32":
         return None
-    if config == "fixed2":
-        return daftrain.compress(bits=2, model=model, seed=0)
+    if config.startswith("fixed"):  # fixed2, fixed4, fixed8
+        return daftrain.compress(bits=int(config.removeprefix("fixed")), model=model, seed=0)
     return daftrain.compress(bits="auto", avg_bits=2.0, model=model, seed=0, adapt_interval=adapt_interval)
 
 
