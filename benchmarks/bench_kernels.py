@@ -1,6 +1,7 @@
-"""Throughput of the fast CPU kernels against the reference and against ``copy_`` (the memory limit).
+"""Throughput of the fast kernels against the reference and against ``copy_`` (the memory limit).
 
     PYTHONPATH=src python benchmarks/bench_kernels.py [--sizes 16] [--bits 1 2 4 8] [--out PATH]
+    PYTHONPATH=src python benchmarks/bench_kernels.py --device cuda     # the Triton kernels on a GPU
 
 For each size (millions of values) it measures, as medians over repeats, in one process:
 
@@ -13,6 +14,10 @@ For each size (millions of values) it measures, as medians over repeats, in one 
   into a preallocated output (``cpu.unpack_dequantize_into``), to show what the allocation costs;
 * ``group_minmax`` with each reduction strategy (``per_group``, ``two_level``) and the registered op
   (whatever the ``ReductionSelector`` calibrated).
+
+``--device cpu`` (default) measures the numba kernels, ``--device cuda`` the Triton kernels (the
+reference then runs on the GPU too, and ``copy_`` is a device-to-device copy); on CUDA every timed
+call ends with ``torch.cuda.synchronize()``.
 
 and the ratios fast / copy (fraction of the memory bandwidth) and fast / reference (speed-up). The
 targets, printed PASS/FAIL: quantize_pack and unpack_dequantize at 2 and 4 bits reach >= 50 % of the
@@ -43,6 +48,8 @@ from daftrain.kernels import cpu, reference, registry  # noqa: E402
 TARGET_COPY_FRACTION = 0.5
 TARGET_SPEEDUP = 15.0
 TARGET_BITS = (2, 4)
+DEFAULT_OUT = {"cpu": "kernels.json", "cuda": "kernels_cuda.json"}
+DEFAULT_SIZES = {"cpu": [16.0], "cuda": [64.0, 256.0]}
 
 
 _BEST: dict[int, float] = {}  # id(fn) -> best time of its last measurement (reported beside the median)
@@ -87,39 +94,68 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def synchronized(device: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` that returns only when the device has finished its work (CUDA launches are asynchronous)."""
+    if device != "cuda":
+        return fn
+
+    def call() -> Any:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+
+    return call
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     status = registry.load_fast_kernels(warmup=True)
-    if status.cpu != "numba":
-        raise SystemExit(f"the numba kernels did not load: {status}")
+    device = args.device
+    if device == "cuda":
+        if status.cuda != "triton":
+            raise SystemExit(f"the Triton kernels did not load: {status}")
+        from daftrain.kernels import triton as backend
+    else:
+        if status.cpu != "numba":
+            raise SystemExit(f"the numba kernels did not load: {status}")
+        backend = cpu
     dtype = getattr(torch, args.dtype)
     threads = torch.get_num_threads()
     rows: list[dict[str, Any]] = []
     minmax_rows: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(0)
+
+    def sync(fn: Callable[[], Any]) -> Callable[[], Any]:
+        return synchronized(device, fn)
+
     for size_m in args.sizes:
         numel = int(size_m * (1 << 20))
-        x = torch.randn(numel, generator=gen).to(dtype)
+        x = torch.randn(numel, generator=gen).to(dtype).to(device)
         nbytes = numel * x.element_size()
         dst = torch.empty_like(x)
-        t_copy, best_copy = timed(lambda: dst.copy_(x), args.repeats)
+        t_copy, best_copy = timed(sync(lambda: dst.copy_(x)), args.repeats)
         copy_gbps = gbps(nbytes, t_copy)
         G = args.group_size
         for bits in args.bits:
-            t_ref_q = median_seconds(lambda: reference.quantize_pack(x, bits, G, 1), args.ref_repeats)
+            t_ref_q = median_seconds(sync(lambda: reference.quantize_pack(x, bits, G, 1)), args.ref_repeats)
             copy_q, t_fast_q, best_q = paired(
-                lambda: dst.copy_(x), lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1), args.repeats
+                sync(lambda: dst.copy_(x)), sync(lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1)),
+                args.repeats,
             )
             codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, G, 1)
             t_ref_u = median_seconds(
-                lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype), args.ref_repeats
+                sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)), args.ref_repeats
             )
             copy_u, t_fast_u, best_u = paired(
-                lambda: dst.copy_(x),
-                lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype),
+                sync(lambda: dst.copy_(x)),
+                sync(lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
                 args.repeats,
             )
-            # The same kernel into a preallocated output: what the op costs without its allocation.
-            t_into = median_seconds(lambda: cpu.unpack_dequantize_into(dst, codes, lo, scale, bits, G), args.repeats)
+            # The same kernel into a preallocated output: what the op costs without its allocation
+            # (CPU only: the CUDA caching allocator hands back a block without page faults).
+            t_into = None
+            if device == "cpu":
+                t_into = median_seconds(lambda: cpu.unpack_dequantize_into(dst, codes, lo, scale, bits, G),
+                                        args.repeats)
             for op, t_ref, t_fast, best, t_pair_copy in (
                 ("quantize_pack", t_ref_q, t_fast_q, best_q, copy_q),
                 ("unpack_dequantize", t_ref_u, t_fast_u, best_u, copy_u),
@@ -145,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "fraction_of_copy": fast_gbps / pair_copy_gbps,
                     "speedup_vs_reference": t_ref / t_fast,
                 }
-                if op == "unpack_dequantize":
+                if op == "unpack_dequantize" and t_into is not None:
                     row["fast_prealloc_ms"] = t_into * 1e3
                     row["fast_prealloc_gbps"] = gbps(nbytes, t_into)
                     row["prealloc_fraction_of_copy"] = row["fast_prealloc_gbps"] / pair_copy_gbps
@@ -153,20 +189,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["pass_copy"] = row["fraction_of_copy"] >= TARGET_COPY_FRACTION
                     row["pass_speedup"] = row["speedup_vs_reference"] >= TARGET_SPEEDUP
                 rows.append(row)
-        t_ref_mm = median_seconds(lambda: reference.group_minmax(x, G), args.ref_repeats)
+        t_ref_mm = median_seconds(sync(lambda: reference.group_minmax(x, G)), args.ref_repeats)
         flat = x.reshape(-1)
         entry: dict[str, Any] = {
             "size_mvalues": size_m,
             "group_size": G,
             "copy_gbps": copy_gbps,
             "reference_gbps": gbps(nbytes, t_ref_mm),
+            "strategies": list(backend.STRATEGIES),
         }
-        for name, fn in cpu.STRATEGIES.items():
-            entry[f"{name}_gbps"] = gbps(nbytes, median_seconds(lambda fn=fn: fn(flat, G), args.repeats))
-        entry["op_gbps"] = gbps(nbytes, median_seconds(lambda: torch.ops.daftrain.group_minmax(x, G), args.repeats))
+        for name, fn in backend.STRATEGIES.items():
+            entry[f"{name}_gbps"] = gbps(nbytes, median_seconds(sync(lambda fn=fn: fn(flat, G)), args.repeats))
+        entry["op_gbps"] = gbps(
+            nbytes, median_seconds(sync(lambda: torch.ops.daftrain.group_minmax(x, G)), args.repeats)
+        )
         minmax_rows.append(entry)
     return {
+        "device": device,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
             "platform": platform.platform(),
             "processor": platform.processor(),
             "cpu_count": os.cpu_count(),
@@ -183,7 +225,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     m = result["machine"]
-    print(f"torch {m['torch']}, {m['torch_threads']} threads, {m['cpu_count']} CPUs, load {m['load_average']}")
+    print(f"{result['device']}{' (' + m['gpu'] + ')' if m['gpu'] else ''}: torch {m['torch']}, "
+          f"{m['torch_threads']} threads, {m['cpu_count']} CPUs, load {m['load_average']}")
     head = (
         f"{'op':<18}{'MiV':>5}{'bits':>5}{'copy GB/s':>10}{'ref GB/s':>9}{'fast GB/s':>10}"
         f"{'fast ms':>9}{'%copy':>7}{'x ref':>7}  target"
@@ -211,15 +254,16 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{r['reference_ms'] / r['fast_prealloc_ms']:.1f}x the reference op"
             )
     print()
-    strategies = "".join(f"{k:>11}" for k in cpu.STRATEGIES)
+    names = result["group_minmax"][0]["strategies"]
+    strategies = "".join(f"{k:>11}" for k in names)
     print(f"{'group_minmax':<18}{'MiV':>5}{'copy':>8}{'ref':>8}{strategies}{'op':>8}  (GB/s)")
     for e in result["group_minmax"]:
         print(
             f"{'':<18}{e['size_mvalues']:>5g}{e['copy_gbps']:>8.2f}{e['reference_gbps']:>8.2f}"
-            + "".join(f"{e[f'{k}_gbps']:>11.2f}" for k in cpu.STRATEGIES)
+            + "".join(f"{e[f'{k}_gbps']:>11.2f}" for k in names)
             + f"{e['op_gbps']:>8.2f}"
         )
-    choices = result["kernels"]["reduction"].get("cpu", {}).get("choices", [])
+    choices = result["kernels"]["reduction"].get(result["device"], {}).get("choices", [])
     for c in choices:
         print(
             f"  selector: {c['dtype']}, {c['groups']} groups, {c['group_size']} G -> {c['strategy']} "
@@ -229,15 +273,19 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=float, nargs="+", default=[16.0], help="millions (2**20) of values")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--sizes", type=float, nargs="+", default=None,
+                   help="millions (2**20) of values (default 16 on cpu, 64 and 256 on cuda)")
     p.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--group-size", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--ref-repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first (numba follows)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
+    p.add_argument("--out", default=None, help="default benchmarks/results/kernels.json (kernels_cuda.json)")
     args = p.parse_args(argv)
+    args.sizes = args.sizes or DEFAULT_SIZES[args.device]
+    args.out = args.out or str(Path(__file__).resolve().parent / "results" / DEFAULT_OUT[args.device])
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run(args)

@@ -13,6 +13,10 @@ threads, which the JSON records (``threads``). ``pool`` stores the records in a 
 per-record allocation in steady state): the pooled vs unpooled step time of the page-pool issue.
 
     python benchmarks/bench_overhead.py [--models resnet18,gpt2_small] [--repeats 5] [--bits 2]
+    python benchmarks/bench_overhead.py --device cuda --no-pool    # on a GPU (Triton kernels)
+
+On CUDA every step ends with ``torch.cuda.synchronize()`` before its time is read; the page pool
+configurations (host-memory pages) are for CPU training and are left out with ``--no-pool``.
 """
 
 from __future__ import annotations
@@ -37,24 +41,24 @@ from daftrain.models.transformers_zoo import gpt2_lm  # noqa: E402
 TARGET_OVERHEAD = 0.10
 
 
-def resnet_case():
+def resnet_case(device: str):
     torch.manual_seed(0)
-    model = resnet18(num_classes=10)
-    x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
+    model = resnet18(num_classes=10).to(device)
+    x, y = torch.randn(128, 3, 32, 32).to(device), torch.randint(0, 10, (128,)).to(device)
     return model, lambda: F.cross_entropy(model(x), y)
 
 
-def gpt2_case():
-    model = gpt2_lm(seed=0)
-    ids = torch.randint(0, 50257, (8, 256), generator=torch.Generator().manual_seed(0))
+def gpt2_case(device: str):
+    model = gpt2_lm(seed=0).to(device)
+    ids = torch.randint(0, 50257, (8, 256), generator=torch.Generator().manual_seed(0)).to(device)
     return model, lambda: model(input_ids=ids, labels=ids).loss
 
 
 CASES = {"resnet18": resnet_case, "gpt2_small": gpt2_case}
 
 
-def run_case(name: str, repeats: int, bits: int, pool: bool) -> dict:
-    model, loss_fn = CASES[name]()
+def run_case(name: str, repeats: int, bits: int, pool: bool, device: str = "cpu") -> dict:
+    model, loss_fn = CASES[name](device)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     contexts = {
@@ -75,6 +79,8 @@ def run_case(name: str, repeats: int, bits: int, pool: bool) -> dict:
             loss = loss_fn()
         loss.backward()
         opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     for ctx in contexts.values():  # warm-up: JIT caches, allocator, calibration
         step(ctx)
@@ -106,12 +112,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--no-pool", action="store_true", help="leave out the pooled configurations")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default=None, help="default benchmarks/results/overhead.json (overhead_cuda.json)")
     args = parser.parse_args()
+    suffix = "" if args.device == "cpu" else f"_{args.device}"
+    args.out = args.out or str(Path(__file__).parent / "results" / f"overhead{suffix}.json")
     results, verdicts = {}, {}
     for name in args.models.split(","):
         print(f"{name}:", flush=True)
-        rows = run_case(name, args.repeats, args.bits, pool=not args.no_pool)
+        rows = run_case(name, args.repeats, args.bits, pool=not args.no_pool, device=args.device)
         results[name] = rows
         best = min((k for k in rows if k != "plain"), key=lambda k: rows[k]["overhead_vs_plain"])
         ok = rows[best]["overhead_vs_plain"] <= TARGET_OVERHEAD
@@ -124,7 +133,9 @@ def main() -> None:
         v = verdicts[name]
         print(f"{name}: best daftrain overhead {v['overhead']:+.1%} ({v['best']}; target <= {TARGET_OVERHEAD:.0%}): "
               f"{'PASS' if v['pass'] else 'FAIL'}")
-    write_json(args.out, {"repeats": args.repeats, "bits": args.bits, "results": results, "targets": verdicts})
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
+    write_json(args.out, {"device": args.device, "gpu": gpu, "command": " ".join(sys.argv), "repeats": args.repeats,
+                          "bits": args.bits, "results": results, "targets": verdicts})
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ parallel -- the input is read twice) for few, huge groups. With fewer than 8 gro
 Both produce the same bytes. ``make_kernels(selector)`` returns the five op kernels; ``registry.py``
 registers them for the ``cpu`` device key.
 
-Module state: ``_pool_started`` (numba's thread pool, see NOTE [ numba's thread pool:
-workqueue ]), ``_WORKQUEUE_LOCK`` / ``_layer_checked`` (whether numba runs its non-thread-safe
+Module state: ``_pool_started`` (numba's thread pool, see NOTE [ numba's thread pool and
+PyTorch's OpenMP runtime ]), ``_WORKQUEUE_LOCK`` / ``_layer_checked`` (whether numba runs its non-thread-safe
 workqueue layer, then calls are serialised), ``_madvise`` (libc handle). Nothing else is global.
 """
 
@@ -644,17 +644,19 @@ def _chunks(units: int, nthreads: int) -> int:
     return max(1, min(units, 4 * nthreads))
 
 
-# NOTE [ numba's thread pool: workqueue ]
-# numba's ``omp`` layer runs its parallel regions on PyTorch's OpenMP runtime (the libgomp already
-# loaded), whose idle threads spin before they sleep unless ``OMP_WAIT_POLICY=PASSIVE`` was set
-# before ``import torch``. On a machine with more busy threads than cores (a data loader's workers,
-# other jobs), a thread spinning at a barrier holds a core the thread it waits for needs, and every
-# kernel call stalls for a scheduler time slice: measured here at a constant 12-16 ms per call of
-# any size, against 1.2 ms for 1 Mi values with passive waiting. A library cannot set that variable
-# in time, so daftrain starts numba's own ``workqueue`` pool, whose idle threads sleep: 1.2 ms too,
-# and the same speed as ``omp`` on an idle machine. It is not safe for parallel calls from two
-# Python threads at once, so those are serialised (``_WORKQUEUE_LOCK``). Setting
-# ``NUMBA_THREADING_LAYER`` yourself overrides the choice.
+# NOTE [ numba's thread pool and PyTorch's OpenMP runtime ]
+# numba's default ``omp`` layer runs its parallel regions on the libgomp PyTorch already loaded,
+# whose idle threads spin before they sleep. Measured on 2 cores, 16 Mi float32 values:
+#   * idle machine: ``omp`` packs 2 bits at 53 % of ``copy_`` bandwidth, numba's own ``workqueue``
+#     pool at 29 % -- so daftrain keeps numba's default;
+#   * machine with more busy threads than cores (other jobs, data-loader workers): a thread spinning
+#     at a barrier holds a core the thread it waits for needs, and every ``omp`` call stalls for a
+#     scheduler time slice, ~12-16 ms whatever its size. ``OMP_WAIT_POLICY=PASSIVE`` set before
+#     ``import torch`` (1.2 ms for 1 Mi values there), or ``NUMBA_THREADING_LAYER=workqueue``, avoid
+#     it; a library cannot set the first in time. One thread per ``_VALUES_PER_THREAD`` values keeps
+#     the many small calls (below) out of parallel regions either way.
+# ``workqueue`` is not safe for parallel calls from two Python threads at once: if it runs, calls are
+# serialised (``_WORKQUEUE_LOCK``).
 _POOL_LOCK = threading.Lock()
 _pool_started: list[bool] = []
 
@@ -665,8 +667,6 @@ def _start_thread_pool() -> None:
             return
         from numba.np.ufunc import parallel
 
-        if "NUMBA_THREADING_LAYER" not in os.environ:
-            numba.config.THREADING_LAYER = "workqueue"
         parallel._launch_threads()
         if not _layer_checked:
             _layer_checked.append(numba.threading_layer() == "workqueue")
