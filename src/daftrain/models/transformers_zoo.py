@@ -119,19 +119,9 @@ def bert_classifier(
     """Randomly initialised ``BertForSequenceClassification`` (defaults: BERT-base, ~110M params)."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        intermediate_size=intermediate_size,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-        max_position_embeddings=max_position_embeddings,
-        num_labels=num_labels,
-        use_cache=False,
-        attn_implementation=attn_implementation,
-    )
+    config = BertConfig(**_encoder_config(num_labels, num_hidden_layers, hidden_size, num_attention_heads,
+                                          intermediate_size, vocab_size, max_position_embeddings, dropout,
+                                          attn_implementation))
     with _seeded(seed):
         return BertForSequenceClassification(config)
 
@@ -158,22 +148,25 @@ def roberta_classifier(
     """
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
-    config = RobertaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        intermediate_size=intermediate_size,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-        max_position_embeddings=max_position_embeddings,
-        type_vocab_size=1,
-        num_labels=num_labels,
-        use_cache=False,
-        attn_implementation=attn_implementation,
-    )
+    config = RobertaConfig(type_vocab_size=1,
+                           **_encoder_config(num_labels, num_hidden_layers, hidden_size, num_attention_heads,
+                                             intermediate_size, vocab_size, max_position_embeddings, dropout,
+                                             attn_implementation))
     with _seeded(seed):
         return RobertaForSequenceClassification(config)
+
+
+def _encoder_config(num_labels: int, num_hidden_layers: int, hidden_size: int, num_attention_heads: int,
+                    intermediate_size: int, vocab_size: int, max_position_embeddings: int, dropout: float,
+                    attn_implementation: str) -> dict[str, object]:
+    """The config arguments BERT and RoBERTa share."""
+    return {
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads, "intermediate_size": intermediate_size,
+        "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout,
+        "max_position_embeddings": max_position_embeddings, "num_labels": num_labels, "use_cache": False,
+        "attn_implementation": attn_implementation,
+    }
 
 
 def with_lora(
