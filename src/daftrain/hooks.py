@@ -201,7 +201,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         kind = _KINDS[decision.treatment]
         bits = self.config.bits if isinstance(self.config.bits, int) else 1
         if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
-            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat)
+            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat, decision.min_bits)
             if bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
                 self._num_records += 1
                 exact = ExactRecord(flat, "auto")

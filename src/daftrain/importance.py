@@ -56,6 +56,19 @@ tensors' shapes change) it measures each tensor's importance, then solves the bi
 # (``benchmarks/bench_importance_overhead.py`` measures it). ``V_i`` is an order-of-magnitude estimate
 # of the true variance; the allocation only needs it to rank tensors.
 #
+# NOTE [ Fewest bits ]
+# The variance model above holds when the backward that reads a saved tensor is *linear* in it
+# (contractions, ``mul``): unbiased rounding then gives an unbiased gradient. A nonlinear backward
+# (GELU's ``gelu'(x)``, softmax's and tanh's products of their outputs, a norm's ``rstd``) turns the
+# rounding noise into a bias of the order of ``f'' * E[e^2]`` that does not average out over steps and
+# that ``V_i`` does not count (``policy.py``, ``NOTE [ Nonlinear backward ]``). At 1 bit a group keeps
+# two levels, its min and max, and the bias is of the order of the values themselves. So a tensor saved
+# by any op outside ``_LINEAR_SAVERS`` gets at least ``NONLINEAR_SAVER_MIN_BITS`` (2, what fixed
+# 2-bit gives it) and the allocation cannot buy bytes for others by dropping it to 1 bit; a
+# treatment's own floor (``policy.decide``: 8 for log_softmax's output) is a floor here too, so the
+# allocation counts the bytes the record will really take. A budget that cannot hold every tensor at
+# its floor (``avg_bits`` below 2) drops the floors and allocates from 1 bit for all.
+#
 # NOTE [ Variance warning ]
 # Given the model, the adaptation step and the step after it also record the parameter gradients;
 # ``||g_t - g_{t+1}||^2 / 2`` estimates the minibatch gradient's variance (two independent draws of it,
@@ -120,6 +133,8 @@ class SlotAllocation:
     """``||G||^2`` of the saving ops' output gradients on the adaptation step; ``None`` when none arrived."""
     noise: NoiseProfile
     sensitivity: float
+    min_bits: int
+    """The fewest bits it may get; see ``NOTE [ Fewest bits ]``."""
     bits: int | None
     nbytes: int
     variance: float
@@ -159,7 +174,7 @@ class AllocationReport:
             "variance_share": self.variance_share,
             "slots": [
                 {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
-                 "op": s.op, "bits": s.bits, "nbytes": s.nbytes, "sensitivity": s.sensitivity, "variance": s.variance}
+                 "op": s.op, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes, "sensitivity": s.sensitivity, "variance": s.variance}
                 for s in self.slots
             ],
         }
@@ -193,6 +208,7 @@ class _Observation:
     shape: tuple[int, ...]
     itemsize: int
     noise: NoiseProfile
+    min_bits: int = 1
     ops: list[str] = dataclasses.field(default_factory=list)
     grad_sq: float | None = None
     """Sum of ``||G||^2`` over the saving ops' output gradients that arrived."""
@@ -202,6 +218,21 @@ class _Observation:
     """A traced torch function call saved it."""
     hooked: bool = False
     """A prehook waits for the output gradient of an op that saved it."""
+
+
+# Torch functions whose backward is linear in every tensor they save; see NOTE [ Fewest bits ].
+_LINEAR_SAVERS = frozenset({
+    "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum",
+    "conv1d", "conv2d", "conv3d", "mul", "__mul__", "__rmul__", "mul_", "__imul__", "multiply",
+})
+NONLINEAR_SAVER_MIN_BITS = 2
+
+
+def _floor_bits(ops: list[str], min_bits: int) -> int:
+    """The fewest bits a tensor saved by ``ops`` may get; see ``NOTE [ Fewest bits ]``."""
+    if any(op not in _LINEAR_SAVERS for op in ops):
+        return max(min_bits, NONLINEAR_SAVER_MIN_BITS)
+    return min_bits
 
 
 # Normalisations whose input reaches their backward scaled by rstd; see NOTE [ Importance estimate ].
@@ -470,13 +501,15 @@ class AutoBits:
                 self._saved_in_call.append((obs, source))
 
     # -- the per-tensor decision -------------------------------------------------------------------
-    def bits_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor) -> int | None:
-        """Bits for the record at forward position ``index`` of ``step`` (``None`` = keep exact)."""
+    def bits_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor,
+                 min_bits: int = 1) -> int | None:
+        """Bits for the record at forward position ``index`` of ``step`` (``None`` = keep exact);
+        ``min_bits`` is the floor the saved tensor's treatment sets (``policy.decide``)."""
         if step != self._step:
             self._new_step(step)
         key = SlotKey(index, flat.numel(), str(flat.dtype).removeprefix("torch."))
         if self._adapting:
-            self._observe(key, source, flat)
+            self._observe(key, source, flat, min_bits)
         if key in self._bits:
             return self._bits[key]
         if self._bits and not self._adapting:
@@ -502,7 +535,7 @@ class AutoBits:
             if self._params and self._probe is None:
                 self._probe = _GradProbe(self._params)
 
-    def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor) -> None:
+    def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int = 1) -> None:
         group = self.config.group_size
         with torch.no_grad():
             stats = torch.ops.daftrain.group_minmax(flat.detach(), group).double()
@@ -513,7 +546,7 @@ class AutoBits:
         plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
         zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
         shape = tuple(source.shape) if source is not None else (flat.numel(),)
-        obs = _Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2))
+        obs = _Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2), min_bits)
         self._observed[key] = obs
         self._by_index[key.index] = obs
         if source is not None and self._tracer is not None:
@@ -543,7 +576,7 @@ class AutoBits:
                 sens.append(o.sensitivity)
             else:  # saved by traced ops whose outputs got no gradient: its noise cannot reach one either
                 sens.append(0.0 if o.traced else default)
-        self._apply([(o.key, o.shape, o.itemsize, "+".join(o.ops), o.grad_sq, o.noise, s)
+        self._apply([(o.key, o.shape, o.itemsize, "+".join(o.ops), o.grad_sq, o.noise, s, _floor_bits(o.ops, o.min_bits))
                      for o, s in zip(observed, sens, strict=True)],
                     estimated_at=self._adapt_step, next_adapt=self._adapt_step + self.config.adapt_interval)
 
@@ -555,17 +588,21 @@ class AutoBits:
 
     def _solve(self, slots: list[tuple[Any, ...]], estimated_at: int, next_adapt: int,
                grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
-        """The allocation for ``slots`` (key, shape, itemsize, op, grad_sq, noise, sensitivity); pure."""
+        """The allocation for ``slots`` (key, shape, itemsize, op, grad_sq, noise, sensitivity, min_bits); pure."""
         group = self.config.group_size
         items: list[tuple[Choice, ...]] = [
-            choices_for(key.numel, itemsize, group, noise, s) for key, _, itemsize, _, _, noise, s in slots
+            choices_for(key.numel, itemsize, group, noise, s, min_bits=floor)
+            for key, _, itemsize, _, _, noise, s, floor in slots
         ]
         budget = self._budget([s[0].numel for s in slots])
+        if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
+            items = [choices_for(key.numel, itemsize, group, noise, s) for key, _, itemsize, _, _, noise, s, _ in slots]
         solution = solve(items, budget)
         allocated = []
-        for (key, shape, itemsize, op, grad_sq, noise, s), c, pick in zip(slots, items, solution.picks, strict=True):
+        for (key, shape, itemsize, op, grad_sq, noise, s, floor), c, pick in zip(slots, items, solution.picks,
+                                                                              strict=True):
             ch = c[pick]
-            allocated.append(SlotAllocation(key, shape, itemsize, op, grad_sq, noise, s, ch.bits, ch.nbytes,
+            allocated.append(SlotAllocation(key, shape, itemsize, op, grad_sq, noise, s, floor, ch.bits, ch.nbytes,
                                             ch.variance))
         report = AllocationReport(estimated_at, next_adapt, budget, solution.nbytes, tuple(allocated),
                                   solution.variance, grad_variance)
@@ -623,7 +660,7 @@ class AutoBits:
             for a in self._report.slots:
                 slots.append({
                     "index": a.key.index, "numel": a.key.numel, "dtype": a.key.dtype, "shape": list(a.shape),
-                    "itemsize": a.itemsize, "op": a.op, "grad_sq": a.grad_sq, "plain_r2": a.noise.plain_r2,
+                    "itemsize": a.itemsize, "op": a.op, "min_bits": a.min_bits, "grad_sq": a.grad_sq, "plain_r2": a.noise.plain_r2,
                     "zero_r2": a.noise.zero_r2, "sensitivity": a.sensitivity, "bits": a.bits,
                 })
         payload: dict[str, Any] = {
@@ -703,12 +740,14 @@ class AutoBits:
                 grad_sq = None if s["grad_sq"] is None else float(s["grad_sq"])
                 if not isinstance(s["op"], str):
                     raise TypeError(f"op {s['op']!r}")
+                if s["min_bits"] not in SUPPORTED_BITS or isinstance(s["min_bits"], bool):
+                    raise ValueError(f"min_bits {s['min_bits']!r}")
                 noise = NoiseProfile(float(s["plain_r2"]), float(s["zero_r2"]))
                 values = (float(s["sensitivity"]), noise.plain_r2, noise.zero_r2)
                 if not all(math.isfinite(v) and v >= 0 for v in values) or key.numel <= 0:
                     raise ValueError("negative or non-finite estimate")
                 slots.append((key, tuple(int(d) for d in s["shape"]), int(s["itemsize"]), s["op"],
-                              grad_sq, noise, float(s["sensitivity"]), bits))
+                              grad_sq, noise, float(s["sensitivity"]), s["min_bits"], bits))
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"a slot entry is malformed ({e!r})") from None
         if len({s[0].index for s in slots}) != len(slots):
