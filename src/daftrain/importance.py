@@ -64,7 +64,11 @@ tensors' shapes change) it measures each tensor's importance, then solves the bi
 # that ``V_i`` does not count (``policy.py``, ``NOTE [ Nonlinear backward ]``). At 1 bit a group keeps
 # two levels, its min and max, and the bias is of the order of the values themselves. So a tensor saved
 # by any op outside ``_LINEAR_SAVERS`` gets at least ``NONLINEAR_SAVER_MIN_BITS`` (2, what fixed
-# 2-bit gives it) and the allocation cannot buy bytes for others by dropping it to 1 bit; a
+# 2-bit gives it) and the allocation cannot buy bytes for others by dropping it to 1 bit. So does a
+# tensor with zero-exact groups (min exactly 0: ReLU outputs, dropped-out or causally masked attention
+# probabilities): at 1 bit such a group has a single positive level, the midpoint of its positive
+# range (``layout.py``), so every positive value is *replaced*, not rounded without bias (tiny
+# probabilities become half the largest one). A
 # treatment's own floor (``policy.decide``: 8 for log_softmax's output) is a floor here too, so the
 # allocation counts the bytes the record will really take. A budget that cannot hold every tensor at
 # its floor (``avg_bits`` below 2) drops the floors and allocates from 1 bit for all.
@@ -228,9 +232,9 @@ _LINEAR_SAVERS = frozenset({
 NONLINEAR_SAVER_MIN_BITS = 2
 
 
-def _floor_bits(ops: list[str], min_bits: int) -> int:
+def _floor_bits(ops: list[str], min_bits: int, noise: NoiseProfile) -> int:
     """The fewest bits a tensor saved by ``ops`` may get; see ``NOTE [ Fewest bits ]``."""
-    if any(op not in _LINEAR_SAVERS for op in ops):
+    if any(op not in _LINEAR_SAVERS for op in ops) or noise.zero_r2 > 0:
         return max(min_bits, NONLINEAR_SAVER_MIN_BITS)
     return min_bits
 
@@ -576,7 +580,7 @@ class AutoBits:
                 sens.append(o.sensitivity)
             else:  # saved by traced ops whose outputs got no gradient: its noise cannot reach one either
                 sens.append(0.0 if o.traced else default)
-        self._apply([(o.key, o.shape, o.itemsize, "+".join(o.ops), o.grad_sq, o.noise, s, _floor_bits(o.ops, o.min_bits))
+        self._apply([(o.key, o.shape, o.itemsize, "+".join(o.ops), o.grad_sq, o.noise, s, _floor_bits(o.ops, o.min_bits, o.noise))
                      for o, s in zip(observed, sens, strict=True)],
                     estimated_at=self._adapt_step, next_adapt=self._adapt_step + self.config.adapt_interval)
 
