@@ -484,6 +484,8 @@ class AutoBits:
         """The forward of ``step`` starts: trace it when it may adapt (see ``NOTE [ Importance estimate ]``)."""
         if self._tracer is not None:
             self.exit()
+        if step != self._step and self._pending and self._complete():
+            self._finalize()  # what the step's first record would do; its backward is over
         may_adapt = (self._adapting if step == self._step
                      else self._pending or self._reestimate or step >= self._next_adapt)
         if may_adapt:
