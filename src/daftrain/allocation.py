@@ -103,9 +103,11 @@ def budget_for_avg_bits(numels: Sequence[int], avg_bits: float, group_size: int)
 
 
 def choices_for(numel: int, itemsize: int, group_size: int, noise: NoiseProfile, sensitivity: float,
-                allow_exact: bool = True) -> tuple[Choice, ...]:
-    """The choices of one tensor: every supported bit-width, then exact; variance = sensitivity x energy."""
-    out = [Choice(b, packed_nbytes(numel, b, group_size), sensitivity * noise.energy(b)) for b in SUPPORTED_BITS]
+                allow_exact: bool = True, min_bits: int = 1) -> tuple[Choice, ...]:
+    """The choices of one tensor: every supported bit-width from ``min_bits``, then exact;
+    variance = sensitivity x energy."""
+    out = [Choice(b, packed_nbytes(numel, b, group_size), sensitivity * noise.energy(b))
+           for b in SUPPORTED_BITS if b >= min_bits]
     if allow_exact:
         out.append(Choice(None, numel * itemsize, 0.0))
     return tuple(out)

@@ -108,6 +108,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         self._raw_storages: set[StorageWeakRef] = set()
         self._kept_storages: set[StorageWeakRef] = set()
         self._num_records = 0
+        self._slot_index: dict[_Key, int] = {}  # bits="auto": record key -> its forward position
         self._bit_policy = AutoBits(self.config, model) if self.config.auto else None
         super().__init__(self._pack, self._unpack)
 
@@ -121,7 +122,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
         self._num_records = 0
+        self._slot_index = {}
         super().__enter__()
+        if self._bit_policy is not None:
+            self._bit_policy.enter(self.step)
         return self
 
     @property
@@ -134,10 +138,13 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self._bit_policy is not None:
+            self._bit_policy.exit()
         super().__exit__(exc_type, exc, tb)
         # The dedup table only matters within one forward pass; drop its keys (and their weak refs).
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
+        self._slot_index = {}
 
     # -- the hooks ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor | SavedHandle:
@@ -161,8 +168,12 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         record = self._records.get(key)
         if record is not None:
             stats.deduplicated += 1
+            if self._bit_policy is not None and key in self._slot_index:
+                self._bit_policy.note_saved_again(self.step, self._slot_index[key], t)
         else:
             flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
+            if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
+                self._slot_index[key] = self._num_records
             record = self._make_record(flat, decision, t)
             self._records[key] = record
         return SavedHandle(record, t.shape, t.stride(), dense)
@@ -190,7 +201,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         kind = _KINDS[decision.treatment]
         bits = self.config.bits if isinstance(self.config.bits, int) else 1
         if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
-            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat)
+            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat, decision.min_bits)
             if bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
                 self._num_records += 1
                 exact = ExactRecord(flat, "auto")

@@ -17,20 +17,61 @@ tensors' shapes change) it measures each tensor's importance, then solves the bi
 #
 # NOTE [ Importance estimate ]
 # Quantizing saved tensor ``x_i`` adds zero-mean noise ``e_i`` (stochastic rounding is unbiased) to what
-# backward reads, so the parameter gradient gets an extra variance ``V_i(b) ~= s_i * E||e_i||^2``:
+# backward reads, so the gradients get an extra variance ``V_i(b) ~= s_i * E||e_i||^2``:
 #   1. ``E||e_i||^2`` at any bit-width follows from the group ranges (``NoiseProfile.energy``); the
 #      ranges come from ``group_minmax`` over the tensor on the adaptation step (one read of it);
-#   2. the sensitivity ``s_i`` is the gradient energy per row reaching the tensor,
-#      ``s_i = ||dL/dx_i||^2 / rows_i`` (rows = numel / features, features = dim 1 of a 4-D NCHW tensor,
-#      else the last dim), read by a tensor hook on ``x_i`` during the adaptation step's own backward.
-#      For a linear or convolution consumer ``y = x W`` the noise reaches the weight gradient as
-#      ``G^T e``, with variance ``||G||^2 / rows * E||e||^2`` for output gradient ``G``; ``dL/dx = G W^T``
-#      stands in for ``G`` because a saved-tensor hook sees the tensor, not the op that saved it
-#      (ActNN weighs by the layer's output gradient, which it can see since it replaces the layers).
-# The estimate costs no extra forward or backward pass (GACT runs three per tensor): one min/max read
-# and one squared-norm per saved tensor on an adaptation step, amortised over ``adapt_interval``
-# steps (``benchmarks/bench_importance_overhead.py`` measures it). ``V_i`` is an order-of-magnitude
-# estimate of the true variance; the allocation only needs it to rank tensors.
+#   2. the noise reaches the gradients only through the backward of the op that *saved* ``x_i``, and
+#      that backward scales it by the op's *output* gradient ``G`` (ActNN weighs a layer by
+#      ``||dL/dy||^2`` of its output for the same reason). So ``s_i`` is read from ``G``, not from
+#      ``dL/dx_i``: on an adaptation step a ``TorchFunctionMode`` (``_SaverTracer``, active only
+#      during that step's forward) notes which records each torch function call creates (or saves
+#      again, see ``NOTE [ One record per storage span ]``), and a prehook on the call's output
+#      ``grad_fn`` adds ``||G||^2`` times the op's fan-out factor ``c`` to those records' ``s_i``:
+#        - contractions (linear, matmul/mm/bmm/addmm/baddbmm, conv, two-operand einsum, sdpa):
+#          ``y = x W`` gives the other operand's gradient the error ``G^T e``, of variance
+#          ``||G||^2 / rows * E||e||^2``; ``c = 1 / rows``, ``rows = numel(x) / K`` with ``K`` the size
+#          ``x`` is contracted over (``in_features``; ``C_in/groups * kernel`` for a convolution; ``A``'s
+#          last and ``B``'s second-to-last dim of ``A @ B``; sdpa's head dim for q and k, the key
+#          length for v, as for ``P @ V`` whose ``dV = P^T dO``);
+#        - everything else (gelu, softmax, tanh, mul, dropout, norms' inputs, ...) has fan-out one:
+#          value ``j`` of the saved tensor meets about one value of ``G``, so the error it adds to the
+#          op's input gradient has variance ``~ ||G||^2 / m * E||e||^2``, ``c = 1 / m`` with
+#          ``m = numel(y)``; when the output is smaller than the saved tensor (``m < n = numel(x)``, a
+#          reduction such as a mean loss) each input meets ``G / (n/m)``, so ``c = m / n^2``;
+#        - a normalisation's input (layer_norm, rms_norm, batch_norm) enters its backward only as
+#          ``x_hat = (x - mean) * rstd``: the noise is scaled by ``rstd``, so ``c`` is multiplied by the
+#          mean ``rstd^2`` (computed from the input on the adaptation step).
+#      A tensor saved by several ops sums their terms. A record whose op's output has no ``grad_fn``,
+#      or whose ``grad_fn`` receives no gradient, gets ``s_i = 0`` (its noise cannot reach a
+#      gradient); one created outside any traced call (e.g. inside a custom ``autograd.Function``)
+#      gets the median of the others.
+# The error of a contraction lands directly in a parameter's gradient; that of a fan-out-one op lands
+# in an activation gradient and reaches the parameters through the backward of the layers before it;
+# the estimate counts it at that first landing, not through the rest of the network (doing so exactly
+# would need a backward per tensor). ``tests/test_importance.py`` compares ``V_i`` with the variance
+# measured over repeated quantized backward passes on a small MLP.
+# The estimate costs no extra forward or backward pass (GACT runs three per tensor): on an adaptation
+# step, one min/max read per saved tensor, one Python call per torch function of the forward and one
+# squared-norm per traced op output in backward, amortised over ``adapt_interval`` steps
+# (``benchmarks/bench_importance_overhead.py`` measures it). ``V_i`` is an order-of-magnitude estimate
+# of the true variance; the allocation only needs it to rank tensors.
+#
+# NOTE [ Fewest bits ]
+# The variance model above holds when the backward that reads a saved tensor is *linear* in it
+# (contractions, ``mul``): unbiased rounding then gives an unbiased gradient. A nonlinear backward
+# (GELU's ``gelu'(x)``, softmax's and tanh's products of their outputs, a norm's ``rstd``) turns the
+# rounding noise into a bias of the order of ``f'' * E[e^2]`` that does not average out over steps and
+# that ``V_i`` does not count (``policy.py``, ``NOTE [ Nonlinear backward ]``). At 1 bit a group keeps
+# two levels, its min and max, and the bias is of the order of the values themselves. So a tensor saved
+# by any op outside ``_LINEAR_SAVERS`` gets at least ``NONLINEAR_SAVER_MIN_BITS`` (2, what fixed
+# 2-bit gives it) and the allocation cannot buy bytes for others by dropping it to 1 bit. So does a
+# tensor with zero-exact groups (min exactly 0: ReLU outputs, dropped-out or causally masked attention
+# probabilities): at 1 bit such a group has a single positive level, the midpoint of its positive
+# range (``layout.py``), so every positive value is *replaced*, not rounded without bias (tiny
+# probabilities become half the largest one). A
+# treatment's own floor (``policy.decide``: 8 for log_softmax's output) is a floor here too, so the
+# allocation counts the bytes the record will really take. A budget that cannot hold every tensor at
+# its floor (``avg_bits`` below 2) drops the floors and allocates from 1 bit for all.
 #
 # NOTE [ Variance warning ]
 # Given the model, the adaptation step and the step after it also record the parameter gradients;
@@ -54,6 +95,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .allocation import Choice, NoiseProfile, budget_for_avg_bits, choices_for, solve
 from .config import SUPPORTED_BITS, CompressionConfig
@@ -62,7 +104,7 @@ __all__ = ["AllocationReport", "AutoBits", "QuantizationVarianceWarning", "SlotA
            "StateDictError"]
 
 STATE_FORMAT = "daftrain.compress"
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class QuantizationVarianceWarning(UserWarning):
@@ -89,11 +131,14 @@ class SlotAllocation:
     key: SlotKey
     shape: tuple[int, ...]
     itemsize: int
-    rows: int
+    op: str
+    """The torch function(s) that saved the tensor on the adaptation step, ``+``-joined (``""`` if none)."""
     grad_sq: float | None
-    """``||dL/dx||^2`` on the adaptation step; ``None`` when no gradient hook could be set."""
+    """``||G||^2`` of the saving ops' output gradients on the adaptation step; ``None`` when none arrived."""
     noise: NoiseProfile
     sensitivity: float
+    min_bits: int
+    """The fewest bits it may get; see ``NOTE [ Fewest bits ]``."""
     bits: int | None
     nbytes: int
     variance: float
@@ -133,7 +178,7 @@ class AllocationReport:
             "variance_share": self.variance_share,
             "slots": [
                 {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
-                 "bits": s.bits, "nbytes": s.nbytes, "sensitivity": s.sensitivity, "variance": s.variance}
+                 "op": s.op, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes, "sensitivity": s.sensitivity, "variance": s.variance}
                 for s in self.slots
             ],
         }
@@ -142,11 +187,11 @@ class AllocationReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def table(self) -> str:
-        lines = [f"{'slot':>5} {'shape':<22} {'dtype':<9} {'sensitivity':>11} {'bits':>5} {'bytes':>11} "
-                 f"{'est. var':>10}"]
+        lines = [f"{'slot':>5} {'shape':<22} {'dtype':<9} {'saved by':<24} {'sensitivity':>11} {'bits':>5} "
+                 f"{'bytes':>11} {'est. var':>10}"]
         for s in self.slots:
             bits = "exact" if s.bits is None else str(s.bits)
-            lines.append(f"{s.key.index:>5} {'x'.join(map(str, s.shape)):<22} {s.key.dtype:<9} "
+            lines.append(f"{s.key.index:>5} {'x'.join(map(str, s.shape)):<22} {s.key.dtype:<9} {s.op[:24]:<24} "
                          f"{s.sensitivity:>11.3e} {bits:>5} {s.nbytes:>11,} {s.variance:>10.3e}")
         share = self.variance_share
         lines.append(
@@ -166,10 +211,197 @@ class _Observation:
     key: SlotKey
     shape: tuple[int, ...]
     itemsize: int
-    rows: int
     noise: NoiseProfile
+    min_bits: int = 1
+    ops: list[str] = dataclasses.field(default_factory=list)
     grad_sq: float | None = None
+    """Sum of ``||G||^2`` over the saving ops' output gradients that arrived."""
+    sensitivity: float = 0.0
+    """Sum of ``c * ||G||^2`` over the same; see ``NOTE [ Importance estimate ]``."""
+    traced: bool = False
+    """A traced torch function call saved it."""
     hooked: bool = False
+    """A prehook waits for the output gradient of an op that saved it."""
+
+
+# Torch functions whose backward is linear in every tensor they save; see NOTE [ Fewest bits ].
+_LINEAR_SAVERS = frozenset({
+    "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum",
+    "conv1d", "conv2d", "conv3d", "mul", "__mul__", "__rmul__", "mul_", "__imul__", "multiply",
+})
+NONLINEAR_SAVER_MIN_BITS = 2
+
+
+def _floor_bits(ops: list[str], min_bits: int, noise: NoiseProfile) -> int:
+    """The fewest bits a tensor saved by ``ops`` may get; see ``NOTE [ Fewest bits ]``."""
+    if any(op not in _LINEAR_SAVERS for op in ops) or noise.zero_r2 > 0:
+        return max(min_bits, NONLINEAR_SAVER_MIN_BITS)
+    return min_bits
+
+
+# Normalisations whose input reaches their backward scaled by rstd; see NOTE [ Importance estimate ].
+_NORMS = frozenset({"layer_norm", "rms_norm", "batch_norm"})
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+def _same_storage(a: Any, b: torch.Tensor) -> bool:
+    if not isinstance(a, torch.Tensor):
+        return False
+    try:
+        pa = a.untyped_storage().data_ptr()
+        return pa != 0 and pa == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _ab_contracted(a: Any, b: Any, saved: torch.Tensor) -> int | None:
+    """``K`` for the saved operand of ``a @ b``: ``a``'s last dim, ``b``'s second-to-last."""
+    if _same_storage(a, saved) and a.dim() >= 1:
+        return int(a.shape[-1])
+    if _same_storage(b, saved) and b.dim() >= 1:
+        return int(b.shape[-2] if b.dim() >= 2 else b.shape[0])
+    return None
+
+
+def _einsum_contracted(args: tuple[Any, ...], saved: torch.Tensor) -> int | None:
+    if not args or not isinstance(args[0], str) or "->" not in args[0] or "." in args[0]:
+        return None
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    lhs, out = args[0].replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(operands) != 2 or len(terms) != 2:
+        return None
+    for term, op in zip(terms, operands, strict=True):
+        if _same_storage(op, saved) and op.dim() == len(term):
+            return math.prod(int(n) for c, n in zip(term, op.shape, strict=True) if c not in out)
+    return None
+
+
+def _contracted(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], saved: torch.Tensor) -> int | None:
+    """The size ``K`` the saved tensor is contracted over by op ``name``, or ``None`` when it is not a
+    contraction operand (``rows = numel / K``); see ``NOTE [ Importance estimate ]``."""
+    if name == "linear":
+        x = _arg(args, kwargs, 0, "input")
+        return int(x.shape[-1]) if _same_storage(x, saved) and x.dim() >= 1 else None
+    if name in ("matmul", "__matmul__", "mm", "bmm"):
+        return _ab_contracted(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "mat2")
+                              if name in ("mm", "bmm") else _arg(args, kwargs, 1, "other"), saved)
+    if name == "__rmatmul__":
+        return _ab_contracted(_arg(args, kwargs, 1, "other"), args[0] if args else None, saved)
+    if name in ("addmm", "baddbmm", "addbmm"):
+        first, second = ("mat1", "mat2") if name == "addmm" else ("batch1", "batch2")
+        return _ab_contracted(_arg(args, kwargs, 1, first), _arg(args, kwargs, 2, second), saved)
+    if name in ("conv1d", "conv2d", "conv3d"):
+        x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+        if _same_storage(x, saved) and isinstance(w, torch.Tensor) and w.dim() >= 2:
+            return int(w.shape[1]) * math.prod(int(k) for k in w.shape[2:])
+        return None
+    if name == "einsum":
+        return _einsum_contracted(args, saved)
+    if name == "scaled_dot_product_attention":
+        q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+        if _same_storage(q, saved) or _same_storage(k, saved):
+            t = q if _same_storage(q, saved) else k
+            return int(t.shape[-1])
+        if _same_storage(v, saved) and v.dim() >= 2:
+            return int(v.shape[-2])
+    return None
+
+
+def _mean_rstd_sq(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> float:
+    """Mean ``rstd^2`` a normalisation applies to its input (1.0 when it cannot tell)."""
+    x = _arg(args, kwargs, 0, "input")
+    if not isinstance(x, torch.Tensor) or x.numel() == 0 or not x.is_floating_point():
+        return 1.0
+    with torch.no_grad():
+        x = x.detach().double()
+        if name == "batch_norm":
+            if x.dim() < 2:
+                return 1.0
+            var = x.transpose(0, 1).reshape(x.shape[1], -1).var(1, unbiased=False)
+        else:
+            shape = _arg(args, kwargs, 1, "normalized_shape")
+            n = 1 if isinstance(shape, int) else len(shape) if shape is not None else 1
+            dims = tuple(range(-n, 0))
+            var = x.var(dims, unbiased=False) if name == "layer_norm" else x.pow(2).mean(dims)
+        return float((1.0 / (var + 1e-5)).mean())
+
+
+def _fan_out(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], saved: torch.Tensor,
+             numel_out: int) -> float:
+    """The factor ``c`` with ``s = c * ||G||^2``; see ``NOTE [ Importance estimate ]``."""
+    k = _contracted(name, args, kwargs, saved)
+    if k is not None:
+        return k / max(1, saved.numel())
+    n, m = max(1, saved.numel()), max(1, numel_out)
+    c = 1.0 / m if m >= n else m / n**2  # a reduction shares each output's G among n/m inputs
+    if name in _NORMS and _same_storage(_arg(args, kwargs, 0, "input"), saved):
+        c *= _mean_rstd_sq(name, args, kwargs)
+    return c
+
+
+def _attribute(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any,
+               saved: list[tuple[_Observation, torch.Tensor]]) -> None:
+    """Hook the output gradient of one traced call onto the records it saved."""
+    name = getattr(func, "__name__", None) or str(func)
+    outs = _tensors(out)
+    numel_out = sum(t.numel() for t in outs)
+    contribs = []
+    for obs, tensor in saved:
+        obs.traced = True
+        if name not in obs.ops:
+            obs.ops.append(name)
+        contribs.append((obs, _fan_out(name, args, kwargs, tensor, numel_out)))
+    nodes = []
+    for t in outs:
+        node = t.grad_fn if t.requires_grad else None
+        if node is not None and all(node is not n for n in nodes):
+            nodes.append(node)
+    if not nodes:
+        return  # no gradient can reach these records through this op: it adds 0 to their sensitivity
+
+    def on_grad(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        sq = math.fsum(float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2)
+                       for g in grad_outputs if g is not None)
+        for obs, c in contribs:
+            obs.grad_sq = sq if obs.grad_sq is None else obs.grad_sq + sq
+            obs.sensitivity += c * sq
+
+    for node in nodes:
+        node.register_prehook(on_grad)
+    for obs, _ in contribs:
+        obs.hooked = True
+
+
+class _SaverTracer(TorchFunctionMode):
+    """Active during an adaptation step's forward: attributes each record to the call that saved it."""
+
+    def __init__(self, policy: AutoBits) -> None:
+        super().__init__()
+        self._policy = policy
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        saved = self._policy._saved_in_call
+        start = len(saved)
+        out = func(*args, **kwargs)  # the mode is off inside: nested calls belong to this one
+        if len(saved) > start:
+            mine = saved[start:]
+            del saved[start:]
+            _attribute(func, args, kwargs, out, mine)
+        return out
 
 
 class _GradProbe:
@@ -237,6 +469,9 @@ class AutoBits:
         self._adapting = False
         self._reestimate = False
         self._observed: dict[SlotKey, _Observation] = {}
+        self._by_index: dict[int, _Observation] = {}
+        self._saved_in_call: list[tuple[_Observation, torch.Tensor]] = []
+        self._tracer: _SaverTracer | None = None
         self._pending = False
         self._bits: dict[SlotKey, int | None] = {}
         self._report: AllocationReport | None = None
@@ -244,14 +479,43 @@ class AutoBits:
         self._grad_variance: float | None = None
         self._slot_variance: tuple[AllocationReport, dict[SlotKey, float]] | None = None
 
+    # -- tracing the saving ops (adaptation steps) ---------------------------------------------------
+    def enter(self, step: int) -> None:
+        """The forward of ``step`` starts: trace it when it may adapt (see ``NOTE [ Importance estimate ]``)."""
+        if self._tracer is not None:
+            self.exit()
+        if step != self._step and self._pending and self._complete():
+            self._finalize()  # what the step's first record would do; its backward is over
+        may_adapt = (self._adapting if step == self._step
+                     else self._pending or self._reestimate or step >= self._next_adapt)
+        if may_adapt:
+            self._tracer = _SaverTracer(self)
+            self._tracer.__enter__()
+
+    def exit(self) -> None:
+        """The forward ends: stop tracing."""
+        tracer, self._tracer = self._tracer, None
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
+        self._saved_in_call = []
+
+    def note_saved_again(self, step: int, index: int, source: torch.Tensor) -> None:
+        """The record at forward position ``index`` was saved once more (deduplicated) by another op."""
+        if self._adapting and step == self._step and self._tracer is not None:
+            obs = self._by_index.get(index)
+            if obs is not None:
+                self._saved_in_call.append((obs, source))
+
     # -- the per-tensor decision -------------------------------------------------------------------
-    def bits_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor) -> int | None:
-        """Bits for the record at forward position ``index`` of ``step`` (``None`` = keep exact)."""
+    def bits_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor,
+                 min_bits: int = 1) -> int | None:
+        """Bits for the record at forward position ``index`` of ``step`` (``None`` = keep exact);
+        ``min_bits`` is the floor the saved tensor's treatment sets (``policy.decide``)."""
         if step != self._step:
             self._new_step(step)
         key = SlotKey(index, flat.numel(), str(flat.dtype).removeprefix("torch."))
         if self._adapting:
-            self._observe(key, source, flat)
+            self._observe(key, source, flat, min_bits)
         if key in self._bits:
             return self._bits[key]
         if self._bits and not self._adapting:
@@ -272,12 +536,12 @@ class AutoBits:
         if self._adapting:
             self._adapt_step = step
             self._reestimate = False
-            self._observed = {}
+            self._observed, self._by_index = {}, {}
             self._pending = True
             if self._params and self._probe is None:
                 self._probe = _GradProbe(self._params)
 
-    def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor) -> None:
+    def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int = 1) -> None:
         group = self.config.group_size
         with torch.no_grad():
             stats = torch.ops.daftrain.group_minmax(flat.detach(), group).double()
@@ -288,20 +552,11 @@ class AutoBits:
         plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
         zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
         shape = tuple(source.shape) if source is not None else (flat.numel(),)
-        features = shape[1] if len(shape) == 4 else (shape[-1] if shape else 1)
-        obs = _Observation(key, shape, flat.element_size(), max(1, flat.numel() // max(1, features)),
-                           NoiseProfile(plain_r2, zero_r2))
+        obs = _Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2), min_bits)
         self._observed[key] = obs
-        if source is not None and source.requires_grad:
-            def on_grad(g: torch.Tensor) -> None:
-                sq = float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2)
-                obs.grad_sq = sq if obs.grad_sq is None else obs.grad_sq + sq
-
-            try:
-                source.register_hook(on_grad)
-                obs.hooked = True
-            except RuntimeError:
-                pass
+        self._by_index[key.index] = obs
+        if source is not None and self._tracer is not None:
+            self._saved_in_call.append((obs, source))
 
     # -- allocation --------------------------------------------------------------------------------
     def _complete(self) -> bool:
@@ -312,22 +567,22 @@ class AutoBits:
     def _finalize(self) -> None:
         self._pending = False
         observed = sorted(self._observed.values(), key=lambda o: o.key)
-        self._observed = {}
+        self._observed, self._by_index = {}, {}
         if not observed:  # nothing to allocate this time (e.g. a pass that quantized nothing)
             self._next_adapt = self._adapt_step + self.config.adapt_interval
             return
         if not any(o.grad_sq is not None for o in observed):
             self._reestimate = True  # no backward ran after the adaptation step: try again
             return
-        known = sorted(o.grad_sq / o.rows for o in observed if o.grad_sq is not None)
+        known = sorted(o.sensitivity for o in observed if o.grad_sq is not None)
         default = known[len(known) // 2]
         sens = []
         for o in observed:
             if o.grad_sq is not None:
-                sens.append(o.grad_sq / o.rows)
-            else:  # hooked but no gradient reached it: its noise cannot reach the gradient either
-                sens.append(0.0 if o.hooked else default)
-        self._apply([(o.key, o.shape, o.itemsize, o.rows, o.grad_sq, o.noise, s)
+                sens.append(o.sensitivity)
+            else:  # saved by traced ops whose outputs got no gradient: its noise cannot reach one either
+                sens.append(0.0 if o.traced else default)
+        self._apply([(o.key, o.shape, o.itemsize, "+".join(o.ops), o.grad_sq, o.noise, s, _floor_bits(o.ops, o.min_bits, o.noise))
                      for o, s in zip(observed, sens, strict=True)],
                     estimated_at=self._adapt_step, next_adapt=self._adapt_step + self.config.adapt_interval)
 
@@ -339,17 +594,21 @@ class AutoBits:
 
     def _solve(self, slots: list[tuple[Any, ...]], estimated_at: int, next_adapt: int,
                grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
-        """The allocation for ``slots`` (key, shape, itemsize, rows, grad_sq, noise, sensitivity); pure."""
+        """The allocation for ``slots`` (key, shape, itemsize, op, grad_sq, noise, sensitivity, min_bits); pure."""
         group = self.config.group_size
         items: list[tuple[Choice, ...]] = [
-            choices_for(key.numel, itemsize, group, noise, s) for key, _, itemsize, _, _, noise, s in slots
+            choices_for(key.numel, itemsize, group, noise, s, min_bits=floor)
+            for key, _, itemsize, _, _, noise, s, floor in slots
         ]
         budget = self._budget([s[0].numel for s in slots])
+        if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
+            items = [choices_for(key.numel, itemsize, group, noise, s) for key, _, itemsize, _, _, noise, s, _ in slots]
         solution = solve(items, budget)
         allocated = []
-        for (key, shape, itemsize, rows, grad_sq, noise, s), c, pick in zip(slots, items, solution.picks, strict=True):
+        for (key, shape, itemsize, op, grad_sq, noise, s, floor), c, pick in zip(slots, items, solution.picks,
+                                                                              strict=True):
             ch = c[pick]
-            allocated.append(SlotAllocation(key, shape, itemsize, rows, grad_sq, noise, s, ch.bits, ch.nbytes,
+            allocated.append(SlotAllocation(key, shape, itemsize, op, grad_sq, noise, s, floor, ch.bits, ch.nbytes,
                                             ch.variance))
         report = AllocationReport(estimated_at, next_adapt, budget, solution.nbytes, tuple(allocated),
                                   solution.variance, grad_variance)
@@ -407,7 +666,7 @@ class AutoBits:
             for a in self._report.slots:
                 slots.append({
                     "index": a.key.index, "numel": a.key.numel, "dtype": a.key.dtype, "shape": list(a.shape),
-                    "itemsize": a.itemsize, "rows": a.rows, "grad_sq": a.grad_sq, "plain_r2": a.noise.plain_r2,
+                    "itemsize": a.itemsize, "op": a.op, "min_bits": a.min_bits, "grad_sq": a.grad_sq, "plain_r2": a.noise.plain_r2,
                     "zero_r2": a.noise.zero_r2, "sensitivity": a.sensitivity, "bits": a.bits,
                 })
         payload: dict[str, Any] = {
@@ -458,7 +717,7 @@ class AutoBits:
         self._bits, self._report, self._grad_variance = bits, report, parsed["grad_variance"]
         self._next_adapt, self._reestimate = state["next_adapt"], state["reestimate"]
         self._step = state["step"]
-        self._pending, self._observed, self._adapting = False, {}, False
+        self._pending, self._observed, self._by_index, self._adapting = False, {}, {}, False
         return state["step"]
 
     def _validate(self, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -485,12 +744,16 @@ class AutoBits:
                 if bits is not None and bits not in SUPPORTED_BITS:
                     raise ValueError(f"bits {bits!r}")
                 grad_sq = None if s["grad_sq"] is None else float(s["grad_sq"])
+                if not isinstance(s["op"], str):
+                    raise TypeError(f"op {s['op']!r}")
+                if s["min_bits"] not in SUPPORTED_BITS or isinstance(s["min_bits"], bool):
+                    raise ValueError(f"min_bits {s['min_bits']!r}")
                 noise = NoiseProfile(float(s["plain_r2"]), float(s["zero_r2"]))
                 values = (float(s["sensitivity"]), noise.plain_r2, noise.zero_r2)
                 if not all(math.isfinite(v) and v >= 0 for v in values) or key.numel <= 0:
                     raise ValueError("negative or non-finite estimate")
-                slots.append((key, tuple(int(d) for d in s["shape"]), int(s["itemsize"]), int(s["rows"]),
-                              grad_sq, noise, float(s["sensitivity"]), bits))
+                slots.append((key, tuple(int(d) for d in s["shape"]), int(s["itemsize"]), s["op"],
+                              grad_sq, noise, float(s["sensitivity"]), s["min_bits"], bits))
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"a slot entry is malformed ({e!r})") from None
         if len({s[0].index for s in slots}) != len(slots):
