@@ -202,6 +202,30 @@ def test_storage_saved_twice_is_packed_once():
     out.sum().backward()
 
 
+def test_shared_record_is_decoded_once_per_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ One decode per shared record ]: relu's output, saved again by conv2, is decoded once per
+    backward (twice with retain_graph and two backwards), and both backwards give the same gradients."""
+    from daftrain.records import QuantizedRecord
+
+    decodes = []
+    decode = QuantizedRecord.decode
+    monkeypatch.setattr(QuantizedRecord, "decode", lambda self: (decodes.append(self), decode(self))[1])
+    conv1, conv2 = nn.Conv2d(C, C, 3, padding=1), nn.Conv2d(C, C, 3, padding=1)
+    x = torch.randn(4, C, 16, 16)
+    with daftrain.compress(bits=2) as ctx:
+        out = conv2(torch.relu(conv1(x)))
+    assert ctx.stats.compressed == 1 and ctx.stats.deduplicated == 1
+    out.sum().backward(retain_graph=True)
+    assert len(decodes) == 1
+    first = [p.grad.clone() for p in (*conv1.parameters(), *conv2.parameters())]
+    for p in (*conv1.parameters(), *conv2.parameters()):
+        p.grad = None
+    out.sum().backward()
+    assert len(decodes) == 2
+    for a, p in zip(first, (*conv1.parameters(), *conv2.parameters()), strict=True):
+        assert torch.equal(a, p.grad)
+
+
 def test_views_share_a_record_and_get_their_strides_back():
     seen = {}
 

@@ -59,7 +59,24 @@ def is_dense(t: torch.Tensor) -> bool:
 #   3. the key holds the storage by ``StorageWeakRef`` (never a bare address, which is reused once
 #      freed) and the version counter, so a storage modified in place between two saves is packed
 #      again, with its new values.
+#
+# NOTE [ One decode per shared record ]
+# A record that several saves share is decoded once per backward, not once per consumer: its
+# ``_SharedDecode`` holds the decoded tensor from the first unpack until the last of its ``uses``
+# (the consumers are adjacent in backward: ReLU's backward runs right after the next convolution's),
+# then lets it go. Plain PyTorch hands its consumers the very same tensor too. With
+# ``retain_graph=True`` the count starts over for the next backward. In ResNet-18, a third of the
+# decodes were such repeats.
 _Key = tuple[Any, ...]
+
+
+class _SharedDecode:
+    """The decode of a record that ``uses`` saves share; see ``NOTE [ One decode per shared record ]``."""
+
+    __slots__ = ("flat", "unpacked", "uses")
+
+    def __init__(self) -> None:
+        self.uses, self.unpacked, self.flat = 2, 0, None
 
 
 class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager, like torch's)
@@ -109,6 +126,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         self._kept_storages: set[StorageWeakRef] = set()
         self._num_records = 0
         self._slot_index: dict[_Key, int] = {}  # bits="auto": record key -> its forward position
+        # Records saved more than once; entries go with their records (after backward frees the graph).
+        self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = AutoBits(self.config, model) if self.config.auto else None
         super().__init__(self._pack, self._unpack)
 
@@ -168,6 +187,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         record = self._records.get(key)
         if record is not None:
             stats.deduplicated += 1
+            shared = self._shared.get(record)
+            if shared is None:
+                self._shared[record] = _SharedDecode()
+            else:
+                shared.uses += 1
             if self._bit_policy is not None and key in self._slot_index:
                 self._bit_policy.note_saved_again(self.step, self._slot_index[key], t)
         else:
@@ -181,7 +205,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
     def _unpack(self, packed: torch.Tensor | SavedHandle) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        flat = self._packer.decode(packed.record) if self._packer is not None else packed.record.decode()
+        shared = self._shared.get(packed.record)
+        if shared is not None and shared.flat is not None:
+            flat = shared.flat
+        else:
+            flat = self._packer.decode(packed.record) if self._packer is not None else packed.record.decode()
+        if shared is not None:
+            shared.unpacked += 1
+            shared.flat = flat if shared.unpacked % shared.uses else None
         return packed.restore(flat)
 
     # -- helpers -----------------------------------------------------------------------------------
