@@ -178,7 +178,8 @@ class AllocationReport:
             "variance_share": self.variance_share,
             "slots": [
                 {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
-                 "op": s.op, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes, "sensitivity": s.sensitivity, "variance": s.variance}
+                 "op": s.op, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes,
+                 "sensitivity": s.sensitivity, "variance": s.variance}
                 for s in self.slots
             ],
         }
@@ -582,7 +583,8 @@ class AutoBits:
                 sens.append(o.sensitivity)
             else:  # saved by traced ops whose outputs got no gradient: its noise cannot reach one either
                 sens.append(0.0 if o.traced else default)
-        self._apply([(o.key, o.shape, o.itemsize, "+".join(o.ops), o.grad_sq, o.noise, s, _floor_bits(o.ops, o.min_bits, o.noise))
+        self._apply([(o.key, o.shape, o.itemsize, "+".join(o.ops), o.grad_sq, o.noise, s,
+                      _floor_bits(o.ops, o.min_bits, o.noise))
                      for o, s in zip(observed, sens, strict=True)],
                     estimated_at=self._adapt_step, next_adapt=self._adapt_step + self.config.adapt_interval)
 
@@ -596,13 +598,15 @@ class AutoBits:
                grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
         """The allocation for ``slots`` (key, shape, itemsize, op, grad_sq, noise, sensitivity, min_bits); pure."""
         group = self.config.group_size
-        items: list[tuple[Choice, ...]] = [
-            choices_for(key.numel, itemsize, group, noise, s, min_bits=floor)
-            for key, _, itemsize, _, _, noise, s, floor in slots
-        ]
+
+        def choices(floored: bool) -> list[tuple[Choice, ...]]:
+            return [choices_for(key.numel, itemsize, group, noise, s, min_bits=floor if floored else 1)
+                    for key, _, itemsize, _, _, noise, s, floor in slots]
+
+        items = choices(floored=True)
         budget = self._budget([s[0].numel for s in slots])
         if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
-            items = [choices_for(key.numel, itemsize, group, noise, s) for key, _, itemsize, _, _, noise, s, _ in slots]
+            items = choices(floored=False)
         solution = solve(items, budget)
         allocated = []
         for (key, shape, itemsize, op, grad_sq, noise, s, floor), c, pick in zip(slots, items, solution.picks,
@@ -666,7 +670,8 @@ class AutoBits:
             for a in self._report.slots:
                 slots.append({
                     "index": a.key.index, "numel": a.key.numel, "dtype": a.key.dtype, "shape": list(a.shape),
-                    "itemsize": a.itemsize, "op": a.op, "min_bits": a.min_bits, "grad_sq": a.grad_sq, "plain_r2": a.noise.plain_r2,
+                    "itemsize": a.itemsize, "op": a.op, "min_bits": a.min_bits, "grad_sq": a.grad_sq,
+                    "plain_r2": a.noise.plain_r2,
                     "zero_r2": a.noise.zero_r2, "sensitivity": a.sensitivity, "bits": a.bits,
                 })
         payload: dict[str, Any] = {
