@@ -168,6 +168,7 @@ def test_opcheck():
     opcheck(Q.quantize_pack.default, (x, 2, 256, 5))
     codes, lo, scale = Q.quantize_pack(x, 2, 256, 5)
     opcheck(Q.unpack_dequantize.default, (codes, lo, scale, 2, 256, 1000, torch.float32))
+    opcheck(Q.unpack_dequantize_into.default, (torch.empty(1000), codes, lo, scale, 2, 256))
     m = x > 0
     opcheck(Q.pack_bool.default, (m,))
     opcheck(Q.unpack_bool.default, (Q.pack_bool(m), 1000))

@@ -14,6 +14,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .config import CompressionConfig
+from .decode_buffers import DecodeBuffers
 from .importance import AllocationReport, AutoBits
 from .layout import PackedLayout, record_seed
 from .policy import Decision, ParameterRegistry, Treatment, decide
@@ -129,6 +130,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = AutoBits(self.config, model) if self.config.auto else None
+        self._decode_buffers: DecodeBuffers | None = DecodeBuffers()
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> compress:  # type: ignore[override]
@@ -138,6 +140,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
             self.pool.end_step()
         if self._packer is not None:
             self._packer.new_step()
+        if self._decode_buffers is not None:
+            self._decode_buffers.release()
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
         self._num_records = 0
@@ -209,7 +213,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         if shared is not None and shared.flat is not None:
             flat = shared.flat
         else:
-            flat = self._packer.decode(packed.record) if self._packer is not None else packed.record.decode()
+            buffers = self._decode_buffers
+            flat = (self._packer.decode(packed.record, buffers) if self._packer is not None
+                    else packed.record.decode(buffers))
         if shared is not None:
             shared.unpacked += 1
             shared.flat = flat if shared.unpacked % shared.uses else None

@@ -13,7 +13,10 @@ import torch
 from .kernels import reference
 from .layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
 
-__all__ = ["ARGUMENT_CHECKS", "group_minmax", "pack_bool", "quantize_pack", "unpack_bool", "unpack_dequantize"]
+__all__ = [
+    "ARGUMENT_CHECKS", "group_minmax", "pack_bool", "quantize_pack", "unpack_bool", "unpack_dequantize",
+    "unpack_dequantize_into",
+]
 
 
 def _check_float(x: torch.Tensor) -> None:
@@ -106,6 +109,31 @@ def _(codes, lo, scale, bits, group_size, numel, dtype):  # type: ignore[no-unty
     return codes.new_empty(numel, dtype=dtype)
 
 
+@torch.library.custom_op("daftrain::unpack_dequantize_into", mutates_args=("out",))
+def unpack_dequantize_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+) -> None:
+    """``unpack_dequantize`` into the preallocated contiguous 1-D ``out`` (its numel and dtype say what
+    to decode): backward reuses its decode buffers instead of faulting in fresh memory every time."""
+    _check_unpack_into(out, codes, lo, scale, bits, group_size)
+    reference.unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+
+
+@unpack_dequantize_into.register_fake
+def _(out, codes, lo, scale, bits, group_size):  # type: ignore[no-untyped-def]
+    _check_unpack_into(out, codes, lo, scale, bits, group_size)
+
+
+def _check_unpack_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+) -> None:
+    torch._check(
+        out.dim() == 1 and out.is_contiguous() and out.device == codes.device,
+        lambda: f"out must be a contiguous 1-D tensor on {codes.device}, got {out.dim()}-D on {out.device}",
+    )
+    _check_unpack(codes, lo, scale, bits, group_size, out.numel(), out.dtype)
+
+
 def _check_unpack(
     codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
     dtype: torch.dtype,
@@ -159,6 +187,7 @@ ARGUMENT_CHECKS = {
     "group_minmax": _check_group_minmax,
     "quantize_pack": _check_quantize_pack,
     "unpack_dequantize": _check_unpack,
+    "unpack_dequantize_into": _check_unpack_into,
     "pack_bool": _check_pack_bool,
     "unpack_bool": _check_unpack_bool,
 }

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .decode_buffers import DecodeBuffers
 from .records import PendingRecord, Record
 
 
@@ -80,16 +81,16 @@ class AsyncPacker:
             with self._lock:
                 self._pending_bytes -= flat.nbytes
 
-    def decode(self, record: Record | PendingRecord) -> torch.Tensor:
+    def decode(self, record: Record | PendingRecord, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         """The decoded flat region of ``record``, and queue the decode of the one saved before it."""
         if not isinstance(record, PendingRecord):
-            return self._executor.submit(record.decode).result()
+            return self._executor.submit(record.decode, buffers).result()
         ahead = self._ahead.pop(record.index, None)
-        flat = ahead.result() if ahead is not None else self._executor.submit(record.decode).result()
+        flat = ahead.result() if ahead is not None else self._executor.submit(record.decode, buffers).result()
         previous = self._records.get(record.index - 1)
         target = previous() if previous is not None else None
         if target is not None and target.index not in self._ahead:
-            self._ahead[target.index] = self._executor.submit(target.decode)
+            self._ahead[target.index] = self._executor.submit(target.decode, buffers)
         return flat
 
     def drain(self) -> None:

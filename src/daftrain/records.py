@@ -10,7 +10,18 @@ import torch
 from .layout import PackedLayout
 
 if TYPE_CHECKING:
+    from .decode_buffers import DecodeBuffers
     from .pool import PagePool, PooledRecord
+
+
+def _dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
+                dtype: torch.dtype, buffers: DecodeBuffers | None) -> torch.Tensor:
+    """Decode into a buffer from ``buffers`` (CPU; see ``NOTE [ Decode buffers ]``), else into fresh memory."""
+    if buffers is None or codes.device.type != "cpu":
+        return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype)
+    out = buffers.take(numel, dtype)
+    torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+    return out
 
 
 class QuantizedRecord:
@@ -27,11 +38,9 @@ class QuantizedRecord:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes
 
-    def decode(self) -> torch.Tensor:
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         ly = self.layout
-        return torch.ops.daftrain.unpack_dequantize(
-            self.codes, self.lo, self.scale, ly.bits, ly.group_size, ly.numel, self.dtype
-        )
+        return _dequantize(self.codes, self.lo, self.scale, ly.bits, ly.group_size, ly.numel, self.dtype, buffers)
 
 
 class BoolRecord:
@@ -46,7 +55,7 @@ class BoolRecord:
     def nbytes(self) -> int:
         return self.packed.nbytes
 
-    def decode(self) -> torch.Tensor:
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         return torch.ops.daftrain.unpack_bool(self.packed, self.numel)
 
 
@@ -62,7 +71,7 @@ class ExactRecord:
     def nbytes(self) -> int:
         return self.flat.nbytes
 
-    def decode(self) -> torch.Tensor:
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         return self.flat
 
 
@@ -83,10 +92,10 @@ class PagedQuantizedRecord:
     def nbytes(self) -> int:
         return self.pooled.nbytes
 
-    def decode(self) -> torch.Tensor:
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         with self.pooled.borrow() as (codes, lo, scale):
             bits = codes.shape[1] * 8 // self.group_size
-            return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, self.group_size, self.numel, self.dtype)
+            return _dequantize(codes, lo, scale, bits, self.group_size, self.numel, self.dtype, buffers)
 
 
 class PagedBoolRecord:
@@ -101,7 +110,7 @@ class PagedBoolRecord:
     def nbytes(self) -> int:
         return self.pooled.nbytes
 
-    def decode(self) -> torch.Tensor:
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         with self.pooled.borrow() as (packed,):
             return torch.ops.daftrain.unpack_bool(packed, self.numel)
 
@@ -176,8 +185,8 @@ class PendingRecord:
     def nbytes(self) -> int:
         return self.result().nbytes
 
-    def decode(self) -> torch.Tensor:
-        return self.result().decode()
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        return self.result().decode(buffers)
 
 
 class SavedHandle:

@@ -58,6 +58,9 @@ def check_quantize(x: torch.Tensor, bits: int, group_size: int, seed: int) -> No
     dec = cpu.unpack_dequantize(codes, lo, scale, bits, group_size, x.numel(), x.dtype)
     ref_dec = reference.unpack_dequantize(codes, lo, scale, bits, group_size, x.numel(), x.dtype)
     assert_same(dec, ref_dec, f"decoded (bits={bits}, G={group_size}, {x.dtype}, n={x.numel()})")
+    into = torch.full((x.numel(),), float("nan"), dtype=x.dtype)  # every value must be overwritten
+    torch.ops.daftrain.unpack_dequantize_into(into, codes, lo, scale, bits, group_size)
+    assert_same(into, ref_dec, f"decoded into (bits={bits}, G={group_size}, {x.dtype}, n={x.numel()})")
 
 
 def special_inputs(group_size: int) -> dict[str, torch.Tensor]:
@@ -243,12 +246,14 @@ def test_ops_do_not_run_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("the reference ran")
 
-    for name in ("group_minmax", "quantize_pack", "unpack_dequantize", "pack_bool", "unpack_bool"):
+    for name in ("group_minmax", "quantize_pack", "unpack_dequantize", "unpack_dequantize_into", "pack_bool",
+                 "unpack_bool"):
         monkeypatch.setattr(reference, name, forbidden)
     x = torch.randn(4096)
     codes, lo, scale = torch.ops.daftrain.quantize_pack(x, 4, 256, 1)
     torch.ops.daftrain.group_minmax(x, 256)
     torch.ops.daftrain.unpack_dequantize(codes, lo, scale, 4, 256, x.numel(), torch.float32)
+    torch.ops.daftrain.unpack_dequantize_into(torch.empty(x.numel()), codes, lo, scale, 4, 256)
     torch.ops.daftrain.unpack_bool(torch.ops.daftrain.pack_bool(x > 0), x.numel())
 
 
@@ -269,6 +274,12 @@ def test_ops_validate_before_the_kernel_runs() -> None:
         torch.ops.daftrain.unpack_dequantize(codes, lo.double(), scale, 2, 32, 100, torch.float32)
     with pytest.raises(RuntimeError, match="cannot dequantize"):
         torch.ops.daftrain.unpack_dequantize(codes, lo, scale, 2, 32, 100, torch.int32)
+    with pytest.raises(RuntimeError, match="codes must be"):  # 1000 values need more groups than 4
+        torch.ops.daftrain.unpack_dequantize_into(torch.empty(1000), codes, lo, scale, 2, 32)
+    with pytest.raises(RuntimeError, match="contiguous 1-D"):
+        torch.ops.daftrain.unpack_dequantize_into(torch.empty(100, 2)[:, 0], codes, lo, scale, 2, 32)
+    with pytest.raises(RuntimeError, match="cannot dequantize"):
+        torch.ops.daftrain.unpack_dequantize_into(torch.empty(100, dtype=torch.float64), codes, lo, scale, 2, 32)
     with pytest.raises(RuntimeError, match="packed must be"):
         torch.ops.daftrain.unpack_bool(torch.zeros(3, dtype=torch.uint8), 100)
     with pytest.raises(RuntimeError, match="bool tensor"):
@@ -300,6 +311,8 @@ def test_opcheck() -> None:
     torch.library.opcheck(torch.ops.daftrain.quantize_pack.default, (x, 2, 32, 7))
     codes, lo, scale = torch.ops.daftrain.quantize_pack(x, 2, 32, 7)
     torch.library.opcheck(torch.ops.daftrain.unpack_dequantize.default, (codes, lo, scale, 2, 32, 300, torch.float16))
+    out = torch.empty(300, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.daftrain.unpack_dequantize_into.default, (out, codes, lo, scale, 2, 32))
     b = x > 0
     torch.library.opcheck(torch.ops.daftrain.pack_bool.default, (b,))
     torch.library.opcheck(torch.ops.daftrain.unpack_bool.default, (torch.ops.daftrain.pack_bool(b), 300))

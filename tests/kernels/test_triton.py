@@ -102,6 +102,9 @@ def check(tk, x: torch.Tensor, bits: int, group_size: int, seed: int) -> None:  
             assert_same(a, b, f"{name} ({strategy}, bits={bits}, G={group_size}, {x.dtype}, n={x.numel()})")
     dec = tk.unpack_dequantize(*(t.to(DEV) for t in ref), bits, group_size, x.numel(), x.dtype)
     assert_same(dec, reference.unpack_dequantize(*ref, bits, group_size, x.numel(), x.dtype), "decoded")
+    into = torch.full((x.numel(),), float("nan"), dtype=x.dtype, device=DEV)
+    tk.unpack_dequantize_into(into, *(t.to(DEV) for t in ref), bits, group_size)
+    assert_same(into, dec, "decoded into")
 
 
 def special(group_size: int) -> torch.Tensor:
@@ -202,3 +205,6 @@ def test_registered_cuda_ops_match_reference() -> None:
                     assert_same(a, b, f"cuda {dtype} bits={bits} G={group_size}")
                 dec = torch.ops.daftrain.unpack_dequantize(*got, bits, group_size, x.numel(), dtype)
                 assert_same(dec, reference.unpack_dequantize(*ref, bits, group_size, x.numel(), dtype), "cuda decode")
+                into = torch.empty_like(dec)
+                torch.ops.daftrain.unpack_dequantize_into(into, *got, bits, group_size)
+                assert_same(into, dec, "cuda decode into")

@@ -837,6 +837,7 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         "group_minmax": group_minmax,
         "quantize_pack": quantize_pack,
         "unpack_dequantize": unpack_dequantize,
+        "unpack_dequantize_into": unpack_dequantize_into,
         "pack_bool": pack_bool,
         "unpack_bool": unpack_bool,
     }
@@ -852,12 +853,13 @@ def unpack_dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     out = _empty(numel, dtype)
-    return unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+    unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+    return out
 
 
 def unpack_dequantize_into(
     out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
-) -> torch.Tensor:
+) -> None:
     """Decode into a preallocated contiguous 1-D ``out`` (its dtype and numel say what to decode)."""
     numel = out.numel()
     layout = PackedLayout(bits, group_size, numel)  # the kernel trusts these sizes: check them
@@ -876,7 +878,7 @@ def unpack_dequantize_into(
             f"{lo.dtype} [{lo.numel()}], {scale.dtype} [{scale.numel()}]"
         )
     if numel == 0 or lo.numel() == 0:
-        return out
+        return
     codes_np = codes.detach().contiguous().view(-1).numpy()
     lo_np = lo.detach().contiguous().view(torch.int32).numpy()
     sc_np = scale.detach().contiguous().view(torch.int16).numpy()
@@ -890,7 +892,6 @@ def unpack_dequantize_into(
         raise TypeError(f"cannot dequantize to {out.dtype}")
     with _Guard(numel) as nt:
         _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt)
-    return out
 
 
 def pack_bool(x: torch.Tensor) -> torch.Tensor:

@@ -154,8 +154,16 @@ def unpack_dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Inverse of ``quantize_pack``: flat tensor of ``numel`` values of ``dtype``."""
-    layout = PackedLayout(bits, group_size, numel)
     out = torch.empty(numel, dtype=dtype, device=codes.device)
+    unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+    return out
+
+
+def unpack_dequantize_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+) -> None:
+    """``unpack_dequantize`` written into the flat tensor ``out``, whose numel and dtype say what to decode."""
+    layout = PackedLayout(bits, group_size, out.numel())
     step = scale.to(torch.float32).abs()
     zero_exact = torch.signbit(scale)
     shift = zero_exact.to(torch.float32)
@@ -163,9 +171,8 @@ def unpack_dequantize(
         c = unpack_codes(codes[g0:g1], bits).to(torch.float32)
         v = lo[g0:g1, None] + (c - shift[g0:g1, None]) * step[g0:g1, None]
         v = torch.where(zero_exact[g0:g1, None] & (c == 0), 0.0, v)
-        start, stop = g0 * group_size, min(g1 * group_size, numel)
-        out[start:stop] = v.view(-1)[: stop - start].to(dtype)
-    return out
+        start, stop = g0 * group_size, min(g1 * group_size, layout.numel)
+        out[start:stop] = v.view(-1)[: stop - start].to(out.dtype)
 
 
 def pack_bool(x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Any
 __all__ = ["DISABLE_ENV", "KernelStatus", "kernel_report", "load_fast_kernels"]
 
 DISABLE_ENV = "DAFTRAIN_DISABLE_FAST_KERNELS"
-_OPS = ("group_minmax", "quantize_pack", "unpack_dequantize", "pack_bool", "unpack_bool")
+_OPS = ("group_minmax", "quantize_pack", "unpack_dequantize", "unpack_dequantize_into", "pack_bool", "unpack_bool")
 
 
 @dataclass

@@ -37,6 +37,7 @@ __all__ = [
     "minmax_two_level",
     "parallelism",
     "quantize_pack_with",
+    "unpack_dequantize_into",
 ]
 
 PER_GROUP = "per_group"
@@ -477,6 +478,7 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         "group_minmax": group_minmax,
         "quantize_pack": quantize_pack,
         "unpack_dequantize": unpack_dequantize,
+        "unpack_dequantize_into": unpack_dequantize_into,
         "pack_bool": pack_bool,
         "unpack_bool": unpack_bool,
     }
@@ -492,9 +494,17 @@ def unpack_dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     out = torch.empty(numel, dtype=dtype, device=codes.device)
+    unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+    return out
+
+
+def unpack_dequantize_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+) -> None:
+    numel = out.numel()
     if numel == 0:
-        return out
-    kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+        return
+    kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[out.dtype]
     out_bits = out.view(torch.int32) if kind == 0 else out.view(torch.int16)
     block = 1024
     _dequantize_kernel[(triton.cdiv(numel, block),)](
@@ -509,7 +519,6 @@ def unpack_dequantize(
         BLOCK=block,
         **_LAUNCH,
     )
-    return out
 
 
 def pack_bool(x: torch.Tensor) -> torch.Tensor:
