@@ -209,7 +209,11 @@ def test_shared_record_is_decoded_once_per_backward(monkeypatch: pytest.MonkeyPa
 
     decodes = []
     decode = QuantizedRecord.decode
-    monkeypatch.setattr(QuantizedRecord, "decode", lambda self, buffers=None: (decodes.append(self), decode(self, buffers))[1])
+    def counted(self: QuantizedRecord, buffers: object = None) -> torch.Tensor:
+        decodes.append(self)
+        return decode(self, buffers)
+
+    monkeypatch.setattr(QuantizedRecord, "decode", counted)
     conv1, conv2 = nn.Conv2d(C, C, 3, padding=1), nn.Conv2d(C, C, 3, padding=1)
     x = torch.randn(4, C, 16, 16)
     with daftrain.compress(bits=2) as ctx:
