@@ -75,9 +75,7 @@ def test_backward_reuses_buffers_and_gradients_are_unchanged() -> None:
 
     def grads(reuse: bool) -> tuple[list[torch.Tensor], daftrain.compress]:
         model.zero_grad()
-        ctx = daftrain.compress(bits=2, seed=3, model=model)
-        if not reuse:
-            ctx._decode_buffers = None
+        ctx = daftrain.compress(bits=2, seed=3, model=model, decode_buffers=reuse)
         for _ in range(2):
             model.zero_grad()
             with ctx:
@@ -90,3 +88,5 @@ def test_backward_reuses_buffers_and_gradients_are_unchanged() -> None:
     for a, b in zip(fresh, reused, strict=True):
         assert torch.equal(a, b)
     assert ctx._decode_buffers is not None and ctx._decode_buffers.reused > 0
+    with pytest.raises(TypeError, match="decode_buffers"):
+        daftrain.CompressionConfig(decode_buffers=1)

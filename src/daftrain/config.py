@@ -50,6 +50,11 @@ class CompressionConfig:
     """Pack on a worker thread while the next layers compute, and decode ahead in backward
     (see ``packer.py``). Results are identical to the synchronous path."""
 
+    decode_buffers: bool = True
+    """Decode in backward into reused host buffers instead of fresh memory (CPU; see
+    ``NOTE [ Decode buffers ]`` in ``decode_buffers.py``): faster, at the cost of a few free buffers
+    held during backward."""
+
     avg_bits: float | None = None
     """``bits="auto"`` only: the budget as average bits per value over the tensors it allocates, counted
     with the real layout's per-group overhead (``avg_bits=2.0`` costs exactly the bytes of fixed 2-bit).
@@ -85,6 +90,8 @@ class CompressionConfig:
             raise ValueError(f"min_numel must be a non-negative int, got {self.min_numel!r}")
         if not isinstance(self.asynchronous, bool):
             raise TypeError(f"asynchronous must be a bool, got {type(self.asynchronous).__name__}")
+        if not isinstance(self.decode_buffers, bool):
+            raise TypeError(f"decode_buffers must be a bool, got {type(self.decode_buffers).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise TypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
         if self.seed is not None and (

@@ -130,7 +130,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = AutoBits(self.config, model) if self.config.auto else None
-        self._decode_buffers: DecodeBuffers | None = DecodeBuffers()
+        self._decode_buffers = DecodeBuffers() if self.config.decode_buffers else None
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> compress:  # type: ignore[override]
