@@ -62,6 +62,7 @@ class Run:
     saved_bytes: int = 0
     raw_bytes: int = 0
     seconds: float = 0.0
+    calibration_seconds: float = 0.0
     report: dict[str, Any] | None = None
 
 
@@ -76,7 +77,7 @@ def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftra
 def train(config: str, model: torch.nn.Module, batches: Callable[[], Iterator[tuple[Any, Any]]],
           loss_fn: Callable[[torch.nn.Module, Any, Any], torch.Tensor], evaluate: Callable[[], float],
           total_steps: int, lr: float, optimizer: str, eval_every: int, adapt_interval: int,
-          weight_decay: float) -> Run:
+          weight_decay: float, calibrate_every: int = 0) -> Run:
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, nesterov=True)
@@ -98,6 +99,10 @@ def train(config: str, model: torch.nn.Module, batches: Callable[[], Iterator[tu
         else:
             with ctx:
                 loss = loss_fn(model, x, y)
+            if calibrate_every and ctx.config.auto and step > 0 and step % calibrate_every == 0:
+                t0 = time.perf_counter()
+                ctx.calibrate(loss)
+                run.calibration_seconds += time.perf_counter() - t0
         loss.backward()
         opt.step()
         sched.step()
@@ -165,7 +170,8 @@ def resnet_task(args: argparse.Namespace) -> dict[str, Any]:
             return 100.0 * correct / len(test_set.labels)
 
         runs.append(train(config, model, batches, lambda m, x, y: F.cross_entropy(m(x), y), evaluate, total,
-                          args.lr or 0.1, "sgd", steps_per_epoch // 2, args.adapt_interval, 5e-4))
+                          args.lr or 0.1, "sgd", steps_per_epoch // 2, args.adapt_interval, 5e-4,
+                          args.calibrate_every))
     return {"metric": "test accuracy (%)", "higher_is_better": True, "target": "auto within 0.3 points of fp32",
             "setup": {"model": f"resnet18 width={args.width}", "data": train_set.source + "; " + test_set.source,
                       "epochs": args.epochs, "batch": args.batch, "steps": total}, "runs": runs}
@@ -268,7 +274,8 @@ def minilm_task(args: argparse.Namespace) -> dict[str, Any]:
             return 100.0 * correct / len(test_y)
 
         runs.append(train(config, model, batches, lambda m, x, y: F.cross_entropy(m(**x).logits, y), evaluate,
-                          total, args.lr or 1e-3, "adamw", max(1, steps_per_epoch // 2), args.adapt_interval, 0.0))
+                          total, args.lr or 1e-3, "adamw", max(1, steps_per_epoch // 2), args.adapt_interval, 0.0,
+                          args.calibrate_every))
     return {"metric": "test accuracy (%)", "higher_is_better": True, "target": "auto within 0.5 points of fp32",
             "setup": {"model": "all-MiniLM-L6-v2 (pretrained) + LoRA r=8 on query/key/value/dense, classifier trained",
                       "data": f"authorship of {args.words}-word passages: {names}; {len(train_set)} train, "
@@ -318,7 +325,7 @@ def gpt2_task(args: argparse.Namespace) -> dict[str, Any]:
             return sum(losses) / len(losses)
 
         runs.append(train(config, model, batches, loss_fn, evaluate, total, args.lr or 2e-3, "adamw",
-                          max(1, total // 6), args.adapt_interval, 0.01))
+                          max(1, total // 6), args.adapt_interval, 0.01, args.calibrate_every))
     return {"metric": "validation loss (nats/char)", "higher_is_better": False,
             "target": "auto within 1% of fp32",
             "setup": {"model": f"GPT-2 config n_layer={args.layers} n_embd={args.embd} n_head={args.heads}, "
@@ -379,6 +386,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--adapt-interval", type=int, default=100)
+    p.add_argument("--calibrate-every", type=int, default=0,
+                   help="bits='auto': ctx.calibrate(loss) every this many steps (0: never)")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--width", type=int, default=16, help="resnet: first stage width")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import weakref
 from types import TracebackType
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .calibration import CalibrationPass, squared_distance
 from .config import CompressionConfig
 from .decode_buffers import DecodeBuffers
 from .importance import AllocationReport, AutoBits
@@ -131,6 +133,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = AutoBits(self.config, model) if self.config.auto else None
         self._decode_buffers = DecodeBuffers() if self.config.decode_buffers else None
+        # bits="auto": each record's forward position, for calibrate() (entries go with their records).
+        self._record_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._calibration_pass: _CalibrationPass | None = None
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> compress:  # type: ignore[override]
@@ -200,15 +205,21 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
                 self._bit_policy.note_saved_again(self.step, self._slot_index[key], t)
         else:
             flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
-            if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
-                self._slot_index[key] = self._num_records
+            index = self._num_records
             record = self._make_record(flat, decision, t)
+            if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
+                self._slot_index[key] = index
+                self._record_index[record] = index
             self._records[key] = record
         return SavedHandle(record, t.shape, t.stride(), dense)
 
     def _unpack(self, packed: torch.Tensor | SavedHandle) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if self._calibration_pass is not None:
+            flat = packed.record.decode()
+            index = self._record_index.get(packed.record)
+            return packed.restore(self._calibration_pass.perturb(index, flat))
         shared = self._shared.get(packed.record)
         if shared is not None and shared.flat is not None:
             flat = shared.flat
@@ -283,6 +294,51 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         JSON. ``None`` until the first step's backward has run, or with fixed bits."""
         return self._bit_policy.report() if self._bit_policy is not None else None
 
+    def calibrate(self, loss: torch.Tensor) -> dict[str, float]:
+        """``bits="auto"``: measure how much gradient variance each class of saved tensors really adds,
+        with one extra backward pass per class on this step's graph, and correct the importance
+        estimate (and the allocation in force) by it; see ``NOTE [ Calibration ]`` in ``calibration.py``.
+
+        Call it between the forward (under this context) and ``loss.backward()``, on a step after the
+        first one, every few hundred steps (each call costs a backward per class). Needs ``model``.
+        Returns each measured class's correction factor; ``ctx.report()`` shows them.
+        """
+        policy = self._bit_policy
+        if policy is None:
+            raise RuntimeError("calibrate() corrects bits='auto''s importance estimate; this context has fixed bits")
+        if not policy.params:
+            raise RuntimeError("calibrate() measures parameter gradients: create the context with compress(model=...)")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError("calibrate() needs the scalar loss of a forward run under this context, "
+                             "before its backward")
+        targets = policy.calibration_targets()
+        group, seed = self.config.group_size, self._base_seed ^ _CALIBRATION_SEED
+
+        def gradients(indices: dict[int, int]) -> tuple[list[torch.Tensor | None], CalibrationPass]:
+            calibration_pass = CalibrationPass(indices, group, seed, self.step)
+            self._calibration_pass, policy.calibrating = calibration_pass, True
+            try:
+                grads = torch.autograd.grad(loss, policy.params, retain_graph=True, allow_unused=True)
+            finally:
+                self._calibration_pass, policy.calibrating = None, False
+            return list(grads), calibration_pass
+
+        base, _ = gradients({})
+        factors: dict[str, float] = {}
+        perturbed = False
+        for cls, members in targets.items():
+            grads, done = gradients({key.index: key.numel for key, _ in members})
+            perturbed = perturbed or bool(done.noise)
+            predicted = math.fsum(s * done.noise.get(key.index, 0.0) for key, s in members)
+            measured = squared_distance(grads, base)
+            if predicted > 0 and measured > 0 and math.isfinite(measured):
+                factors[cls] = measured / predicted
+        if not perturbed:
+            raise RuntimeError("calibrate() found none of the allocation's saved tensors in this loss's graph: "
+                               "compute the loss under this context, and call calibrate() before loss.backward()")
+        policy.set_calibration(factors)
+        return factors
+
     def state_dict(self) -> dict[str, Any]:
         """The step counter and (``bits="auto"``) the bit allocation and its estimates, as plain Python
         values, so that a resumed run decides the same bits. Call it between steps."""
@@ -315,5 +371,7 @@ def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, poo
                       seed: int) -> Record:
     return into_pool(job(flat), pool, importance, seed)
 
+
+_CALIBRATION_SEED = 0x5EEDCA1B  # calibrate()'s re-quantization draws differ from the records' own
 
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool"}

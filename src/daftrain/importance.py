@@ -104,7 +104,7 @@ __all__ = ["AllocationReport", "AutoBits", "QuantizationVarianceWarning", "SlotA
            "StateDictError"]
 
 STATE_FORMAT = "daftrain.compress"
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 class QuantizationVarianceWarning(UserWarning):
@@ -133,16 +133,45 @@ class SlotAllocation:
     itemsize: int
     op: str
     """The torch function(s) that saved the tensor on the adaptation step, ``+``-joined (``""`` if none)."""
+    producer: str
+    """The autograd node that produced the tensor (views skipped; ``""`` for none)."""
     grad_sq: float | None
     """``||G||^2`` of the saving ops' output gradients on the adaptation step; ``None`` when none arrived."""
     noise: NoiseProfile
     sensitivity: float
+    """The analytic estimate; see ``NOTE [ Importance estimate ]``."""
+    calibration: float
+    """The measured correction of its class (1.0 until ``calibrate``); see ``NOTE [ Calibration ]``."""
     min_bits: int
     """The fewest bits it may get; see ``NOTE [ Fewest bits ]``."""
     bits: int | None
     nbytes: int
     variance: float
-    """Estimated gradient variance the slot adds at ``bits`` (``sensitivity * noise.energy(bits)``)."""
+    """Estimated gradient variance the slot adds at ``bits`` (``sensitivity * calibration * noise.energy(bits)``)."""
+
+    @property
+    def slot_class(self) -> str:
+        """Slots of one class share a calibration: same saving op(s), producer and size."""
+        return slot_class(self.op, self.producer, self.key.numel)
+
+
+def slot_class(op: str, producer: str, numel: int) -> str:
+    return f"{op}|{producer}|{numel}"
+
+
+@dataclass(frozen=True)
+class SlotEstimate:
+    """What an adaptation step measured of one slot: the input of the allocation."""
+
+    key: SlotKey
+    shape: tuple[int, ...]
+    itemsize: int
+    op: str
+    producer: str
+    grad_sq: float | None
+    noise: NoiseProfile
+    sensitivity: float
+    min_bits: int
 
 
 @dataclass(frozen=True)
@@ -178,8 +207,8 @@ class AllocationReport:
             "variance_share": self.variance_share,
             "slots": [
                 {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
-                 "op": s.op, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes,
-                 "sensitivity": s.sensitivity, "variance": s.variance}
+                 "op": s.op, "producer": s.producer, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes,
+                 "sensitivity": s.sensitivity, "calibration": s.calibration, "variance": s.variance}
                 for s in self.slots
             ],
         }
@@ -188,12 +217,13 @@ class AllocationReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def table(self) -> str:
-        lines = [f"{'slot':>5} {'shape':<22} {'dtype':<9} {'saved by':<24} {'sensitivity':>11} {'bits':>5} "
-                 f"{'bytes':>11} {'est. var':>10}"]
+        lines = [f"{'slot':>5} {'shape':<22} {'dtype':<9} {'saved by':<24} {'sensitivity':>11} {'calib.':>9} "
+                 f"{'bits':>5} {'bytes':>11} {'est. var':>10}"]
         for s in self.slots:
             bits = "exact" if s.bits is None else str(s.bits)
             lines.append(f"{s.key.index:>5} {'x'.join(map(str, s.shape)):<22} {s.key.dtype:<9} {s.op[:24]:<24} "
-                         f"{s.sensitivity:>11.3e} {bits:>5} {s.nbytes:>11,} {s.variance:>10.3e}")
+                         f"{s.sensitivity:>11.3e} {s.calibration:>9.3g} {bits:>5} {s.nbytes:>11,} "
+                         f"{s.variance:>10.3e}")
         share = self.variance_share
         lines.append(
             f"{len(self.slots)} slots, {self.used_bytes:,} of {self.budget_bytes:,} budget bytes "
@@ -214,6 +244,7 @@ class _Observation:
     itemsize: int
     noise: NoiseProfile
     min_bits: int = 1
+    producer: str = ""
     ops: list[str] = dataclasses.field(default_factory=list)
     grad_sq: float | None = None
     """Sum of ``||G||^2`` over the saving ops' output gradients that arrived."""
@@ -353,7 +384,7 @@ def _fan_out(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], saved:
 
 
 def _attribute(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any,
-               saved: list[tuple[_Observation, torch.Tensor]]) -> None:
+               saved: list[tuple[_Observation, torch.Tensor]], policy: AutoBits) -> None:
     """Hook the output gradient of one traced call onto the records it saved."""
     name = getattr(func, "__name__", None) or str(func)
     outs = _tensors(out)
@@ -373,6 +404,8 @@ def _attribute(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out:
         return  # no gradient can reach these records through this op: it adds 0 to their sensitivity
 
     def on_grad(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        if policy.calibrating:  # calibrate()'s extra backward passes are not the step's gradient
+            return
         sq = math.fsum(float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2)
                        for g in grad_outputs if g is not None)
         for obs, c in contribs:
@@ -383,6 +416,31 @@ def _attribute(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out:
         node.register_prehook(on_grad)
     for obs, _ in contribs:
         obs.hooked = True
+
+
+# Autograd nodes that only re-view their input: the producer of a saved view is the node behind them.
+_VIEW_NODES = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0",
+    "ReshapeAliasBackward0", "AliasBackward0", "TBackward0", "SplitBackward0", "SplitWithSizesBackward0",
+    "SliceBackward0", "SelectBackward0", "AsStridedBackward0", "SqueezeBackward0", "SqueezeBackward1",
+    "UnsqueezeBackward0", "UnbindBackward0",
+})
+
+
+def _producer(t: torch.Tensor | None) -> str:
+    """The name of the autograd node that computed ``t``, views skipped (``""`` for a leaf or none)."""
+    node = t.grad_fn if t is not None else None
+    for _ in range(8):
+        if node is None:
+            return ""
+        name = type(node).__name__
+        if name not in _VIEW_NODES:
+            return name
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:
+            return name
+        node = inputs[0]
+    return type(node).__name__ if node is not None else ""
 
 
 class _SaverTracer(TorchFunctionMode):
@@ -401,7 +459,7 @@ class _SaverTracer(TorchFunctionMode):
         if len(saved) > start:
             mine = saved[start:]
             del saved[start:]
-            _attribute(func, args, kwargs, out, mine)
+            _attribute(func, args, kwargs, out, mine, self._policy)
         return out
 
 
@@ -479,6 +537,14 @@ class AutoBits:
         self._probe: _GradProbe | None = None
         self._grad_variance: float | None = None
         self._slot_variance: tuple[AllocationReport, dict[SlotKey, float]] | None = None
+        self._calibration: dict[str, float] = {}
+        self.calibrating = False
+        """Set while ``compress.calibrate`` runs its extra backward passes: the estimate ignores them."""
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The model's trainable parameters (empty without ``model``)."""
+        return self._params
 
     # -- tracing the saving ops (adaptation steps) ---------------------------------------------------
     def enter(self, step: int) -> None:
@@ -553,7 +619,8 @@ class AutoBits:
         plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
         zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
         shape = tuple(source.shape) if source is not None else (flat.numel(),)
-        obs = _Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2), min_bits)
+        obs = _Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2), min_bits,
+                           _producer(source))
         self._observed[key] = obs
         self._by_index[key.index] = obs
         if source is not None and self._tracer is not None:
@@ -583,8 +650,8 @@ class AutoBits:
                 sens.append(o.sensitivity)
             else:  # saved by traced ops whose outputs got no gradient: its noise cannot reach one either
                 sens.append(0.0 if o.traced else default)
-        self._apply([(o.key, o.shape, o.itemsize, "+".join(o.ops), o.grad_sq, o.noise, s,
-                      _floor_bits(o.ops, o.min_bits, o.noise))
+        self._apply([SlotEstimate(o.key, o.shape, o.itemsize, "+".join(o.ops), o.producer, o.grad_sq, o.noise, s,
+                                  _floor_bits(o.ops, o.min_bits, o.noise))
                      for o, s in zip(observed, sens, strict=True)],
                     estimated_at=self._adapt_step, next_adapt=self._adapt_step + self.config.adapt_interval)
 
@@ -594,33 +661,70 @@ class AutoBits:
         assert self.avg_bits is not None
         return budget_for_avg_bits(numels, self.avg_bits, self.config.group_size)
 
-    def _solve(self, slots: list[tuple[Any, ...]], estimated_at: int, next_adapt: int,
+    def _solve(self, slots: list[SlotEstimate], estimated_at: int, next_adapt: int,
                grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
-        """The allocation for ``slots`` (key, shape, itemsize, op, grad_sq, noise, sensitivity, min_bits); pure."""
+        """The allocation for ``slots`` under the calibration in force; pure."""
         group = self.config.group_size
+        factors = [self.calibration_of(slot_class(e.op, e.producer, e.key.numel)) for e in slots]
 
         def choices(floored: bool) -> list[tuple[Choice, ...]]:
-            return [choices_for(key.numel, itemsize, group, noise, s, min_bits=floor if floored else 1)
-                    for key, _, itemsize, _, _, noise, s, floor in slots]
+            return [choices_for(e.key.numel, e.itemsize, group, e.noise, e.sensitivity * f,
+                                min_bits=e.min_bits if floored else 1)
+                    for e, f in zip(slots, factors, strict=True)]
 
         items = choices(floored=True)
-        budget = self._budget([s[0].numel for s in slots])
+        budget = self._budget([e.key.numel for e in slots])
         if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
             items = choices(floored=False)
         solution = solve(items, budget)
         allocated = []
-        for (key, shape, itemsize, op, grad_sq, noise, s, floor), c, pick in zip(slots, items, solution.picks,
-                                                                              strict=True):
+        for e, f, c, pick in zip(slots, factors, items, solution.picks, strict=True):
             ch = c[pick]
-            allocated.append(SlotAllocation(key, shape, itemsize, op, grad_sq, noise, s, floor, ch.bits, ch.nbytes,
-                                            ch.variance))
+            allocated.append(SlotAllocation(e.key, e.shape, e.itemsize, e.op, e.producer, e.grad_sq, e.noise,
+                                            e.sensitivity, f, e.min_bits, ch.bits, ch.nbytes, ch.variance))
         report = AllocationReport(estimated_at, next_adapt, budget, solution.nbytes, tuple(allocated),
                                   solution.variance, grad_variance)
         return {a.key: a.bits for a in allocated}, report
 
-    def _apply(self, slots: list[tuple[Any, ...]], estimated_at: int, next_adapt: int) -> None:
+    def _apply(self, slots: list[SlotEstimate], estimated_at: int, next_adapt: int) -> None:
         self._bits, self._report = self._solve(slots, estimated_at, next_adapt, self._grad_variance)
         self._next_adapt = next_adapt
+
+    # -- calibration (see NOTE [ Calibration ]) ------------------------------------------------------
+    def calibration_of(self, cls: str) -> float:
+        """The measured correction of slot class ``cls``: the geometric median of the measured ones
+        for a class never measured, 1.0 before any calibration."""
+        if cls in self._calibration:
+            return self._calibration[cls]
+        if not self._calibration:
+            return 1.0
+        logs = sorted(math.log(f) for f in self._calibration.values())
+        mid = len(logs) // 2
+        return math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2)
+
+    def calibration_targets(self) -> dict[str, list[tuple[SlotKey, float]]]:
+        """Slots of the allocation in force by class: ``(key, analytic sensitivity)``."""
+        report = self.report()
+        if report is None:
+            raise RuntimeError("calibrate() needs an allocation first: call it on a step after the first "
+                               "step's backward (bits='auto' estimates importance on that step)")
+        targets: dict[str, list[tuple[SlotKey, float]]] = {}
+        for a in report.slots:
+            targets.setdefault(a.slot_class, []).append((a.key, a.sensitivity))
+        return targets
+
+    def set_calibration(self, factors: Mapping[str, float]) -> None:
+        """Adopt measured class corrections and re-solve the allocation in force with them."""
+        for cls, f in factors.items():
+            if not (isinstance(f, float) and math.isfinite(f) and f > 0):
+                raise ValueError(f"calibration of {cls!r} must be a positive finite float, got {f!r}")
+        self._calibration.update(factors)
+        report = self._report
+        if report is not None:
+            self._bits, self._report = self._solve(
+                [SlotEstimate(a.key, a.shape, a.itemsize, a.op, a.producer, a.grad_sq, a.noise, a.sensitivity,
+                              a.min_bits) for a in report.slots],
+                report.estimated_at_step, report.next_adapt_step, self._grad_variance)
 
     def importance_of(self, index: int, flat: torch.Tensor) -> float | None:
         """The estimated gradient variance the record at forward position ``index`` adds at its
@@ -670,7 +774,8 @@ class AutoBits:
             for a in self._report.slots:
                 slots.append({
                     "index": a.key.index, "numel": a.key.numel, "dtype": a.key.dtype, "shape": list(a.shape),
-                    "itemsize": a.itemsize, "op": a.op, "min_bits": a.min_bits, "grad_sq": a.grad_sq,
+                    "itemsize": a.itemsize, "op": a.op, "producer": a.producer, "min_bits": a.min_bits,
+                    "grad_sq": a.grad_sq,
                     "plain_r2": a.noise.plain_r2,
                     "zero_r2": a.noise.zero_r2, "sensitivity": a.sensitivity, "bits": a.bits,
                 })
@@ -679,7 +784,7 @@ class AutoBits:
             "config": self._config_dict(), "model": self._fingerprint,
             "next_adapt": self._next_adapt, "reestimate": self._reestimate,
             "estimated_at": self._report.estimated_at_step if self._report is not None else None,
-            "grad_variance": self._grad_variance, "slots": slots,
+            "grad_variance": self._grad_variance, "calibration": dict(self._calibration), "slots": slots,
         }
         return {**payload, "checksum": _checksum(payload)}
 
@@ -712,13 +817,19 @@ class AutoBits:
         slots, estimated_at = parsed["slots"], parsed["estimated_at"]
         bits: dict[SlotKey, int | None] = {}
         report = None
-        if slots:
-            bits, report = self._solve([s[:-1] for s in slots], estimated_at, state["next_adapt"],
-                                       parsed["grad_variance"])
-            if bits != {s[0]: s[-1] for s in slots}:
-                raise StateDictError("cannot load this daftrain state dict: its bits do not follow from its "
-                                     "importance estimates (corrupted, or saved by another daftrain version); "
-                                     "nothing was changed")
+        current = self._calibration
+        self._calibration = parsed["calibration"]
+        try:
+            if slots:
+                bits, report = self._solve([e for e, _ in slots], estimated_at, state["next_adapt"],
+                                           parsed["grad_variance"])
+                if bits != {e.key: b for e, b in slots}:
+                    raise StateDictError("cannot load this daftrain state dict: its bits do not follow from its "
+                                         "importance estimates (corrupted, or saved by another daftrain version); "
+                                         "nothing was changed")
+        except BaseException:
+            self._calibration = current
+            raise
         self._bits, self._report, self._grad_variance = bits, report, parsed["grad_variance"]
         self._next_adapt, self._reestimate = state["next_adapt"], state["reestimate"]
         self._step = state["step"]
@@ -749,21 +860,22 @@ class AutoBits:
                 if bits is not None and bits not in SUPPORTED_BITS:
                     raise ValueError(f"bits {bits!r}")
                 grad_sq = None if s["grad_sq"] is None else float(s["grad_sq"])
-                if not isinstance(s["op"], str):
-                    raise TypeError(f"op {s['op']!r}")
+                if not isinstance(s["op"], str) or not isinstance(s["producer"], str):
+                    raise TypeError(f"op {s['op']!r}, producer {s['producer']!r}")
                 if s["min_bits"] not in SUPPORTED_BITS or isinstance(s["min_bits"], bool):
                     raise ValueError(f"min_bits {s['min_bits']!r}")
                 noise = NoiseProfile(float(s["plain_r2"]), float(s["zero_r2"]))
                 values = (float(s["sensitivity"]), noise.plain_r2, noise.zero_r2)
                 if not all(math.isfinite(v) and v >= 0 for v in values) or key.numel <= 0:
                     raise ValueError("negative or non-finite estimate")
-                slots.append((key, tuple(int(d) for d in s["shape"]), int(s["itemsize"]), s["op"],
-                              grad_sq, noise, float(s["sensitivity"]), s["min_bits"], bits))
+                slots.append((SlotEstimate(key, tuple(int(d) for d in s["shape"]), int(s["itemsize"]), s["op"],
+                                           s["producer"], grad_sq, noise, float(s["sensitivity"]), s["min_bits"]),
+                              bits))
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"a slot entry is malformed ({e!r})") from None
-        if len({s[0].index for s in slots}) != len(slots):
+        if len({e.key.index for e, _ in slots}) != len(slots):
             raise fail("two slots share one index")
-        if self._bits and slots and set(self._bits) != {s[0] for s in slots}:
+        if self._bits and slots and set(self._bits) != {e.key for e, _ in slots}:
             raise fail("its slots (saved tensors) differ from the ones this context has seen; "
                        "it belongs to another model")
         if slots and not isinstance(state.get("estimated_at"), int):
@@ -772,7 +884,13 @@ class AutoBits:
         if variance is not None and (isinstance(variance, bool) or not isinstance(variance, int | float)
                                      or not math.isfinite(variance) or variance < 0):
             raise fail("grad_variance must be None or a non-negative number")
-        return {"slots": slots, "estimated_at": state.get("estimated_at"), "grad_variance": variance}
+        calibration = state.get("calibration")
+        if not isinstance(calibration, dict) or not all(
+            isinstance(k, str) and isinstance(v, float) and math.isfinite(v) and v > 0 for k, v in calibration.items()
+        ):
+            raise fail("calibration must map slot classes to positive finite floats")
+        return {"slots": slots, "estimated_at": state.get("estimated_at"), "grad_variance": variance,
+                "calibration": dict(calibration)}
 
 
 def _refuse(why: str) -> StateDictError:
