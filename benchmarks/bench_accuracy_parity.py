@@ -67,17 +67,21 @@ class Run:
 
 
 def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftrain.compress | None:
+    """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``), ``_g<G>`` for group size G (``fixed2_g64``);
+    ``auto2``, and ``auto2cal``, which also calls ``ctx.calibrate`` (``--calibrate-every``)."""
     if config == "fp32":
         return None
-    if config.startswith("fixed"):  # fixed2, fixed4, fixed8
-        return daftrain.compress(bits=int(config.removeprefix("fixed")), model=model, seed=0)
-    return daftrain.compress(bits="auto", avg_bits=2.0, model=model, seed=0, adapt_interval=adapt_interval)
+    name, _, group = config.partition("_g")
+    extra = {"group_size": int(group)} if group else {}
+    if name.startswith("fixed"):
+        return daftrain.compress(bits=int(name.removeprefix("fixed")), model=model, seed=0, **extra)
+    return daftrain.compress(bits="auto", avg_bits=2.0, model=model, seed=0, adapt_interval=adapt_interval, **extra)
 
 
 def train(config: str, model: torch.nn.Module, batches: Callable[[], Iterator[tuple[Any, Any]]],
           loss_fn: Callable[[torch.nn.Module, Any, Any], torch.Tensor], evaluate: Callable[[], float],
           total_steps: int, lr: float, optimizer: str, eval_every: int, adapt_interval: int,
-          weight_decay: float, calibrate_every: int = 0) -> Run:
+          weight_decay: float, calibrate_every: int = 100) -> Run:
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, nesterov=True)
@@ -99,7 +103,7 @@ def train(config: str, model: torch.nn.Module, batches: Callable[[], Iterator[tu
         else:
             with ctx:
                 loss = loss_fn(model, x, y)
-            if calibrate_every and ctx.config.auto and step > 0 and step % calibrate_every == 0:
+            if config.startswith("auto2cal") and step > 0 and step % calibrate_every == 0:
                 t0 = time.perf_counter()
                 ctx.calibrate(loss)
                 run.calibration_seconds += time.perf_counter() - t0
@@ -310,6 +314,7 @@ def gpt2_task(args: argparse.Namespace) -> dict[str, Any]:
 
     runs = []
     for config in args.configs:
+        torch.manual_seed(args.seed)  # every configuration draws the same dropout masks
         model = gpt2_lm(n_layer=args.layers, n_embd=args.embd, n_head=args.heads, n_positions=args.seq,
                         vocab_size=len(chars), dropout=0.1, seed=args.seed)
 
@@ -386,8 +391,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--adapt-interval", type=int, default=100)
-    p.add_argument("--calibrate-every", type=int, default=0,
-                   help="bits='auto': ctx.calibrate(loss) every this many steps (0: never)")
+    p.add_argument("--calibrate-every", type=int, default=100,
+                   help="config auto2cal: ctx.calibrate(loss) every this many steps")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--width", type=int, default=16, help="resnet: first stage width")
