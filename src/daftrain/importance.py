@@ -54,7 +54,10 @@ tensors' shapes change) it measures each tensor's importance, then solves the bi
 # step, one min/max read per saved tensor, one Python call per torch function of the forward and one
 # squared-norm per traced op output in backward, amortised over ``adapt_interval`` steps
 # (``benchmarks/bench_importance_overhead.py`` measures it). ``V_i`` is an order-of-magnitude estimate
-# of the true variance; the allocation only needs it to rank tensors.
+# of the true variance; the allocation only needs it to rank tensors. Across op kinds it is not even
+# that (noise landing in an activation gradient is undercounted by orders of magnitude):
+# ``compress.calibrate`` measures a correction per class of slots, see ``NOTE [ Calibration ]`` in
+# ``calibration.py``.
 #
 # NOTE [ Fewest bits ]
 # The variance model above holds when the backward that reads a saved tensor is *linear* in it
