@@ -43,7 +43,7 @@ class DecodeBuffers:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous 1-D CPU tensor of ``numel`` values of ``dtype``."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         with self._lock:
             free = self._free.get(nbytes)
             buffer = free.pop() if free else None

@@ -128,14 +128,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         self._raw_storages: set[StorageWeakRef] = set()
         self._kept_storages: set[StorageWeakRef] = set()
         self._num_records = 0
-        self._slot_index: dict[_Key, int] = {}  # bits="auto": record key -> its forward position
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = AutoBits(self.config, model) if self.config.auto else None
         self._decode_buffers = DecodeBuffers() if self.config.decode_buffers else None
-        # bits="auto": each record's forward position, for calibrate() (entries go with their records).
+        # bits="auto": each quantized record's forward position (its slot index), for the saves that share
+        # it and for calibrate(); entries go with their records.
         self._record_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        self._calibration_pass: _CalibrationPass | None = None
+        self._calibration_pass: CalibrationPass | None = None
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> compress:  # type: ignore[override]
@@ -150,7 +150,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
         self._num_records = 0
-        self._slot_index = {}
         super().__enter__()
         if self._bit_policy is not None:
             self._bit_policy.enter(self.step)
@@ -172,7 +171,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         # The dedup table only matters within one forward pass; drop its keys (and their weak refs).
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
-        self._slot_index = {}
 
     # -- the hooks ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor | SavedHandle:
@@ -201,14 +199,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
                 self._shared[record] = _SharedDecode()
             else:
                 shared.uses += 1
-            if self._bit_policy is not None and key in self._slot_index:
-                self._bit_policy.note_saved_again(self.step, self._slot_index[key], t)
+            index = self._record_index.get(record) if self._bit_policy is not None else None
+            if index is not None:
+                self._bit_policy.note_saved_again(self.step, index, t)
         else:
             flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
             index = self._num_records
             record = self._make_record(flat, decision, t)
             if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
-                self._slot_index[key] = index
                 self._record_index[record] = index
             self._records[key] = record
         return SavedHandle(record, t.shape, t.stride(), dense)
@@ -372,6 +370,6 @@ def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, poo
     return into_pool(job(flat), pool, importance, seed)
 
 
-_CALIBRATION_SEED = 0x5EEDCA1B  # calibrate()'s re-quantization draws differ from the records' own
+_CALIBRATION_SEED = 0x5EEDCA1B  # calibrate()'s noise draws differ from the records' rounding draws
 
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool"}
