@@ -128,8 +128,8 @@ class SlotKey:
 
 
 @dataclass(frozen=True)
-class SlotAllocation:
-    """One slot's importance estimate and its allocated bits (``None`` = kept exact)."""
+class SlotEstimate:
+    """What an adaptation step measured of one slot: the input of the allocation."""
 
     key: SlotKey
     shape: tuple[int, ...]
@@ -143,38 +143,25 @@ class SlotAllocation:
     noise: NoiseProfile
     sensitivity: float
     """The analytic estimate; see ``NOTE [ Importance estimate ]``."""
-    calibration: float
-    """The measured correction of its class (1.0 until ``calibrate``); see ``NOTE [ Calibration ]``."""
     min_bits: int
     """The fewest bits it may get; see ``NOTE [ Fewest bits ]``."""
-    bits: int | None
-    nbytes: int
-    variance: float
-    """Estimated gradient variance the slot adds at ``bits`` (``sensitivity * calibration * noise.energy(bits)``)."""
 
     @property
     def slot_class(self) -> str:
         """Slots of one class share a calibration: same saving op(s), producer and size."""
-        return slot_class(self.op, self.producer, self.key.numel)
-
-
-def slot_class(op: str, producer: str, numel: int) -> str:
-    return f"{op}|{producer}|{numel}"
+        return f"{self.op}|{self.producer}|{self.key.numel}"
 
 
 @dataclass(frozen=True)
-class SlotEstimate:
-    """What an adaptation step measured of one slot: the input of the allocation."""
+class SlotAllocation(SlotEstimate):
+    """One slot's importance estimate and its allocated bits (``None`` = kept exact)."""
 
-    key: SlotKey
-    shape: tuple[int, ...]
-    itemsize: int
-    op: str
-    producer: str
-    grad_sq: float | None
-    noise: NoiseProfile
-    sensitivity: float
-    min_bits: int
+    calibration: float
+    """The measured correction of its class (1.0 until ``calibrate``); see ``NOTE [ Calibration ]``."""
+    bits: int | None
+    nbytes: int
+    variance: float
+    """Estimated gradient variance the slot adds at ``bits`` (``sensitivity * calibration * noise.energy(bits)``)."""
 
 
 @dataclass(frozen=True)
@@ -668,7 +655,8 @@ class AutoBits:
                grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
         """The allocation for ``slots`` under the calibration in force; pure."""
         group = self.config.group_size
-        factors = [self.calibration_of(slot_class(e.op, e.producer, e.key.numel)) for e in slots]
+        unmeasured = self._unmeasured_calibration()
+        factors = [self._calibration.get(e.slot_class, unmeasured) for e in slots]
 
         def choices(floored: bool) -> list[tuple[Choice, ...]]:
             return [choices_for(e.key.numel, e.itemsize, group, e.noise, e.sensitivity * f,
@@ -683,8 +671,9 @@ class AutoBits:
         allocated = []
         for e, f, c, pick in zip(slots, factors, items, solution.picks, strict=True):
             ch = c[pick]
-            allocated.append(SlotAllocation(e.key, e.shape, e.itemsize, e.op, e.producer, e.grad_sq, e.noise,
-                                            e.sensitivity, f, e.min_bits, ch.bits, ch.nbytes, ch.variance))
+            estimate = {field.name: getattr(e, field.name) for field in dataclasses.fields(SlotEstimate)}
+            allocated.append(SlotAllocation(**estimate, calibration=f, bits=ch.bits, nbytes=ch.nbytes,
+                                            variance=ch.variance))
         report = AllocationReport(estimated_at, next_adapt, budget, solution.nbytes, tuple(allocated),
                                   solution.variance, grad_variance)
         return {a.key: a.bits for a in allocated}, report
@@ -694,11 +683,9 @@ class AutoBits:
         self._next_adapt = next_adapt
 
     # -- calibration (see NOTE [ Calibration ]) ------------------------------------------------------
-    def calibration_of(self, cls: str) -> float:
-        """The measured correction of slot class ``cls``: the geometric median of the measured ones
-        for a class never measured, 1.0 before any calibration."""
-        if cls in self._calibration:
-            return self._calibration[cls]
+    def _unmeasured_calibration(self) -> float:
+        """The correction of a slot class never measured: the geometric median of the measured ones,
+        1.0 before any calibration."""
         if not self._calibration:
             return 1.0
         logs = sorted(math.log(f) for f in self._calibration.values())
@@ -724,10 +711,8 @@ class AutoBits:
         self._calibration.update(factors)
         report = self._report
         if report is not None:
-            self._bits, self._report = self._solve(
-                [SlotEstimate(a.key, a.shape, a.itemsize, a.op, a.producer, a.grad_sq, a.noise, a.sensitivity,
-                              a.min_bits) for a in report.slots],
-                report.estimated_at_step, report.next_adapt_step, self._grad_variance)
+            self._bits, self._report = self._solve(list(report.slots), report.estimated_at_step,
+                                                   report.next_adapt_step, self._grad_variance)
 
     def importance_of(self, index: int, flat: torch.Tensor) -> float | None:
         """The estimated gradient variance the record at forward position ``index`` adds at its
