@@ -56,6 +56,7 @@ from numba.core import types
 from numba.extending import intrinsic, overload
 
 from ..layout import PackedLayout
+from . import reference
 from .reduction import ReductionSelector
 
 __all__ = [
@@ -843,20 +844,6 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
     }
 
 
-def unpack_dequantize(
-    codes: torch.Tensor,
-    lo: torch.Tensor,
-    scale: torch.Tensor,
-    bits: int,
-    group_size: int,
-    numel: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    out = _empty(numel, dtype)
-    unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
-    return out
-
-
 def unpack_dequantize_into(
     out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
 ) -> None:
@@ -892,6 +879,9 @@ def unpack_dequantize_into(
         raise TypeError(f"cannot dequantize to {out.dtype}")
     with _Guard(numel) as nt:
         _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt)
+
+
+unpack_dequantize = reference.allocating(unpack_dequantize_into, lambda numel, dtype, device: _empty(numel, dtype))
 
 
 def pack_bool(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ kernels (``kernels/cpu.py``, ``kernels/triton.py``) must produce byte-identical 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -144,21 +144,6 @@ def quantize_pack(
     return codes, lo, scale
 
 
-def unpack_dequantize(
-    codes: torch.Tensor,
-    lo: torch.Tensor,
-    scale: torch.Tensor,
-    bits: int,
-    group_size: int,
-    numel: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Inverse of ``quantize_pack``: flat tensor of ``numel`` values of ``dtype``."""
-    out = torch.empty(numel, dtype=dtype, device=codes.device)
-    unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
-    return out
-
-
 def unpack_dequantize_into(
     out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
 ) -> None:
@@ -173,6 +158,29 @@ def unpack_dequantize_into(
         v = torch.where(zero_exact[g0:g1, None] & (c == 0), 0.0, v)
         start, stop = g0 * group_size, min(g1 * group_size, layout.numel)
         out[start:stop] = v.view(-1)[: stop - start].to(out.dtype)
+
+
+def allocating(
+    into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], None],
+    empty: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, torch.dtype], torch.Tensor]:
+    """``unpack_dequantize`` of a backend from its ``unpack_dequantize_into``: the output comes from
+    ``empty(numel, dtype, device)`` (``torch.empty`` by default), then ``into`` decodes into it."""
+
+    def unpack_dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+                          numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of ``quantize_pack``: flat tensor of ``numel`` values of ``dtype``."""
+        if empty is None:
+            out = torch.empty(numel, dtype=dtype, device=codes.device)
+        else:
+            out = empty(numel, dtype, codes.device)
+        into(out, codes, lo, scale, bits, group_size)
+        return out
+
+    return unpack_dequantize
+
+
+unpack_dequantize = allocating(unpack_dequantize_into)
 
 
 def pack_bool(x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
 from .reduction import ReductionSelector
 
 __all__ = [
@@ -484,20 +485,6 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
     }
 
 
-def unpack_dequantize(
-    codes: torch.Tensor,
-    lo: torch.Tensor,
-    scale: torch.Tensor,
-    bits: int,
-    group_size: int,
-    numel: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    out = torch.empty(numel, dtype=dtype, device=codes.device)
-    unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
-    return out
-
-
 def unpack_dequantize_into(
     out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
 ) -> None:
@@ -519,6 +506,9 @@ def unpack_dequantize_into(
         BLOCK=block,
         **_LAUNCH,
     )
+
+
+unpack_dequantize = reference.allocating(unpack_dequantize_into)
 
 
 def pack_bool(x: torch.Tensor) -> torch.Tensor:
