@@ -359,3 +359,24 @@ def test_a_record_whose_consumer_gets_no_gradient_has_zero_sensitivity():
     assert (slots["linear"].min_bits, slots["linear"].bits) == (1, 1)
     assert slots["tanh+sin"].min_bits == slots["sigmoid+linear"].min_bits == 2
     assert slots["sigmoid+linear"].sensitivity > 0 and slots["tanh+sin"].sensitivity > 0
+
+
+def test_operands_of_a_product_of_two_activations_get_two_bits_at_least():
+    torch.manual_seed(0)
+    proj = nn.Linear(32, 96)
+    head = nn.Parameter(torch.randn(16, 32))
+    ctx = daftrain.compress(bits="auto", avg_bits=2.0, seed=3)
+    for _ in range(2):  # the estimate of step 0 completes when step 1 begins
+        x = torch.randn(8, 64, 32)  # every saved tensor above min_numel
+        with ctx:
+            q, k, v = proj(x).split(32, dim=-1)
+            scores = q @ k.transpose(-2, -1)  # two activations: q and k floored at 2 bits
+            mixed = torch.bmm(scores, v)  # scores and v, both activations: floored too
+            out = mixed @ head.T  # a view of a parameter is not an activation: mixed may go to 1 bit
+        out.square().mean().backward()
+    slots = ctx.report().slots
+    by_op = {}
+    for s in slots:
+        by_op.setdefault(s.op, []).append(s)
+    assert [s.min_bits for s in by_op["matmul"]] == [2, 2, 1]  # q, k, then mixed (the last matmul)
+    assert [s.min_bits for s in by_op["bmm"]] == [2, 2]
