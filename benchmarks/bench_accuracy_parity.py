@@ -67,12 +67,20 @@ class Run:
 
 
 def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftrain.compress | None:
-    """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``), ``_g<G>`` for group size G (``fixed2_g64``);
-    ``auto2``, and ``auto2cal``, which also calls ``ctx.calibrate`` (``--calibrate-every``)."""
+    """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``); ``auto2``, and ``auto2cal``, which also
+    calls ``ctx.calibrate`` (``--calibrate-every``). Suffixes: ``_g<G>`` for group size G (``fixed2_g64``),
+    ``_cs`` for channel scaling (``auto2cal_cs``)."""
     if config == "fp32":
         return None
-    name, _, group = config.partition("_g")
-    extra = {"group_size": int(group)} if group else {}
+    name, *options = config.split("_")
+    extra: dict[str, Any] = {}
+    for option in options:
+        if option == "cs":
+            extra["channel_scaling"] = True
+        elif option.startswith("g") and option[1:].isdigit():
+            extra["group_size"] = int(option[1:])
+        else:
+            raise ValueError(f"unknown configuration option {option!r} in {config!r}")
     if name.startswith("fixed"):
         return daftrain.compress(bits=int(name.removeprefix("fixed")), model=model, seed=0, **extra)
     return daftrain.compress(bits="auto", avg_bits=2.0, model=model, seed=0, adapt_interval=adapt_interval, **extra)
