@@ -12,6 +12,10 @@ For each size (millions of values) it measures, as medians over repeats, in one 
 * ``unpack_dequantize_into``: reference and fast decoding into a preallocated output, GB/s of output
   written. This is what backward runs (it decodes into reused buffers, ``NOTE [ Decode buffers ]``),
   so the unpack targets apply to it;
+* the write limit of ``unpack_dequantize_into``, which reads a few bits per value and writes the
+  whole output: ``fill_`` of that output (timed alternately with the decode) and, on CPU, libc's
+  ``memset`` of it (which streams past the caches for large sizes). ``reference_over_fill`` is the
+  speed-up over the reference that a decode as fast as a pure write would have;
 * ``unpack_dequantize``: reference and fast, each allocating its output (first-touch page faults are
   then part of the cost): what a caller without a buffer pays, shown for comparison;
 * ``group_minmax`` with each reduction strategy (``per_group``, ``two_level``) and the registered op
@@ -30,6 +34,7 @@ copy bandwidth and are >= 15x faster than the reference. Threads: ``torch.get_nu
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -154,6 +159,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
                 args.repeats,
             )
+            # the write limit of a decode: it reads a few bits per value and writes the whole output
+            fill_i, t_fast_fill, _ = paired(
+                sync(lambda: out.fill_(1.0)),
+                sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
+                args.repeats,
+            )
+            t_memset = None
+            if device == "cpu":
+                t_memset, _ = timed(lambda: ctypes.memset(out.data_ptr(), 0, nbytes), args.repeats)
             t_ref_u = median_seconds(
                 sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)), args.ref_repeats
             )
@@ -188,6 +202,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "fraction_of_copy": fast_gbps / pair_copy_gbps,
                     "speedup_vs_reference": t_ref / t_fast,
                 }
+                if op == "unpack_dequantize_into":
+                    row.update({
+                        "fill_ms": fill_i * 1e3, "fast_paired_with_fill_ms": t_fast_fill * 1e3,
+                        "fraction_of_fill": fill_i / t_fast_fill, "reference_over_fill": t_ref / fill_i,
+                        "memset_ms": t_memset * 1e3 if t_memset is not None else None,
+                        "reference_over_memset": t_ref / t_memset if t_memset is not None else None,
+                    })
                 if bits in TARGET_BITS and op in TARGET_OPS:
                     row["pass_copy"] = row["fraction_of_copy"] >= TARGET_COPY_FRACTION
                     row["pass_speedup"] = row["speedup_vs_reference"] >= TARGET_SPEEDUP
@@ -249,6 +270,16 @@ def print_table(result: dict[str, Any]) -> None:
             f"{r['fast_gbps']:>10.2f}{r['fast_ms']:>9.2f}{100 * r['fraction_of_copy']:>6.0f}%"
             f"{r['speedup_vs_reference']:>6.1f}x  {verdict}"
         )
+    print()
+    print(f"{'write limit':<23}{'MiV':>5}{'bits':>5}{'fill ms':>9}{'memset ms':>10}{'decode/fill':>12}"
+          f"{'ref/fill':>9}{'ref/memset':>11}")
+    for r in result["rows"]:
+        if "fill_ms" in r:
+            memset = r["memset_ms"]
+            print(f"{'unpack_dequantize_into':<23}{r['size_mvalues']:>5g}{r['bits']:>5}{r['fill_ms']:>9.2f}"
+                  f"{memset if memset is not None else float('nan'):>10.2f}{100 * r['fraction_of_fill']:>11.0f}%"
+                  f"{r['reference_over_fill']:>8.1f}x"
+                  f"{r['reference_over_memset'] if memset is not None else float('nan'):>10.1f}x")
     print()
     names = result["group_minmax"][0]["strategies"]
     strategies = "".join(f"{k:>11}" for k in names)
