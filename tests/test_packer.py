@@ -88,3 +88,13 @@ def test_many_steps_under_load_stay_consistent():
 
     for a, b in zip(run(False), run(True), strict=True):
         assert torch.equal(a, b)
+
+
+def test_stats_can_be_read_after_close():
+    lin = nn.Linear(256, 64)
+    ctx = daftrain.compress(bits=2, asynchronous=True, seed=0)
+    with ctx:
+        out = lin(torch.randn(64, 256, requires_grad=True) * 1.0)
+    out.sum().backward()
+    ctx.close()  # every queued job has finished: stats needs no packer
+    assert ctx.stats.compressed == 1

@@ -179,6 +179,7 @@ def test_auto_bits_budget_counts_the_exponents_and_the_state_keeps_the_channels(
         out.square().mean().backward()
     report = ctx.report()
     assert {s.channels for s in report.slots} == {384, 256}
+    assert {s["channels"] for s in report.to_dict()["slots"]} == {384, 256}
     assert report.used_bytes <= report.budget_bytes
     with ctx:
         block(outlier_activations(rows=256).requires_grad_() * 1.0)
@@ -190,3 +191,21 @@ def test_auto_bits_budget_counts_the_exponents_and_the_state_keeps_the_channels(
     other = daftrain.compress(bits="auto", avg_bits=2.0, model=block, seed=2)  # no channel scaling
     with pytest.raises(daftrain.StateDictError, match="channel_scaling"):
         other.load_state_dict(state)
+
+
+def test_channel_scaling_packs_the_same_on_the_packer_thread():
+    torch.manual_seed(0)
+    layer = nn.Linear(384, 64)
+    h = outlier_activations(rows=256).requires_grad_()
+
+    def weight_grad(asynchronous: bool) -> torch.Tensor:
+        layer.zero_grad()
+        ctx = daftrain.compress(bits=2, seed=4, channel_scaling=True, asynchronous=asynchronous)
+        with ctx:
+            out = layer(h * 1.0)
+        out.square().sum().backward()
+        ctx.close()
+        assert ctx.stats.compressed == 1
+        return layer.weight.grad.clone()
+
+    assert torch.equal(weight_grad(asynchronous=True), weight_grad(asynchronous=False))

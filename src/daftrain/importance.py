@@ -208,7 +208,8 @@ class AllocationReport:
             "variance_share": self.variance_share,
             "slots": [
                 {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
-                 "op": s.op, "producer": s.producer, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes,
+                 "op": s.op, "producer": s.producer, "min_bits": s.min_bits, "channels": s.channels, "bits": s.bits,
+                 "nbytes": s.nbytes,
                  "sensitivity": s.sensitivity, "calibration": s.calibration, "variance": s.variance}
                 for s in self.slots
             ],

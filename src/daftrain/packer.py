@@ -45,6 +45,7 @@ class AsyncPacker:
         self._records: dict[int, weakref.ref[PendingRecord]] = {}
         self._ahead: dict[int, Future[torch.Tensor]] = {}
         self._next_index = 0
+        self._closed = False
         weakref.finalize(self, self._executor.shutdown, wait=False)
 
     @property
@@ -94,10 +95,12 @@ class AsyncPacker:
         return flat
 
     def drain(self) -> None:
-        """Wait until every queued job has finished."""
-        self._executor.submit(lambda: None).result()
+        """Wait until every queued job has finished (after ``close``, they all have)."""
+        if not self._closed:
+            self._executor.submit(lambda: None).result()
 
     def close(self) -> None:
+        self._closed = True
         self._executor.shutdown(wait=True)
 
 
