@@ -270,9 +270,13 @@ def noise_profile(flat: torch.Tensor, group_size: int, channels: int | None = No
         exponents = channel_exponents(flat, channels) if channels else None
         if exponents is not None:
             values = (flat.view(-1, channels) * channel_factors(exponents, -1, flat.dtype)).view(-1)
-            per_value = torch.exp2(2.0 * exponents.double()).repeat(flat.numel() // channels)
-            pad = -per_value.numel() % group_size
-            weight = torch.nn.functional.pad(per_value, (0, pad)).view(-1, group_size).sum(1)
+            # sum of 4**e over each group's values; they repeat with period ``channels``, so from the
+            # prefix sums of one period: S(i) = (i // C) * S(C) + S(i % C) at every group boundary i
+            prefix = torch.cat([torch.zeros(1, dtype=torch.float64),
+                                torch.exp2(2.0 * exponents.double()).cumsum(0)])
+            bounds = torch.arange(0, flat.numel() + group_size, group_size).clamp_(max=flat.numel())
+            at = torch.div(bounds, channels, rounding_mode="floor") * prefix[-1] + prefix[bounds % channels]
+            weight = at[1:] - at[:-1]
         stats = torch.ops.daftrain.group_minmax(values, group_size).double()
     mn, mx, min_pos = stats.unbind(1)
     sizes = torch.full_like(mn, group_size)
