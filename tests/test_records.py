@@ -93,19 +93,33 @@ def test_scaling_is_unbiased():
     assert mean < 2 * single / math.sqrt(draws), (mean, single)
 
 
-@pytest.mark.parametrize("rows", [512, 7])  # 7 rows of 384: a ragged last group
-def test_scaling_cuts_the_noise_that_outlier_channels_cause_and_the_profile_predicts_it(rows):
-    x = outlier_activations(rows=rows).view(-1)
+def test_scaling_cuts_the_noise_that_outlier_channels_cause_and_the_profile_predicts_it():
+    x = outlier_activations().view(-1)
     plain = torch.stack([(encode(x, "quantize", 2, G, seed=s).decode() - x).pow(2).sum() for s in range(20)])
     scaled = torch.stack([(encode(x, "quantize", 2, G, seed=s, channels=384).decode() - x).pow(2).sum()
                           for s in range(20)])
     # three outlier channels set every group's range without scaling; with it each channel has its own
     assert float(scaled.mean()) < float(plain.mean()) / 5
     # the allocation's noise model follows both: measured energy within 15% of the profile's
-    # (20 draws of 2.7k-200k independent roundings each: the mean is far tighter than that)
+    # (20 draws of ~200k independent roundings each: the mean is far tighter than that)
     for measured, channels in ((plain, None), (scaled, 384)):
         predicted = noise_profile(x, G, channels).energy(2)
         assert abs(float(measured.mean()) / predicted - 1) < 0.15, (channels, float(measured.mean()), predicted)
+
+
+@pytest.mark.parametrize(("rows", "channels", "group"), [(7, 384, 256), (33, 48, 256), (5, 96, 64)])
+def test_scaled_noise_profile_weighs_each_group_by_its_channels(rows, channels, group):
+    # ragged last groups and groups spanning rows: against the per-value sum, written out
+    x = outlier_activations(rows=rows, channels=max(channels, 251))[:, :channels].contiguous().view(-1)
+    e = channel_exponents(x, channels)
+    values = (x.view(-1, channels) / torch.exp2(e.float())).view(-1)
+    weight = torch.exp2(2.0 * e.double()).repeat(rows)
+    pad = -x.numel() % group
+    weight = torch.nn.functional.pad(weight, (0, pad)).view(-1, group).sum(1)
+    padded = torch.nn.functional.pad(values.double(), (0, pad), value=float(values[-1])).view(-1, group)
+    expected = float((weight * (padded.amax(1) - padded.amin(1)) ** 2).sum())
+    got = noise_profile(x, group, channels)
+    assert got.zero_r2 == 0.0 and got.plain_r2 == pytest.approx(expected, rel=1e-12)
 
 
 def test_non_finite_scaled_tensor_is_kept_exact():
