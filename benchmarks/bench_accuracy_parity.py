@@ -68,16 +68,13 @@ class Run:
 
 def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftrain.compress | None:
     """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``); ``auto2``, and ``auto2cal``, which also
-    calls ``ctx.calibrate`` (``--calibrate-every``). Suffixes: ``_g<G>`` for group size G (``fixed2_g64``),
-    ``_cs`` for channel scaling (``auto2cal_cs``)."""
+    calls ``ctx.calibrate`` (``--calibrate-every``). Suffix ``_g<G>`` for group size G (``fixed2_g64``)."""
     if config == "fp32":
         return None
     name, *options = config.split("_")
     extra: dict[str, Any] = {}
     for option in options:
-        if option == "cs":
-            extra["channel_scaling"] = True
-        elif option.startswith("g") and option[1:].isdigit():
+        if option.startswith("g") and option[1:].isdigit():
             extra["group_size"] = int(option[1:])
         else:
             raise ValueError(f"unknown configuration option {option!r} in {config!r}")

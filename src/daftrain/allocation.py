@@ -103,10 +103,10 @@ def budget_for_avg_bits(numels: Sequence[int], avg_bits: float, group_size: int)
 
 
 def choices_for(numel: int, itemsize: int, group_size: int, noise: NoiseProfile, sensitivity: float,
-                allow_exact: bool = True, min_bits: int = 1, extra_bytes: int = 0) -> tuple[Choice, ...]:
-    """The choices of one tensor: every supported bit-width from ``min_bits`` (each with ``extra_bytes``
-    beside the layout's, e.g. channel exponents), then exact; variance = sensitivity x energy."""
-    out = [Choice(b, packed_nbytes(numel, b, group_size) + extra_bytes, sensitivity * noise.energy(b))
+                allow_exact: bool = True, min_bits: int = 1) -> tuple[Choice, ...]:
+    """The choices of one tensor: every supported bit-width from ``min_bits``, then exact;
+    variance = sensitivity x energy."""
+    out = [Choice(b, packed_nbytes(numel, b, group_size), sensitivity * noise.energy(b))
            for b in SUPPORTED_BITS if b >= min_bits]
     if allow_exact:
         out.append(Choice(None, numel * itemsize, 0.0))

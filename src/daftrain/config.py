@@ -55,12 +55,6 @@ class CompressionConfig:
     ``NOTE [ Decode buffers ]`` in ``decode_buffers.py``): faster, at the cost of a few free buffers
     held during backward."""
 
-    channel_scaling: bool = False
-    """Divide each quantized tensor per channel (its innermost dim) by a power of two before
-    quantizing, so outlier channels stop setting the step of every group they share: far less noise
-    on transformer activations, at one extra pass over the tensor (see ``NOTE [ Channel scaling ]`` in
-    ``records.py``)."""
-
     avg_bits: float | None = None
     """``bits="auto"`` only: the budget as average bits per value over the tensors it allocates, counted
     with the real layout's per-group overhead (``avg_bits=2.0`` costs exactly the bytes of fixed 2-bit).
@@ -98,8 +92,6 @@ class CompressionConfig:
             raise TypeError(f"asynchronous must be a bool, got {type(self.asynchronous).__name__}")
         if not isinstance(self.decode_buffers, bool):
             raise TypeError(f"decode_buffers must be a bool, got {type(self.decode_buffers).__name__}")
-        if not isinstance(self.channel_scaling, bool):
-            raise TypeError(f"channel_scaling must be a bool, got {type(self.channel_scaling).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise TypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
         if self.seed is not None and (

@@ -33,7 +33,6 @@ from .records import (
     SavedHandle,
     encode,
     into_pool,
-    scaling_channels,
 )
 from .stats import CompressionStats
 
@@ -206,8 +205,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         else:
             flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
             index = self._num_records
-            channels = scaling_channels(t, dense) if self.config.channel_scaling else None
-            record = self._make_record(flat, decision, t, channels)
+            record = self._make_record(flat, decision, t)
             if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
                 self._record_index[record] = index
             self._records[key] = record
@@ -244,12 +242,12 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         # the grad_fn, and no data is copied.
         return t.detach()
 
-    def _make_record(self, flat: torch.Tensor, decision: Decision, source: torch.Tensor | None = None,
-                     channels: int | None = None) -> Record | PendingRecord:
+    def _make_record(self, flat: torch.Tensor, decision: Decision,
+                     source: torch.Tensor | None = None) -> Record | PendingRecord:
         kind = _KINDS[decision.treatment]
         bits = self.config.bits if isinstance(self.config.bits, int) else 1
         if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
-            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat, decision.min_bits, channels)
+            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat, decision.min_bits)
             if bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
                 self._num_records += 1
                 exact = ExactRecord(flat, "auto")
@@ -260,8 +258,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         index = self._num_records
         seed = record_seed(self._base_seed, self.step, index)
         self._num_records += 1
-        job = functools.partial(encode, kind=kind, bits=bits, group_size=self.config.group_size, seed=seed,
-                                channels=channels)
+        job = functools.partial(encode, kind=kind, bits=bits, group_size=self.config.group_size, seed=seed)
         if self.pool is not None:
             importance = None
             if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:

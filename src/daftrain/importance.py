@@ -110,13 +110,12 @@ from torch.overrides import TorchFunctionMode
 
 from .allocation import Choice, NoiseProfile, budget_for_avg_bits, choices_for, solve
 from .config import SUPPORTED_BITS, CompressionConfig
-from .records import channel_exponents, channel_factors
 
 __all__ = ["AllocationReport", "AutoBits", "QuantizationVarianceWarning", "SlotAllocation", "SlotKey",
            "StateDictError"]
 
 STATE_FORMAT = "daftrain.compress"
-STATE_VERSION = 4
+STATE_VERSION = 3
 
 
 class QuantizationVarianceWarning(UserWarning):
@@ -154,8 +153,6 @@ class SlotEstimate:
     """The analytic estimate; see ``NOTE [ Importance estimate ]``."""
     min_bits: int
     """The fewest bits it may get; see ``NOTE [ Fewest bits ]``."""
-    channels: int
-    """Channels it is scaled by (``NOTE [ Channel scaling ]`` in ``records.py``); 0 for none."""
 
     @property
     def slot_class(self) -> str:
@@ -208,8 +205,7 @@ class AllocationReport:
             "variance_share": self.variance_share,
             "slots": [
                 {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
-                 "op": s.op, "producer": s.producer, "min_bits": s.min_bits, "channels": s.channels, "bits": s.bits,
-                 "nbytes": s.nbytes,
+                 "op": s.op, "producer": s.producer, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes,
                  "sensitivity": s.sensitivity, "calibration": s.calibration, "variance": s.variance}
                 for s in self.slots
             ],
@@ -246,7 +242,6 @@ class _Observation:
     itemsize: int
     noise: NoiseProfile
     min_bits: int = 1
-    channels: int = 0
     producer: str = ""
     ops: list[str] = dataclasses.field(default_factory=list)
     grad_sq: float | None = None
@@ -259,33 +254,6 @@ class _Observation:
     """A contraction of two activations saved it; see ``NOTE [ Fewest bits ]``."""
     hooked: bool = False
     """A prehook waits for the output gradient of an op that saved it."""
-
-
-def noise_profile(flat: torch.Tensor, group_size: int, channels: int | None = None) -> NoiseProfile:
-    """The squared group ranges of ``flat`` as it will be quantized: divided per channel first when
-    ``channels`` is given (``NOTE [ Channel scaling ]`` in ``records.py``), a value's rounding noise
-    then growing back by its channel's ``4**e`` (each group's ranges weighted by their mean)."""
-    with torch.no_grad():
-        values, weight = flat, None
-        exponents = channel_exponents(flat, channels) if channels else None
-        if exponents is not None:
-            values = (flat.view(-1, channels) * channel_factors(exponents, -1, flat.dtype)).view(-1)
-            # sum of 4**e over each group's values; they repeat with period ``channels``, so from the
-            # prefix sums of one period: S(i) = (i // C) * S(C) + S(i % C) at every group boundary i
-            prefix = torch.cat([torch.zeros(1, dtype=torch.float64),
-                                torch.exp2(2.0 * exponents.double()).cumsum(0)])
-            bounds = torch.arange(0, flat.numel() + group_size, group_size).clamp_(max=flat.numel())
-            at = torch.div(bounds, channels, rounding_mode="floor") * prefix[-1] + prefix[bounds % channels]
-            weight = at[1:] - at[:-1]
-        stats = torch.ops.daftrain.group_minmax(values, group_size).double()
-    mn, mx, min_pos = stats.unbind(1)
-    sizes = torch.full_like(mn, group_size)
-    sizes[-1] = flat.numel() - group_size * (mn.numel() - 1)
-    counts = sizes if weight is None else weight  # sum over the group's values of their noise factor
-    zero = (mn == 0) & (mx > 0)
-    plain_r2 = float((counts * (mx - mn) ** 2)[~zero].sum())
-    zero_r2 = float((counts * (mx - min_pos) ** 2)[zero].sum())
-    return NoiseProfile(plain_r2, zero_r2)
 
 
 # Torch functions whose backward is linear in every tensor they save; see NOTE [ Fewest bits ].
@@ -628,15 +596,14 @@ class AutoBits:
 
     # -- the per-tensor decision -------------------------------------------------------------------
     def bits_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor,
-                 min_bits: int = 1, channels: int | None = None) -> int | None:
+                 min_bits: int = 1) -> int | None:
         """Bits for the record at forward position ``index`` of ``step`` (``None`` = keep exact);
-        ``min_bits`` is the floor the saved tensor's treatment sets (``policy.decide``), ``channels``
-        those the record is scaled by (``NOTE [ Channel scaling ]`` in ``records.py``)."""
+        ``min_bits`` is the floor the saved tensor's treatment sets (``policy.decide``)."""
         if step != self._step:
             self._new_step(step)
         key = SlotKey(index, flat.numel(), str(flat.dtype).removeprefix("torch."))
         if self._adapting:
-            self._observe(key, source, flat, min_bits, channels)
+            self._observe(key, source, flat, min_bits)
         if key in self._bits:
             return self._bits[key]
         if self._bits and not self._adapting:
@@ -662,11 +629,19 @@ class AutoBits:
             if self._params and self._probe is None:
                 self._probe = _GradProbe(self._params)
 
-    def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int = 1,
-                 channels: int | None = None) -> None:
-        noise = noise_profile(flat.detach(), self.config.group_size, channels)
+    def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int = 1) -> None:
+        group = self.config.group_size
+        with torch.no_grad():
+            stats = torch.ops.daftrain.group_minmax(flat.detach(), group).double()
+        mn, mx, min_pos = stats.unbind(1)
+        sizes = torch.full_like(mn, group)
+        sizes[-1] = flat.numel() - group * (mn.numel() - 1)
+        zero = (mn == 0) & (mx > 0)
+        plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
+        zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
         shape = tuple(source.shape) if source is not None else (flat.numel(),)
-        obs = _Observation(key, shape, flat.element_size(), noise, min_bits, channels or 0, _producer(source))
+        obs = _Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2), min_bits,
+                           _producer(source))
         self._observed[key] = obs
         self._by_index[key.index] = obs
         if source is not None and self._tracer is not None:
@@ -697,17 +672,15 @@ class AutoBits:
             else:  # saved by traced ops whose outputs got no gradient: its noise cannot reach one either
                 sens.append(0.0 if o.traced else default)
         self._apply([SlotEstimate(o.key, o.shape, o.itemsize, "+".join(o.ops), o.producer, o.grad_sq, o.noise, s,
-                                  _floor_bits(o.ops, o.min_bits, o.noise, o.activation_product), o.channels)
+                                  _floor_bits(o.ops, o.min_bits, o.noise, o.activation_product))
                      for o, s in zip(observed, sens, strict=True)],
                     estimated_at=self._adapt_step, next_adapt=self._adapt_step + self.config.adapt_interval)
 
-    def _budget(self, slots: list[SlotEstimate]) -> int:
+    def _budget(self, numels: list[int]) -> int:
         if self.config.budget_bytes is not None:
             return self.config.budget_bytes
         assert self.avg_bits is not None
-        # channel exponents count like the layout's per-group overhead: avg_bits=2 costs what fixed 2-bit does
-        return (budget_for_avg_bits([e.key.numel for e in slots], self.avg_bits, self.config.group_size)
-                + sum(e.channels for e in slots))
+        return budget_for_avg_bits(numels, self.avg_bits, self.config.group_size)
 
     def _solve(self, slots: list[SlotEstimate], estimated_at: int, next_adapt: int,
                grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
@@ -718,11 +691,11 @@ class AutoBits:
 
         def choices(floored: bool) -> list[tuple[Choice, ...]]:
             return [choices_for(e.key.numel, e.itemsize, group, e.noise, e.sensitivity * f,
-                                min_bits=e.min_bits if floored else 1, extra_bytes=e.channels)
+                                min_bits=e.min_bits if floored else 1)
                     for e, f in zip(slots, factors, strict=True)]
 
         items = choices(floored=True)
-        budget = self._budget(slots)
+        budget = self._budget([e.key.numel for e in slots])
         if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
             items = choices(floored=False)
         solution = solve(items, budget)
@@ -821,7 +794,7 @@ class AutoBits:
                 slots.append({
                     "index": a.key.index, "numel": a.key.numel, "dtype": a.key.dtype, "shape": list(a.shape),
                     "itemsize": a.itemsize, "op": a.op, "producer": a.producer, "min_bits": a.min_bits,
-                    "channels": a.channels, "grad_sq": a.grad_sq,
+                    "grad_sq": a.grad_sq,
                     "plain_r2": a.noise.plain_r2,
                     "zero_r2": a.noise.zero_r2, "sensitivity": a.sensitivity, "bits": a.bits,
                 })
@@ -855,7 +828,7 @@ class AutoBits:
     def _config_dict(self) -> dict[str, Any]:
         c = self.config
         return {"group_size": c.group_size, "avg_bits": self.avg_bits, "budget_bytes": c.budget_bytes,
-                "adapt_interval": c.adapt_interval, "channel_scaling": c.channel_scaling}
+                "adapt_interval": c.adapt_interval}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         """Validate ``state`` completely, then apply it; returns its step. Nothing changes on error."""
@@ -910,15 +883,12 @@ class AutoBits:
                     raise TypeError(f"op {s['op']!r}, producer {s['producer']!r}")
                 if s["min_bits"] not in SUPPORTED_BITS or isinstance(s["min_bits"], bool):
                     raise ValueError(f"min_bits {s['min_bits']!r}")
-                if isinstance(s["channels"], bool) or not isinstance(s["channels"], int) or s["channels"] < 0:
-                    raise ValueError(f"channels {s['channels']!r}")
                 noise = NoiseProfile(float(s["plain_r2"]), float(s["zero_r2"]))
                 values = (float(s["sensitivity"]), noise.plain_r2, noise.zero_r2)
                 if not all(math.isfinite(v) and v >= 0 for v in values) or key.numel <= 0:
                     raise ValueError("negative or non-finite estimate")
                 slots.append((SlotEstimate(key, tuple(int(d) for d in s["shape"]), int(s["itemsize"]), s["op"],
-                                           s["producer"], grad_sq, noise, float(s["sensitivity"]), s["min_bits"],
-                                           s["channels"]),
+                                           s["producer"], grad_sq, noise, float(s["sensitivity"]), s["min_bits"]),
                               bits))
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"a slot entry is malformed ({e!r})") from None

@@ -24,89 +24,23 @@ def _dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits
     return out
 
 
-# NOTE [ Channel scaling ]
-# Transformer activations have a few *outlier channels* (feature dims) whose values are 10-30x the
-# rest, in every token. A group of the unified layout runs along the feature dim, so one outlier sets
-# the range of its group and the other values of that token get steps far larger than themselves: at
-# 2 bits, all-MiniLM-L6-v2's hidden states carry quantization noise of 1.6-3.6x their own energy.
-# With ``CompressionConfig(channel_scaling=True)`` a record of a tensor whose innermost memory dim has
-# ``C`` values is first divided, per channel, by a power of two ``2**e_c`` with ``e_c`` the exponent of
-# that channel's largest magnitude, then quantized as usual; decoding multiplies back. Every channel's
-# values then span at most [-1, 1], a group's step follows its own channels, and the noise on those
-# hidden states drops to 0.7-0.8x (exact per-channel maxima instead of powers of two would give
-# 0.4-0.7x, groups running along the tokens of one channel 0.3-0.5x, at the price of a transposed
-# copy). Scaling by a power of two is exact (values that would fall below the
-# dtype's normal range excepted, far under any step), so rounding stays unbiased and the layout and its
-# kernels are unchanged; the record keeps ``C`` int8 exponents. The cost is one reduction and one
-# multiply over the tensor when packing, and one multiply when decoding.
-CHANNEL_SCALING_MIN_CHANNELS = 16
-"""Channel scaling applies to tensors with at least this many channels (and at least two rows)."""
-
-_EXPONENT_RANGE = {torch.float16: (-14, 15), torch.bfloat16: (-126, 127), torch.float32: (-126, 127)}
-
-
-def scaling_channels(t: torch.Tensor, dense: bool) -> int | None:
-    """The channel count ``C`` by which a record of ``t`` would be scaled: the size of its innermost
-    memory dim (of its last dim when it is packed in logical order), or ``None`` when it has no such
-    dim, fewer than ``CHANNEL_SCALING_MIN_CHANNELS`` channels or a single row."""
-    if t.dim() < 2 or t.dtype not in _EXPONENT_RANGE:
-        return None
-    if dense:
-        inner = [d for d in range(t.dim()) if t.stride(d) == 1 and t.size(d) > 1]
-        if len(inner) != 1:
-            return None
-        channels = t.size(inner[0])
-    else:
-        channels = t.size(-1)
-    if channels < CHANNEL_SCALING_MIN_CHANNELS or t.numel() < 2 * channels:
-        return None
-    return channels
-
-
-def channel_exponents(flat: torch.Tensor, channels: int) -> torch.Tensor | None:
-    """Per channel of ``flat`` viewed as ``(-1, channels)``, the int8 exponent ``e`` with
-    ``max |x| < 2**e``, clamped so ``2**e`` and ``2**-e`` are normal in ``flat``'s dtype; ``None`` when a
-    channel is not finite (the record is then kept exact anyway). See ``NOTE [ Channel scaling ]``."""
-    amax = flat.view(-1, channels).abs().amax(0).float()
-    if not bool(torch.isfinite(amax).all()):
-        return None
-    low, high = _EXPONENT_RANGE[flat.dtype]
-    return torch.frexp(amax).exponent.clamp(low, high).to(torch.int8)
-
-
-def channel_factors(exponents: torch.Tensor, sign: int, dtype: torch.dtype) -> torch.Tensor:
-    """``2**(sign * e)`` per channel, exactly, in ``dtype``."""
-    return torch.exp2(exponents.float() * sign).to(dtype)
-
-
 class QuantizedRecord:
-    """A float region quantized into the unified layout (``layout.py``); with ``channel_exp``, of its
-    values divided per channel by ``2**channel_exp`` (``NOTE [ Channel scaling ]``)."""
+    """A float region quantized into the unified layout (``layout.py``)."""
 
-    __slots__ = ("__weakref__", "channel_exp", "codes", "dtype", "layout", "lo", "scale")
+    __slots__ = ("__weakref__", "codes", "dtype", "layout", "lo", "scale")
 
     def __init__(
-        self, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, layout: PackedLayout, dtype: torch.dtype,
-        channel_exp: torch.Tensor | None = None,
+        self, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, layout: PackedLayout, dtype: torch.dtype
     ) -> None:
         self.codes, self.lo, self.scale, self.layout, self.dtype = codes, lo, scale, layout, dtype
-        self.channel_exp = channel_exp
 
     @property
     def nbytes(self) -> int:
-        extra = self.channel_exp.nbytes if self.channel_exp is not None else 0
-        return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes + extra
+        return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         ly = self.layout
-        out = _dequantize(self.codes, self.lo, self.scale, ly.bits, ly.group_size, ly.numel, self.dtype, buffers)
-        return _unscale(out, self.channel_exp)
-
-
-def _unscale(out: torch.Tensor, channel_exp: torch.Tensor | None) -> torch.Tensor:
-    if channel_exp is not None:
-        out.view(-1, channel_exp.numel()).mul_(channel_factors(channel_exp, 1, out.dtype))
-    return out
+        return _dequantize(self.codes, self.lo, self.scale, ly.bits, ly.group_size, ly.numel, self.dtype, buffers)
 
 
 class BoolRecord:
@@ -149,22 +83,19 @@ class PagedQuantizedRecord:
     the pool holds. Its pages return to the pool when the record is freed (``PooledRecord.__del__``).
     """
 
-    __slots__ = ("__weakref__", "channel_exp", "dtype", "group_size", "numel", "pooled")
+    __slots__ = ("__weakref__", "dtype", "group_size", "numel", "pooled")
 
-    def __init__(self, pooled: PooledRecord, group_size: int, numel: int, dtype: torch.dtype,
-                 channel_exp: torch.Tensor | None = None) -> None:
+    def __init__(self, pooled: PooledRecord, group_size: int, numel: int, dtype: torch.dtype) -> None:
         self.pooled, self.group_size, self.numel, self.dtype = pooled, group_size, numel, dtype
-        self.channel_exp = channel_exp
 
     @property
     def nbytes(self) -> int:
-        return self.pooled.nbytes + (self.channel_exp.nbytes if self.channel_exp is not None else 0)
+        return self.pooled.nbytes
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         with self.pooled.borrow() as (codes, lo, scale):
             bits = codes.shape[1] * 8 // self.group_size
-            out = _dequantize(codes, lo, scale, bits, self.group_size, self.numel, self.dtype, buffers)
-        return _unscale(out, self.channel_exp)
+            return _dequantize(codes, lo, scale, bits, self.group_size, self.numel, self.dtype, buffers)
 
 
 class PagedBoolRecord:
@@ -213,17 +144,15 @@ def into_pool(record: Record, pool: PagePool, importance: float, seed: int) -> R
             return demote_payload(payload, group_size=ly.group_size, numel=ly.numel, seed=seed)
 
         pooled = pool.store((record.codes, record.lo, record.scale), importance, demote=demote)
-        return PagedQuantizedRecord(pooled, ly.group_size, ly.numel, record.dtype, record.channel_exp)
+        return PagedQuantizedRecord(pooled, ly.group_size, ly.numel, record.dtype)
     if isinstance(record, BoolRecord):
         return PagedBoolRecord(pool.store((record.packed,), importance), record.numel)
     return record
 
 
-def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
-           channels: int | None = None) -> Record:
+def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int) -> Record:
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
-    1-bit layout is exact, else keep) or ``"bool"``; ``channels`` scales a quantized region per channel
-    first (``NOTE [ Channel scaling ]``). Runs on the caller's or the packer's thread."""
+    1-bit layout is exact, else keep) or ``"bool"``. Runs on the caller's or the packer's thread."""
     if kind == "bool":
         return BoolRecord(torch.ops.daftrain.pack_bool(flat), flat.numel())
     if kind == "lossless":
@@ -232,17 +161,13 @@ def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
         if not bool(((mn == mx) | ((mn == 0) & (min_pos == mx))).all()):
             return ExactRecord(flat, "constant")
         bits = 1
-    exponents = channel_exponents(flat, channels) if kind == "quantize" and channels else None
-    values = flat
-    if exponents is not None:
-        values = (flat.view(-1, channels) * channel_factors(exponents, -1, flat.dtype)).view(-1)
-    codes, lo, scale = torch.ops.daftrain.quantize_pack(values, bits, group_size, seed)
+    codes, lo, scale = torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed)
     # NOTE [ Non-finite activations ]: a NaN or Inf anywhere in a group shows in that group's lo or
     # scale. Such a tensor is kept exact, so backward sees exactly what plain PyTorch would: values
     # are never silently replaced. The check reads num_groups values, not the tensor.
     if not bool(torch.isfinite(lo).all() and torch.isfinite(scale).all()):
         return ExactRecord(flat, "nonfinite")
-    return QuantizedRecord(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype, exponents)
+    return QuantizedRecord(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype)
 
 
 class PendingRecord:
