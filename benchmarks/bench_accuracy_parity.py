@@ -67,8 +67,9 @@ class Run:
 
 
 def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftrain.compress | None:
-    """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``); ``auto2``, and ``auto2cal``, which also
-    calls ``ctx.calibrate`` (``--calibrate-every``). Suffix ``_g<G>`` for group size G (``fixed2_g64``)."""
+    """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``); ``auto<b>`` at ``b`` average bits
+    (``auto2``), and ``auto<b>cal``, which also calls ``ctx.calibrate`` (``--calibrate-every``). Suffix
+    ``_g<G>`` for group size G (``fixed2_g64``)."""
     if config == "fp32":
         return None
     name, *options = config.split("_")
@@ -80,7 +81,11 @@ def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftra
             raise ValueError(f"unknown configuration option {option!r} in {config!r}")
     if name.startswith("fixed"):
         return daftrain.compress(bits=int(name.removeprefix("fixed")), model=model, seed=0, **extra)
-    return daftrain.compress(bits="auto", avg_bits=2.0, model=model, seed=0, adapt_interval=adapt_interval, **extra)
+    if not name.startswith("auto"):
+        raise ValueError(f"unknown configuration {config!r}")
+    avg_bits = float(name.removeprefix("auto").removesuffix("cal"))
+    return daftrain.compress(bits="auto", avg_bits=avg_bits, model=model, seed=0, adapt_interval=adapt_interval,
+                             **extra)
 
 
 def train(config: str, model: torch.nn.Module, batches: Callable[[], Iterator[tuple[Any, Any]]],
@@ -108,7 +113,7 @@ def train(config: str, model: torch.nn.Module, batches: Callable[[], Iterator[tu
         else:
             with ctx:
                 loss = loss_fn(model, x, y)
-            if config.startswith("auto2cal") and step > 0 and step % calibrate_every == 0:
+            if config.startswith("auto") and "cal" in config and step > 0 and step % calibrate_every == 0:
                 t0 = time.perf_counter()
                 ctx.calibrate(loss)
                 run.calibration_seconds += time.perf_counter() - t0
@@ -397,7 +402,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--adapt-interval", type=int, default=100)
     p.add_argument("--calibrate-every", type=int, default=100,
-                   help="config auto2cal: ctx.calibrate(loss) every this many steps")
+                   help="configs auto<b>cal: ctx.calibrate(loss) every this many steps")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--width", type=int, default=16, help="resnet: first stage width")
