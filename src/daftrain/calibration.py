@@ -58,11 +58,10 @@ class CalibrationPass:
             return flat
         values = flat.detach().float()
         n, group = values.numel(), self.group_size
-        padded = torch.nn.functional.pad(values, (0, -n % group), value=float(values[-1])) if n else values
-        groups = padded.view(-1, group)
-        step = (groups.amax(1) - groups.amin(1)) / 3  # the 2-bit step of each group
+        mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
+        step = (mx - mn) / 3  # the 2-bit step of each group
         gen = torch.Generator(device=values.device).manual_seed(record_seed(self.base_seed, self.step, index))
-        uniform = torch.rand(groups.shape, generator=gen, device=values.device) - 0.5
+        uniform = torch.rand((step.numel(), group), generator=gen, device=values.device) - 0.5
         noise = (uniform * step[:, None]).view(-1)[:n] * (values != 0)
         if not bool(torch.isfinite(noise).all()):
             return flat
