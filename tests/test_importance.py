@@ -373,10 +373,12 @@ def test_operands_of_a_product_of_two_activations_get_two_bits_at_least():
             scores = q @ k.transpose(-2, -1)  # two activations: q and k floored at 2 bits
             mixed = torch.bmm(scores, v)  # scores and v, both activations: floored too
             out = mixed @ head.T  # a view of a parameter is not an activation: mixed may go to 1 bit
-        out.square().mean().backward()
+            cast = torch.matmul(mixed.bfloat16(), head.T.bfloat16())  # nor is a cast of one
+        (out.square().mean() + cast.float().square().mean()).backward()
     slots = ctx.report().slots
     by_op = {}
     for s in slots:
         by_op.setdefault(s.op, []).append(s)
-    assert [s.min_bits for s in by_op["matmul"]] == [2, 2, 1]  # q, k, then mixed (the last matmul)
+    assert [s.min_bits for s in by_op["matmul"]] == [2, 2, 1, 1]  # q, k, mixed, mixed cast to bfloat16
     assert [s.min_bits for s in by_op["bmm"]] == [2, 2]
+    assert [s.key.dtype for s in by_op["matmul"]][-1] == "bfloat16"

@@ -110,6 +110,7 @@ from torch.overrides import TorchFunctionMode
 
 from .allocation import Choice, NoiseProfile, budget_for_avg_bits, choices_for, solve
 from .config import SUPPORTED_BITS, CompressionConfig
+from .policy import ParameterRegistry, is_parameter_like
 
 __all__ = ["AllocationReport", "AutoBits", "QuantizationVarianceWarning", "SlotAllocation", "SlotKey",
            "StateDictError"]
@@ -271,15 +272,16 @@ _CONTRACTIONS = frozenset({
 })
 
 
-def _activation_product(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """``name`` contracts tensors all of which the forward computed (none a parameter or a view of one,
-    a constant or an input); see ``NOTE [ Fewest bits ]``."""
+def _activation_product(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                        registry: ParameterRegistry) -> bool:
+    """``name`` contracts tensors all of which the forward computed (none a parameter, a cast or view
+    of one, a constant or an input); see ``NOTE [ Fewest bits ]``."""
     if name not in _CONTRACTIONS:
         return False
     if name in ("baddbmm", "addbmm"):  # the added term is not contracted
         args, kwargs = args[1:], {k: v for k, v in kwargs.items() if k != "input"}
     operands = _tensors(list(args) + list(kwargs.values()))
-    return len(operands) >= 2 and all(t.grad_fn is not None and _producer(t) != "AccumulateGrad"
+    return len(operands) >= 2 and all(t.grad_fn is not None and not is_parameter_like(t, registry)
                                       for t in operands)
 
 
@@ -409,7 +411,7 @@ def _attribute(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out:
     outs = _tensors(out)
     numel_out = sum(t.numel() for t in outs)
     contribs = []
-    activation_product = _activation_product(name, args, kwargs)
+    activation_product = _activation_product(name, args, kwargs, policy.registry)
     for obs, tensor in saved:
         obs.traced = True
         obs.activation_product = obs.activation_product or activation_product
@@ -536,6 +538,8 @@ class AutoBits:
             raise ValueError(f"AutoBits needs CompressionConfig(bits='auto'), got bits={config.bits!r}")
         self.config = config
         self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        self.registry = ParameterRegistry(model)
+        """The model's parameter and buffer storages: operands that are not activations."""
         self._fingerprint = model_fingerprint(model) if model is not None else None
         if config.budget_bytes is not None:
             self.avg_bits: float | None = None
