@@ -137,3 +137,45 @@ def test_auto_bits_gives_the_pool_variance_based_importance(batch) -> None:
         assert len(quantized) == len(variances) + 1
         F.cross_entropy(out, batch[1]).backward()
         ctx.close()
+
+
+
+class Spike(nn.Module):
+    """Adds an outlier feature: one value in 256 is large, so groups of 64 pay off there."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("spike", torch.eye(width)[0] * 100.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.spike
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_auto_group_sizes_in_the_pool_give_the_unpooled_gradients_and_demote(asynchronous: bool) -> None:
+    """Records of several group sizes (``group_sizes``) share the pool's pages; under a tight budget
+    they are demoted at their own group size, and backward still gets finite tensors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), Spike(256), nn.Linear(256, 256), nn.GELU(), nn.Dropout(0.1),
+                          nn.Linear(256, 10))
+    gen = torch.Generator().manual_seed(2)
+    batch = torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    kw = {"bits": "auto", "avg_bits": 2.0, "seed": 3, "model": model, "group_sizes": (64, 256),
+          "asynchronous": asynchronous}
+    plain_ctx = daftrain.compress(**kw)
+    plain = [_grads(model, plain_ctx, *batch) for _ in range(3)]
+    groups = {s.group_size for s in plain_ctx.report().slots if s.bits is not None}
+    assert groups == {64, 256}, groups  # the test needs both sizes in play
+    with PagePool(PoolConfig(page_size=4 * KIB)) as pool:
+        ctx = daftrain.compress(**kw, pool=pool)
+        for expected in plain:
+            assert torch.equal(_grads(model, ctx, *batch), expected)
+        ctx.close()
+    packed = plain_ctx.stats.packed_bytes
+    with PagePool(PoolConfig(page_size=4 * KIB, budget_bytes=max(8 * KIB, packed // 2))) as pool:
+        ctx = daftrain.compress(**kw, pool=pool)
+        for _ in range(3):
+            grads = _grads(model, ctx, *batch)
+            assert torch.isfinite(grads).all()
+        assert pool.stats().evictions > 0
+        ctx.close()
