@@ -69,8 +69,7 @@ class Run:
 def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftrain.compress | None:
     """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``); ``auto<b>`` at ``b`` average bits
     (``auto2``), and ``auto<b>cal``, which also calls ``ctx.calibrate`` (``--calibrate-every``). Suffix
-    ``_g<G>`` for group size G (``fixed2_g64``); ``_gs<G1>-<G2>...`` for the group sizes ``auto`` may choose
-    per tensor (``auto2cal_gs64-256``)."""
+    ``_g<G>`` for group size G (``fixed2_g64``)."""
     if config == "fp32":
         return None
     name, *options = config.split("_")
@@ -78,8 +77,6 @@ def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftra
     for option in options:
         if option.startswith("g") and option[1:].isdigit():
             extra["group_size"] = int(option[1:])
-        elif option.startswith("gs") and all(g.isdigit() for g in option[2:].split("-")):
-            extra["group_sizes"] = tuple(int(g) for g in option[2:].split("-"))
         else:
             raise ValueError(f"unknown configuration option {option!r} in {config!r}")
     if name.startswith("fixed"):

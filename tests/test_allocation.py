@@ -29,33 +29,18 @@ def random_items(rng, n):
     for _ in range(n):
         numel = rng.choice([4096, 5000, 8192, 20000, 65536])
         noise = NoiseProfile(rng.uniform(0, 1e4) * numel, rng.choice([0.0, rng.uniform(0, 1e4) * numel]))
-        profiles = {rng.choice([64, 256]): noise}
-        if rng.random() < 0.5:  # also a finer group size: smaller ranges, so less noise, at more bytes
-            shrink = rng.uniform(0.1, 1.0)
-            profiles = {256: noise, 64: NoiseProfile(noise.plain_r2 * shrink, noise.zero_r2 * shrink)}
-        items.append(choices_for(numel, rng.choice([2, 4]), profiles, rng.lognormvariate(0, 2)))
+        items.append(choices_for(numel, rng.choice([2, 4]), rng.choice([64, 256]), noise, rng.lognormvariate(0, 2)))
     return items
 
 
 def test_choices_follow_the_real_layout_and_the_noise_model():
     noise = NoiseProfile(plain_r2=600.0, zero_r2=0.0)
-    choices = choices_for(10_000, 4, {256: noise}, sensitivity=2.0)
+    choices = choices_for(10_000, 4, 256, noise, sensitivity=2.0)
     assert [c.bits for c in choices] == [1, 2, 4, 8, None]
     for c in choices[:-1]:
         assert c.nbytes == PackedLayout(c.bits, 256, 10_000).nbytes
         assert c.variance == pytest.approx(2.0 * 600.0 / (6 * (2**c.bits - 1) ** 2))
     assert (choices[-1].nbytes, choices[-1].variance) == (40_000, 0.0)
-
-
-def test_choices_cover_every_group_size_with_its_own_noise_and_layout():
-    coarse, fine = NoiseProfile(900.0, 30.0), NoiseProfile(300.0, 10.0)
-    choices = choices_for(10_000, 2, {64: fine, 256: coarse}, sensitivity=0.5, min_bits=2)
-    assert [(c.bits, c.group_size) for c in choices] == [(2, 256), (4, 256), (8, 256), (2, 64), (4, 64), (8, 64),
-                                                         (None, None)]
-    for c in choices[:-1]:
-        profile = fine if c.group_size == 64 else coarse
-        assert c.nbytes == PackedLayout(c.bits, c.group_size, 10_000).nbytes
-        assert c.variance == 0.5 * profile.energy(c.bits)
 
 
 def test_integer_avg_bits_budget_is_exactly_the_fixed_width_bytes():
@@ -112,7 +97,7 @@ def test_greedy_is_not_optimal_in_general():
 
 
 def test_solution_is_deterministic_and_ties_break_on_index():
-    same = choices_for(8192, 4, {256: NoiseProfile(1e6, 0.0)}, 1.0)
+    same = choices_for(8192, 4, 256, NoiseProfile(1e6, 0.0), 1.0)
     items = [same, same, same]
     budget = 2 * same[1].nbytes + same[0].nbytes  # room to raise exactly two of three to 2 bits
     first = solve(items, budget)
@@ -121,7 +106,7 @@ def test_solution_is_deterministic_and_ties_break_on_index():
 
 
 def test_a_budget_below_one_bit_everywhere_is_refused():
-    items = [choices_for(8192, 4, {256: NoiseProfile(1.0, 0.0)}, 1.0)]
+    items = [choices_for(8192, 4, 256, NoiseProfile(1.0, 0.0), 1.0)]
     with pytest.raises(AllocationError, match="below the .* bytes the saved tensors take at their fewest bits"):
         solve(items, items[0][0].nbytes - 1)
 

@@ -97,15 +97,15 @@ def test_calibrated_estimate_matches_the_variance_of_quantized_passes():
     policy = ctx._bit_policy
     for op in ("gelu", "linear"):
         slot = by_op[op]
-        policy._formats = {s.key: (2 if s.key == slot.key else None, 256) for s in report.slots}  # only this slot
+        policy._bits = {s.key: (2 if s.key == slot.key else None) for s in report.slots}  # only this slot
         var = 0.0
         for _ in range(DRAWS):
             grads, _ = step(model, ctx, x, y)
             var += sum(float(((g - e) ** 2).sum()) for g, e in zip(grads, exact, strict=True)) / DRAWS
-        estimate = slot.sensitivity * slot.calibration * slot.noise[256].energy(2)
+        estimate = slot.sensitivity * slot.calibration * slot.noise.energy(2)
         assert estimate / CALIBRATED_FACTOR < var < estimate * CALIBRATED_FACTOR, (op, estimate, var)
         if op == "gelu":  # the analytic estimate alone is out of the band
-            assert slot.sensitivity * slot.noise[256].energy(2) * CALIBRATED_FACTOR < var
+            assert slot.sensitivity * slot.noise.energy(2) * CALIBRATED_FACTOR < var
 
 
 def test_calibration_changes_the_allocation_and_survives_a_state_round_trip():

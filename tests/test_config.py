@@ -42,12 +42,6 @@ def test_supported_bits(bits):
         ({"bits": "auto", "budget_bytes": 10.5}, ValueError, "budget_bytes must be a positive int"),
         ({"bits": "auto", "adapt_interval": 0}, ValueError, "adapt_interval"),
         ({"bits": "auto", "variance_warning": 0}, ValueError, "variance_warning"),
-        ({"bits": 2, "group_sizes": (64, 256)}, ValueError, "group_sizes only applies with bits='auto'"),
-        ({"bits": "auto", "group_sizes": ()}, ValueError, "group_sizes must be a non-empty tuple"),
-        ({"bits": "auto", "group_sizes": [64, 256]}, ValueError, "group_sizes must be a non-empty tuple"),
-        ({"bits": "auto", "group_sizes": (64, 64)}, ValueError, "distinct multiples of 32"),
-        ({"bits": "auto", "group_sizes": (48, 256)}, ValueError, "distinct multiples of 32"),
-        ({"bits": "auto", "group_sizes": (True, 256)}, ValueError, "distinct multiples of 32"),
     ],
 )
 def test_bad_values_are_rejected_with_a_clear_message(kwargs, error, message):
@@ -61,5 +55,3 @@ def test_auto_bits_config():
     assert CompressionConfig(bits="auto", budget_bytes=1 << 20).budget_bytes == 1 << 20
     assert CompressionConfig(bits="auto").avg_bits is None  # means 2.0, see importance.py
     assert not CompressionConfig(bits=2).auto
-    assert CompressionConfig(bits="auto").allowed_group_sizes == (256,)
-    assert CompressionConfig(bits="auto", group_sizes=(256, 64)).allowed_group_sizes == (64, 256)

@@ -1,8 +1,7 @@
 """Bit allocation: each saved tensor's bit-width under a byte budget, minimising estimated variance.
 
-Every tensor ``i`` (a *slot*, see ``importance.py``) has a few choices ``(bits, group size, bytes,
-variance)``: bits 1, 2, 4, 8 in the unified layout at each group size the configuration allows, or
-kept exact. The solver picks one choice per tensor to
+Every tensor ``i`` (a *slot*, see ``importance.py``) has a few choices ``(bits, bytes, variance)``:
+bits 1, 2, 4, 8 in the unified layout, or kept exact. The solver picks one choice per tensor to
 minimise ``sum_i variance_i`` subject to ``sum_i bytes_i <= budget``. Bytes are those of the real
 layout (``layout.py``: per group ``bits * G / 8`` bytes of codes + float32 lo + bfloat16 scale).
 
@@ -34,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .config import SUPPORTED_BITS
@@ -51,14 +50,11 @@ class AllocationError(ValueError):
 
 @dataclass(frozen=True)
 class Choice:
-    """One way to store a tensor: ``bits`` (``None`` = exact) in groups of ``group_size`` values, its
-    bytes and its estimated variance."""
+    """One way to store a tensor: ``bits`` (``None`` = exact), its bytes and its estimated variance."""
 
     bits: int | None
     nbytes: int
     variance: float
-    group_size: int | None = None
-    """``None`` for exact."""
 
 
 @dataclass(frozen=True)
@@ -106,13 +102,12 @@ def budget_for_avg_bits(numels: Sequence[int], avg_bits: float, group_size: int)
     return int(math.floor(total + 1e-6))
 
 
-def choices_for(numel: int, itemsize: int, noise: Mapping[int, NoiseProfile], sensitivity: float,
+def choices_for(numel: int, itemsize: int, group_size: int, noise: NoiseProfile, sensitivity: float,
                 allow_exact: bool = True, min_bits: int = 1) -> tuple[Choice, ...]:
-    """The choices of one tensor: every supported bit-width from ``min_bits`` at every group size of
-    ``noise`` (group size -> the tensor's noise profile in groups of that size), then exact;
+    """The choices of one tensor: every supported bit-width from ``min_bits``, then exact;
     variance = sensitivity x energy."""
-    out = [Choice(b, packed_nbytes(numel, b, g), sensitivity * profile.energy(b), g)
-           for g, profile in sorted(noise.items(), reverse=True) for b in SUPPORTED_BITS if b >= min_bits]
+    out = [Choice(b, packed_nbytes(numel, b, group_size), sensitivity * noise.energy(b))
+           for b in SUPPORTED_BITS if b >= min_bits]
     if allow_exact:
         out.append(Choice(None, numel * itemsize, 0.0))
     return tuple(out)

@@ -63,12 +63,6 @@ class CompressionConfig:
     budget_bytes: int | None = None
     """``bits="auto"`` only: the budget in bytes of packed records per forward pass, instead of ``avg_bits``."""
 
-    group_sizes: tuple[int, ...] | None = None
-    """``bits="auto"`` only: the group sizes the allocation may give each tensor, besides its bits
-    (smaller groups follow the values more closely and cost more bytes of per-group min and scale;
-    see ``NOTE [ Group size per tensor ]`` in ``importance.py``). ``None`` means ``(group_size,)``.
-    The budget is counted at ``group_size`` either way."""
-
     adapt_interval: int = 100
     """``bits="auto"`` only: re-estimate importance and re-allocate bits every this many steps (and
     whenever the saved tensors' shapes change)."""
@@ -120,18 +114,6 @@ class CompressionConfig:
             isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
         ):
             raise ValueError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
-        if self.group_sizes is not None:
-            if not auto:
-                raise ValueError(f"group_sizes only applies with bits={AUTO_BITS!r}, got bits={self.bits!r}")
-            sizes = self.group_sizes
-            if (not isinstance(sizes, tuple) or not sizes or len(set(sizes)) != len(sizes) or not all(
-                not isinstance(g, bool) and isinstance(g, int) and MIN_GROUP_SIZE <= g <= MAX_GROUP_SIZE
-                and g % 32 == 0 for g in sizes
-            )):
-                raise ValueError(
-                    f"group_sizes must be a non-empty tuple of distinct multiples of 32 in [{MIN_GROUP_SIZE}, "
-                    f"{MAX_GROUP_SIZE}], got {sizes!r}"
-                )
         if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
             raise ValueError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")
         if (
@@ -139,11 +121,6 @@ class CompressionConfig:
             or not self.variance_warning > 0
         ):
             raise ValueError(f"variance_warning must be a positive number, got {self.variance_warning!r}")
-
-    @property
-    def allowed_group_sizes(self) -> tuple[int, ...]:
-        """The group sizes a tensor may be quantized with, ascending."""
-        return tuple(sorted(self.group_sizes)) if self.group_sizes is not None else (self.group_size,)
 
     @property
     def auto(self) -> bool:

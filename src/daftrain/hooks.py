@@ -246,9 +246,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
                      source: torch.Tensor | None = None) -> Record | PendingRecord:
         kind = _KINDS[decision.treatment]
         bits = self.config.bits if isinstance(self.config.bits, int) else 1
-        group = self.config.group_size
         if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
-            bits, group = self._bit_policy.format_for(self.step, self._num_records, source, flat, decision.min_bits)
+            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat, decision.min_bits)
             if bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
                 self._num_records += 1
                 exact = ExactRecord(flat, "auto")
@@ -259,7 +258,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a conte
         index = self._num_records
         seed = record_seed(self._base_seed, self.step, index)
         self._num_records += 1
-        job = functools.partial(encode, kind=kind, bits=bits, group_size=group, seed=seed)
+        job = functools.partial(encode, kind=kind, bits=bits, group_size=self.config.group_size, seed=seed)
         if self.pool is not None:
             importance = None
             if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:

@@ -84,18 +84,6 @@ tensors' shapes change) it measures each tensor's importance, then solves the bi
 # cannot hold every tensor at its floor (``avg_bits`` below 2) drops the floors and allocates from
 # 1 bit for all.
 #
-# NOTE [ Group size per tensor ]
-# A group's rounding step is its range over ``2**b - 1``, so one outlier widens the step of every
-# value in its group. Smaller groups confine it: in groups of 64 instead of 256, three of the four
-# groups around an outlier feature do without it. They cost bytes: each group carries a float32 lo and
-# a bfloat16 scale, 0.75 bits per value at 64 against 0.19 at 256. With ``group_sizes`` the
-# allocation prices both: every (bits, group size) pair is a choice with its own bytes and its own
-# noise (``noise_profiles`` derives each size's ranges from one ``group_minmax`` read at the smallest),
-# and the solver's hull picks, per tensor, whichever buys the most variance per byte. So a tensor
-# whose ranges shrink a lot in smaller groups (outlier features) gets them, and one whose do not
-# (uniform values) keeps large groups and spends the bytes on bits. The budget is still counted at
-# ``group_size``, so ``avg_bits=2.0`` costs exactly what fixed 2-bit at ``group_size`` costs.
-#
 # NOTE [ Variance warning ]
 # Given the model, the adaptation step and the step after it also record the parameter gradients;
 # ``||g_t - g_{t+1}||^2 / 2`` estimates the minibatch gradient's variance (two independent draws of it,
@@ -128,7 +116,7 @@ __all__ = ["AllocationReport", "AutoBits", "QuantizationVarianceWarning", "SlotA
            "StateDictError"]
 
 STATE_FORMAT = "daftrain.compress"
-STATE_VERSION = 4
+STATE_VERSION = 3
 
 
 class QuantizationVarianceWarning(UserWarning):
@@ -161,8 +149,7 @@ class SlotEstimate:
     """The autograd node that produced the tensor (views skipped; ``""`` for none)."""
     grad_sq: float | None
     """``||G||^2`` of the saving ops' output gradients on the adaptation step; ``None`` when none arrived."""
-    noise: Mapping[int, NoiseProfile]
-    """Group size -> the tensor's noise profile in groups of that size (one per allowed group size)."""
+    noise: NoiseProfile
     sensitivity: float
     """The analytic estimate; see ``NOTE [ Importance estimate ]``."""
     min_bits: int
@@ -181,12 +168,9 @@ class SlotAllocation(SlotEstimate):
     calibration: float
     """The measured correction of its class (1.0 until ``calibrate``); see ``NOTE [ Calibration ]``."""
     bits: int | None
-    group_size: int | None
-    """The group size it is quantized with (``None`` when kept exact)."""
     nbytes: int
     variance: float
-    """Estimated gradient variance the slot adds at ``bits`` and ``group_size``
-    (``sensitivity * calibration * noise[group_size].energy(bits)``)."""
+    """Estimated gradient variance the slot adds at ``bits`` (``sensitivity * calibration * noise.energy(bits)``)."""
 
 
 @dataclass(frozen=True)
@@ -222,8 +206,7 @@ class AllocationReport:
             "variance_share": self.variance_share,
             "slots": [
                 {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
-                 "op": s.op, "producer": s.producer, "min_bits": s.min_bits, "bits": s.bits,
-                 "group_size": s.group_size, "nbytes": s.nbytes,
+                 "op": s.op, "producer": s.producer, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes,
                  "sensitivity": s.sensitivity, "calibration": s.calibration, "variance": s.variance}
                 for s in self.slots
             ],
@@ -234,12 +217,11 @@ class AllocationReport:
 
     def table(self) -> str:
         lines = [f"{'slot':>5} {'shape':<22} {'dtype':<9} {'saved by':<24} {'sensitivity':>11} {'calib.':>9} "
-                 f"{'bits':>5} {'group':>5} {'bytes':>11} {'est. var':>10}"]
+                 f"{'bits':>5} {'bytes':>11} {'est. var':>10}"]
         for s in self.slots:
             bits = "exact" if s.bits is None else str(s.bits)
-            group = "" if s.group_size is None else str(s.group_size)
             lines.append(f"{s.key.index:>5} {'x'.join(map(str, s.shape)):<22} {s.key.dtype:<9} {s.op[:24]:<24} "
-                         f"{s.sensitivity:>11.3e} {s.calibration:>9.3g} {bits:>5} {group:>5} {s.nbytes:>11,} "
+                         f"{s.sensitivity:>11.3e} {s.calibration:>9.3g} {bits:>5} {s.nbytes:>11,} "
                          f"{s.variance:>10.3e}")
         share = self.variance_share
         lines.append(
@@ -259,7 +241,7 @@ class _Observation:
     key: SlotKey
     shape: tuple[int, ...]
     itemsize: int
-    noise: dict[int, NoiseProfile]
+    noise: NoiseProfile
     min_bits: int = 1
     producer: str = ""
     ops: list[str] = dataclasses.field(default_factory=list)
@@ -303,11 +285,9 @@ def _activation_product(name: str, args: tuple[Any, ...], kwargs: Mapping[str, A
                                       for t in operands)
 
 
-def _floor_bits(ops: list[str], min_bits: int, noise: Mapping[int, NoiseProfile],
-                activation_product: bool = False) -> int:
+def _floor_bits(ops: list[str], min_bits: int, noise: NoiseProfile, activation_product: bool = False) -> int:
     """The fewest bits a tensor saved by ``ops`` may get; see ``NOTE [ Fewest bits ]``."""
-    zero_exact = any(p.zero_r2 > 0 for p in noise.values())
-    if any(op not in _LINEAR_SAVERS for op in ops) or zero_exact or activation_product:
+    if any(op not in _LINEAR_SAVERS for op in ops) or noise.zero_r2 > 0 or activation_product:
         return max(min_bits, NONLINEAR_SAVER_MIN_BITS)
     return min_bits
 
@@ -577,7 +557,7 @@ class AutoBits:
         self._saved_in_call: list[tuple[_Observation, torch.Tensor]] = []
         self._tracer: _SaverTracer | None = None
         self._pending = False
-        self._formats: dict[SlotKey, tuple[int | None, int]] = {}
+        self._bits: dict[SlotKey, int | None] = {}
         self._report: AllocationReport | None = None
         self._probe: _GradProbe | None = None
         self._grad_variance: float | None = None
@@ -619,20 +599,20 @@ class AutoBits:
                 self._saved_in_call.append((obs, source))
 
     # -- the per-tensor decision -------------------------------------------------------------------
-    def format_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor,
-                   min_bits: int = 1) -> tuple[int | None, int]:
-        """``(bits, group_size)`` for the record at forward position ``index`` of ``step`` (bits ``None`` =
-        keep exact); ``min_bits`` is the floor the saved tensor's treatment sets (``policy.decide``)."""
+    def bits_for(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor,
+                 min_bits: int = 1) -> int | None:
+        """Bits for the record at forward position ``index`` of ``step`` (``None`` = keep exact);
+        ``min_bits`` is the floor the saved tensor's treatment sets (``policy.decide``)."""
         if step != self._step:
             self._new_step(step)
         key = SlotKey(index, flat.numel(), str(flat.dtype).removeprefix("torch."))
         if self._adapting:
             self._observe(key, source, flat, min_bits)
-        if key in self._formats:
-            return self._formats[key]
-        if self._formats and not self._adapting:
+        if key in self._bits:
+            return self._bits[key]
+        if self._bits and not self._adapting:
             self._reestimate = True  # shapes changed: see NOTE [ Slots ]
-        return self._fallback, self.config.group_size
+        return self._fallback
 
     def _new_step(self, step: int) -> None:
         self._step = step
@@ -654,9 +634,18 @@ class AutoBits:
                 self._probe = _GradProbe(self._params)
 
     def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int = 1) -> None:
+        group = self.config.group_size
+        with torch.no_grad():
+            stats = torch.ops.daftrain.group_minmax(flat.detach(), group).double()
+        mn, mx, min_pos = stats.unbind(1)
+        sizes = torch.full_like(mn, group)
+        sizes[-1] = flat.numel() - group * (mn.numel() - 1)
+        zero = (mn == 0) & (mx > 0)
+        plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
+        zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
         shape = tuple(source.shape) if source is not None else (flat.numel(),)
-        obs = _Observation(key, shape, flat.element_size(), noise_profiles(flat, self.config.allowed_group_sizes),
-                           min_bits, _producer(source))
+        obs = _Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2), min_bits,
+                           _producer(source))
         self._observed[key] = obs
         self._by_index[key.index] = obs
         if source is not None and self._tracer is not None:
@@ -698,13 +687,14 @@ class AutoBits:
         return budget_for_avg_bits(numels, self.avg_bits, self.config.group_size)
 
     def _solve(self, slots: list[SlotEstimate], estimated_at: int, next_adapt: int,
-               grad_variance: float | None) -> tuple[dict[SlotKey, tuple[int | None, int]], AllocationReport]:
+               grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
         """The allocation for ``slots`` under the calibration in force; pure."""
+        group = self.config.group_size
         unmeasured = self._unmeasured_calibration()
         factors = [self._calibration.get(e.slot_class, unmeasured) for e in slots]
 
         def choices(floored: bool) -> list[tuple[Choice, ...]]:
-            return [choices_for(e.key.numel, e.itemsize, e.noise, e.sensitivity * f,
+            return [choices_for(e.key.numel, e.itemsize, group, e.noise, e.sensitivity * f,
                                 min_bits=e.min_bits if floored else 1)
                     for e, f in zip(slots, factors, strict=True)]
 
@@ -717,14 +707,14 @@ class AutoBits:
         for e, f, c, pick in zip(slots, factors, items, solution.picks, strict=True):
             ch = c[pick]
             estimate = {field.name: getattr(e, field.name) for field in dataclasses.fields(SlotEstimate)}
-            allocated.append(SlotAllocation(**estimate, calibration=f, bits=ch.bits, group_size=ch.group_size,
-                                            nbytes=ch.nbytes, variance=ch.variance))
+            allocated.append(SlotAllocation(**estimate, calibration=f, bits=ch.bits, nbytes=ch.nbytes,
+                                            variance=ch.variance))
         report = AllocationReport(estimated_at, next_adapt, budget, solution.nbytes, tuple(allocated),
                                   solution.variance, grad_variance)
-        return {a.key: _format(a, self.config.group_size) for a in allocated}, report
+        return {a.key: a.bits for a in allocated}, report
 
     def _apply(self, slots: list[SlotEstimate], estimated_at: int, next_adapt: int) -> None:
-        self._formats, self._report = self._solve(slots, estimated_at, next_adapt, self._grad_variance)
+        self._bits, self._report = self._solve(slots, estimated_at, next_adapt, self._grad_variance)
         self._next_adapt = next_adapt
 
     # -- calibration (see NOTE [ Calibration ]) ------------------------------------------------------
@@ -756,8 +746,8 @@ class AutoBits:
         self._calibration.update(factors)
         report = self._report
         if report is not None:
-            self._formats, self._report = self._solve(list(report.slots), report.estimated_at_step,
-                                                      report.next_adapt_step, self._grad_variance)
+            self._bits, self._report = self._solve(list(report.slots), report.estimated_at_step,
+                                                   report.next_adapt_step, self._grad_variance)
 
     def importance_of(self, index: int, flat: torch.Tensor) -> float | None:
         """The estimated gradient variance the record at forward position ``index`` adds at its
@@ -809,8 +799,8 @@ class AutoBits:
                     "index": a.key.index, "numel": a.key.numel, "dtype": a.key.dtype, "shape": list(a.shape),
                     "itemsize": a.itemsize, "op": a.op, "producer": a.producer, "min_bits": a.min_bits,
                     "grad_sq": a.grad_sq,
-                    "noise": {str(g): [p.plain_r2, p.zero_r2] for g, p in sorted(a.noise.items())},
-                    "sensitivity": a.sensitivity, "bits": a.bits, "group_size": a.group_size,
+                    "plain_r2": a.noise.plain_r2,
+                    "zero_r2": a.noise.zero_r2, "sensitivity": a.sensitivity, "bits": a.bits,
                 })
         payload: dict[str, Any] = {
             "format": STATE_FORMAT, "version": STATE_VERSION, "step": step,
@@ -841,29 +831,29 @@ class AutoBits:
 
     def _config_dict(self) -> dict[str, Any]:
         c = self.config
-        return {"group_size": c.group_size, "group_sizes": list(c.allowed_group_sizes), "avg_bits": self.avg_bits,
-                "budget_bytes": c.budget_bytes, "adapt_interval": c.adapt_interval}
+        return {"group_size": c.group_size, "avg_bits": self.avg_bits, "budget_bytes": c.budget_bytes,
+                "adapt_interval": c.adapt_interval}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         """Validate ``state`` completely, then apply it; returns its step. Nothing changes on error."""
         parsed = self._validate(state)
         slots, estimated_at = parsed["slots"], parsed["estimated_at"]
-        formats: dict[SlotKey, tuple[int | None, int]] = {}
+        bits: dict[SlotKey, int | None] = {}
         report = None
         current = self._calibration
         self._calibration = parsed["calibration"]
         try:
             if slots:
-                formats, report = self._solve([e for e, _ in slots], estimated_at, state["next_adapt"],
-                                              parsed["grad_variance"])
-                if formats != {e.key: f for e, f in slots}:
+                bits, report = self._solve([e for e, _ in slots], estimated_at, state["next_adapt"],
+                                           parsed["grad_variance"])
+                if bits != {e.key: b for e, b in slots}:
                     raise StateDictError("cannot load this daftrain state dict: its bits do not follow from its "
                                          "importance estimates (corrupted, or saved by another daftrain version); "
                                          "nothing was changed")
         except BaseException:
             self._calibration = current
             raise
-        self._formats, self._report, self._grad_variance = formats, report, parsed["grad_variance"]
+        self._bits, self._report, self._grad_variance = bits, report, parsed["grad_variance"]
         self._next_adapt, self._reestimate = state["next_adapt"], state["reestimate"]
         self._step = state["step"]
         self._pending, self._observed, self._by_index, self._adapting = False, {}, {}, False
@@ -886,34 +876,29 @@ class AutoBits:
         if not isinstance(raw, list):
             raise fail("slots must be a list")
         slots = []
-        allowed = self.config.allowed_group_sizes
         try:
             for s in raw:
                 key = SlotKey(int(s["index"]), int(s["numel"]), str(s["dtype"]))
-                bits, group = s["bits"], s["group_size"]
+                bits = s["bits"]
                 if bits is not None and bits not in SUPPORTED_BITS:
                     raise ValueError(f"bits {bits!r}")
-                if (bits is None) != (group is None) or (group is not None and group not in allowed):
-                    raise ValueError(f"bits {bits!r} with group_size {group!r}")
                 grad_sq = None if s["grad_sq"] is None else float(s["grad_sq"])
                 if not isinstance(s["op"], str) or not isinstance(s["producer"], str):
                     raise TypeError(f"op {s['op']!r}, producer {s['producer']!r}")
                 if s["min_bits"] not in SUPPORTED_BITS or isinstance(s["min_bits"], bool):
                     raise ValueError(f"min_bits {s['min_bits']!r}")
-                noise = {int(g): NoiseProfile(float(plain), float(zero)) for g, (plain, zero) in s["noise"].items()}
-                if sorted(noise) != sorted(allowed):
-                    raise ValueError(f"noise profiles for group sizes {sorted(noise)}, expected {sorted(allowed)}")
-                values = [float(s["sensitivity"])] + [v for p in noise.values() for v in (p.plain_r2, p.zero_r2)]
+                noise = NoiseProfile(float(s["plain_r2"]), float(s["zero_r2"]))
+                values = (float(s["sensitivity"]), noise.plain_r2, noise.zero_r2)
                 if not all(math.isfinite(v) and v >= 0 for v in values) or key.numel <= 0:
                     raise ValueError("negative or non-finite estimate")
                 slots.append((SlotEstimate(key, tuple(int(d) for d in s["shape"]), int(s["itemsize"]), s["op"],
                                            s["producer"], grad_sq, noise, float(s["sensitivity"]), s["min_bits"]),
-                              (bits, group if group is not None else self.config.group_size)))
+                              bits))
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"a slot entry is malformed ({e!r})") from None
         if len({e.key.index for e, _ in slots}) != len(slots):
             raise fail("two slots share one index")
-        if self._formats and slots and set(self._formats) != {e.key for e, _ in slots}:
+        if self._bits and slots and set(self._bits) != {e.key for e, _ in slots}:
             raise fail("its slots (saved tensors) differ from the ones this context has seen; "
                        "it belongs to another model")
         if slots and not isinstance(state.get("estimated_at"), int):
@@ -929,42 +914,6 @@ class AutoBits:
             raise fail("calibration must map slot classes to positive finite floats")
         return {"slots": slots, "estimated_at": state.get("estimated_at"), "grad_variance": variance,
                 "calibration": dict(calibration)}
-
-
-def _format(a: SlotAllocation, default_group: int) -> tuple[int | None, int]:
-    """What ``format_for`` answers for an allocated slot (an exact one's group size is never used)."""
-    return a.bits, a.group_size if a.group_size is not None else default_group
-
-
-def noise_profiles(flat: torch.Tensor, group_sizes: tuple[int, ...]) -> dict[int, NoiseProfile]:
-    """The noise profile of flat ``flat`` in groups of each of ``group_sizes`` (ascending).
-
-    One ``group_minmax`` read at the smallest size; a size that is a multiple of it combines those
-    groups' statistics (its groups are unions of whole smaller groups, the ragged tail included), any
-    other size reads the tensor again."""
-    out: dict[int, NoiseProfile] = {}
-    with torch.no_grad():
-        x = flat.detach()
-        finest = group_sizes[0]
-        fine = torch.ops.daftrain.group_minmax(x, finest).double()
-        for group in group_sizes:
-            if group % finest == 0:
-                k = group // finest
-                pad = -fine.shape[0] % k
-                stats = fine
-                if pad:
-                    fill = torch.tensor([[math.inf, -math.inf, math.inf]], dtype=fine.dtype).expand(pad, 3)
-                    stats = torch.cat([fine, fill])
-                stats = stats.view(-1, k, 3)
-                mn, mx, min_pos = stats[..., 0].amin(1), stats[..., 1].amax(1), stats[..., 2].amin(1)
-            else:
-                mn, mx, min_pos = torch.ops.daftrain.group_minmax(x, group).double().unbind(1)
-            sizes = torch.full_like(mn, group)
-            sizes[-1] = x.numel() - group * (mn.numel() - 1)
-            zero = (mn == 0) & (mx > 0)
-            out[group] = NoiseProfile(float((sizes * (mx - mn) ** 2)[~zero].sum()),
-                                      float((sizes * (mx - min_pos) ** 2)[zero].sum()))
-    return out
 
 
 def _refuse(why: str) -> StateDictError:
