@@ -14,8 +14,10 @@ For each size (millions of values) it measures, as medians over repeats, in one 
   so the unpack targets apply to it;
 * the write limit of ``unpack_dequantize_into``, which reads a few bits per value and writes the
   whole output: ``fill_`` of that output (timed alternately with the decode) and, on CPU, libc's
-  ``memset`` of it (which streams past the caches for large sizes). ``reference_over_fill`` is the
-  speed-up over the reference that a decode as fast as a pure write would have;
+  ``memset`` of it (which streams past the caches for large sizes), and a numba loop that stores one
+  constant into it with the decode's threads (the fastest pure write the kernels' compiler emits,
+  timed alternately with the decode). ``reference_over_fill`` is the speed-up over the reference that
+  a decode as fast as a pure write would have;
 * ``unpack_dequantize``: reference and fast, each allocating its output (first-touch page faults are
   then part of the cost): what a caller without a buffer pays, shown for comparison;
 * ``group_minmax`` with each reduction strategy (``per_group``, ``two_level``) and the registered op
@@ -115,6 +117,25 @@ def synchronized(device: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     return call
 
 
+def store_loop() -> Callable[[torch.Tensor, int], None]:
+    """A parallel numba loop storing a constant into a float32 tensor: a decode's write limit."""
+    import numpy as np
+    from numba import njit, prange
+
+    @njit(parallel=True, nogil=True, cache=False)
+    def store(out, value, nchunks):  # type: ignore[no-untyped-def]
+        n = out.shape[0]
+        per = (n + nchunks - 1) // nchunks
+        for c in prange(nchunks):
+            for i in range(c * per, min(n, (c + 1) * per)):
+                out[i] = value
+
+    def call(out: torch.Tensor, threads: int) -> None:
+        store(out.numpy(), np.float32(1.0), threads)
+
+    return call
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     status = registry.load_fast_kernels(warmup=True)
     device = args.device
@@ -128,6 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend = cpu
     dtype = getattr(torch, args.dtype)
     threads = torch.get_num_threads()
+    store = store_loop() if device == "cpu" else None
     rows: list[dict[str, Any]] = []
     minmax_rows: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(0)
@@ -165,9 +187,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
                 args.repeats,
             )
-            t_memset = None
+            t_memset = store_i = t_fast_store = None
             if device == "cpu":
                 t_memset, _ = timed(lambda: ctypes.memset(out.data_ptr(), 0, nbytes), args.repeats)
+                if dtype == torch.float32:
+                    store_i, t_fast_store, _ = paired(
+                        lambda: store(out, threads),
+                        lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G),
+                        args.repeats,
+                    )
             t_ref_u = median_seconds(
                 sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)), args.ref_repeats
             )
@@ -208,6 +236,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "fraction_of_fill": fill_i / t_fast_fill, "reference_over_fill": t_ref / fill_i,
                         "memset_ms": t_memset * 1e3 if t_memset is not None else None,
                         "reference_over_memset": t_ref / t_memset if t_memset is not None else None,
+                        "store_loop_ms": store_i * 1e3 if store_i is not None else None,
+                        "fast_paired_with_store_loop_ms": t_fast_store * 1e3 if t_fast_store is not None else None,
+                        "fraction_of_store_loop": store_i / t_fast_store if store_i is not None else None,
                     })
                 if bits in TARGET_BITS and op in TARGET_OPS:
                     row["pass_copy"] = row["fraction_of_copy"] >= TARGET_COPY_FRACTION
@@ -272,14 +303,17 @@ def print_table(result: dict[str, Any]) -> None:
         )
     print()
     print(f"{'write limit':<23}{'MiV':>5}{'bits':>5}{'fill ms':>9}{'memset ms':>10}{'decode/fill':>12}"
-          f"{'ref/fill':>9}{'ref/memset':>11}")
+          f"{'ref/fill':>9}{'ref/memset':>11}{'store ms':>9}{'decode/store':>13}")
+    nan = float("nan")
     for r in result["rows"]:
         if "fill_ms" in r:
-            memset = r["memset_ms"]
+            memset, store = r["memset_ms"], r["store_loop_ms"]
             print(f"{'unpack_dequantize_into':<23}{r['size_mvalues']:>5g}{r['bits']:>5}{r['fill_ms']:>9.2f}"
-                  f"{memset if memset is not None else float('nan'):>10.2f}{100 * r['fraction_of_fill']:>11.0f}%"
+                  f"{memset if memset is not None else nan:>10.2f}{100 * r['fraction_of_fill']:>11.0f}%"
                   f"{r['reference_over_fill']:>8.1f}x"
-                  f"{r['reference_over_memset'] if memset is not None else float('nan'):>10.1f}x")
+                  f"{r['reference_over_memset'] if memset is not None else nan:>10.1f}x"
+                  f"{store if store is not None else nan:>9.2f}"
+                  f"{100 * r['fraction_of_store_loop'] if store is not None else nan:>12.0f}%")
     print()
     names = result["group_minmax"][0]["strategies"]
     strategies = "".join(f"{k:>11}" for k in names)
