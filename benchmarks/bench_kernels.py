@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     for size_m in args.sizes:
         numel = int(size_m * (1 << 20))
-        x = torch.randn(numel, generator=gen).to(dtype).to(device)
+        x = torch.randn(numel, generator=gen)
+        x = (torch.relu(x) if args.input == "relu" else x).to(dtype).to(device)
         nbytes = numel * x.element_size()
         dst = torch.empty_like(x)
         t_copy, best_copy = timed(sync(lambda: dst.copy_(x)), args.repeats)
@@ -340,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--group-size", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--input", default="randn", choices=["randn", "relu"],
+                   help="relu: every group zero-exact (min exactly 0), as a ReLU output's")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--ref-repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first (numba follows)")

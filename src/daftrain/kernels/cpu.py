@@ -509,6 +509,110 @@ def _decode_words(words, w0, nwords, bits, lo, step, zero_exact, out, o0):  # ty
                 _store_bits(out, _U(o0 + 8 * k + s), f32_bits(v))
 
 
+# NOTE [ Explicit vectors ]
+# numba's LLVM auto-vectorises the word-at-a-time decode of ``_decode_words`` well for plain groups,
+# but not the zero-exact branch (code 0 -> exactly 0, else ``lo + (c - 1) * step``): a ReLU output
+# decoded 2-3.3x slower than plain values of the same size (16 Mi values, 2 threads: 9.7 ms against
+# 4.3 ms). For float32 outputs the decode therefore builds the vectors itself: ``_make_store16`` emits
+# LLVM IR over 16 lanes (splat the 1-4 words that hold 16 codes, shift each lane by its code's offset,
+# mask, convert, multiply, add, select the zeros, one 64-byte store), so both kinds of group run at
+# the same speed, close to the output's write limit. The arithmetic is the reference's, operation for
+# operation (``lo + float(c) * step``, no fused multiply-add), so the bytes are unchanged; float16 and
+# bfloat16 outputs, and groups with a non-finite lo or step, keep the scalar-per-word path.
+
+
+def _make_store16(bits: int, zero_exact: bool, first: int = 0):  # type: ignore[no-untyped-def]
+    """An intrinsic decoding 16 codes of ``bits`` from little-endian 32-bit words (codes ``first`` to
+    ``first + 15`` counted from word ``w``) into 16 float32 bit patterns at ``out[o:o + 16]``, as one
+    explicit 16-lane vector; see ``NOTE [ Explicit vectors ]``."""
+    words_per_16 = max(1, (first + 16) * bits // 32)
+
+    @intrinsic
+    def store16(typingctx, out, o, words, w, lo, step):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            out_a = context.make_array(sig.args[0])(context, builder, args[0])
+            words_a = context.make_array(sig.args[2])(context, builder, args[2])
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+            wk = ir.VectorType(i32, words_per_16)
+            src = builder.gep(words_a.data, [args[3]])
+            loaded = builder.load(builder.bitcast(src, wk.as_pointer()), align=4)
+            lanes = builder.shuffle_vector(loaded, ir.Constant(wk, ir.Undefined),
+                                           ir.Constant(v16i, [(first + k) * bits // 32 for k in range(16)]))
+            shifts = ir.Constant(v16i, [((first + k) * bits) % 32 for k in range(16)])
+            c = builder.and_(builder.lshr(lanes, shifts), ir.Constant(v16i, [(1 << bits) - 1] * 16))
+
+            def splat(x):  # type: ignore[no-untyped-def]
+                one = builder.insert_element(ir.Constant(v16f, ir.Undefined), x, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [0] * 16))
+
+            k = builder.sub(c, ir.Constant(v16i, [1] * 16)) if zero_exact else c
+            v = builder.fadd(splat(args[4]), builder.fmul(builder.sitofp(k, v16f), splat(args[5])))
+            vb = builder.bitcast(v, v16i)
+            if zero_exact:
+                is0 = builder.icmp_unsigned("==", c, ir.Constant(v16i, [0] * 16))
+                vb = builder.select(is0, ir.Constant(v16i, [0] * 16), vb)
+            dst = builder.gep(out_a.data, [args[1]])
+            builder.store(vb, builder.bitcast(dst, v16i.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.none(out, o, words, w, lo, step), codegen
+
+    return store16
+
+
+_STORE16_1, _STORE16_1Z = _make_store16(1, False), _make_store16(1, True)
+_STORE16_1H, _STORE16_1HZ = _make_store16(1, False, 16), _make_store16(1, True, 16)  # a word's upper half
+_STORE16_2, _STORE16_2Z = _make_store16(2, False), _make_store16(2, True)
+_STORE16_4, _STORE16_4Z = _make_store16(4, False), _make_store16(4, True)
+_STORE16_8, _STORE16_8Z = _make_store16(8, False), _make_store16(8, True)
+
+
+def _is_f32_out(out):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_is_f32_out, jit_options=_JIT)
+def _ov_is_f32_out(out):  # type: ignore[no-untyped-def]
+    f32 = isinstance(out.dtype, types.Integer) and out.dtype.bitwidth == 32
+    return (lambda out: True) if f32 else (lambda out: False)
+
+
+@njit(**_JIT)
+def _decode_vec32(c32, w0, n32, bits, zero_exact, lo, step, out, o0):  # type: ignore[no-untyped-def]
+    """Decode ``n32`` runs of 32 codes (``32 * bits / 32 = bits`` words each) from word ``w0`` of ``c32``
+    into float32 ``out`` from ``o0``: two explicit 16-lane vectors per run."""
+    if bits == 1:
+        if zero_exact:
+            for j in range(n32):
+                _STORE16_1Z(out, _U(o0 + 32 * j), c32, _U(w0 + j), lo, step)
+                _STORE16_1HZ(out, _U(o0 + 32 * j + 16), c32, _U(w0 + j), lo, step)
+        else:
+            for j in range(n32):
+                _STORE16_1(out, _U(o0 + 32 * j), c32, _U(w0 + j), lo, step)
+                _STORE16_1H(out, _U(o0 + 32 * j + 16), c32, _U(w0 + j), lo, step)
+    elif bits == 2:
+        if zero_exact:
+            for j in range(2 * n32):
+                _STORE16_2Z(out, _U(o0 + 16 * j), c32, _U(w0 + j), lo, step)
+        else:
+            for j in range(2 * n32):
+                _STORE16_2(out, _U(o0 + 16 * j), c32, _U(w0 + j), lo, step)
+    elif bits == 4:
+        if zero_exact:
+            for j in range(2 * n32):
+                _STORE16_4Z(out, _U(o0 + 16 * j), c32, _U(w0 + 2 * j), lo, step)
+        else:
+            for j in range(2 * n32):
+                _STORE16_4(out, _U(o0 + 16 * j), c32, _U(w0 + 2 * j), lo, step)
+    elif zero_exact:
+        for j in range(2 * n32):
+            _STORE16_8Z(out, _U(o0 + 16 * j), c32, _U(w0 + 4 * j), lo, step)
+    else:
+        for j in range(2 * n32):
+            _STORE16_8(out, _U(o0 + 16 * j), c32, _U(w0 + 4 * j), lo, step)
+
+
 @njit(**_JIT)
 def _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b, sb, out, o0):  # type: ignore[no-untyped-def]
     """Decode ``count`` values of one group (codes from byte ``c0``; ``c16``/``c32``/``c64``: word
@@ -518,7 +622,11 @@ def _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b, sb, out, o0):  # 
     per = 8 // bits
     mask = (1 << bits) - 1
     full = 0
-    if np.isfinite(lo) and np.isfinite(step):
+    if np.isfinite(lo) and np.isfinite(step) and _is_f32_out(out):
+        full = count // 32
+        _decode_vec32(c32, c0 // 4, full, bits, zero_exact, lo, step, out, o0)
+        full *= 32
+    elif np.isfinite(lo) and np.isfinite(step):
         full = count // 8
         if bits == 1:
             _decode_words(codes, c0, full, 1, lo, step, zero_exact, out, o0)
