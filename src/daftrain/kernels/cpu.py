@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from ..layout import PackedLayout
@@ -345,6 +345,106 @@ def _word_views(codes):  # type: ignore[no-untyped-def]
     return codes[: n - n % 2].view(np.uint16), codes[: n - n % 4].view(np.uint32), codes[: n - n % 8].view(np.uint64)
 
 
+def _make_quant16(bits: int, zero_exact: bool):  # type: ignore[no-untyped-def]
+    """An intrinsic quantizing the 16 float32 values ``xb[i:i + 16]`` (as int32 bits) to ``bits``-bit
+    codes with the reference's stochastic rounding, packed into ``bits / 2`` little-endian 32-bit words
+    from ``words[w]``, as explicit 16-lane vectors; see ``NOTE [ Explicit vectors ]``."""
+    per_word = 32 // bits
+
+    @intrinsic
+    def quant16(typingctx, xb, i, lo, inv, levels, seed, words, w):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            x_a = context.make_array(sig.args[0])(context, builder, args[0])
+            w_a = context.make_array(sig.args[6])(context, builder, args[6])
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+            module = builder.module
+
+            def splat(x, vt):  # type: ignore[no-untyped-def]
+                one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(v16i, [0] * 16))
+
+            def ci(values):  # type: ignore[no-untyped-def]
+                return ir.Constant(v16i, values if isinstance(values, list) else [values] * 16)
+
+            def cf(value):  # type: ignore[no-untyped-def]
+                return ir.Constant(v16f, [value] * 16)
+
+            src = builder.gep(x_a.data, [args[1]])
+            x = builder.bitcast(builder.load(builder.bitcast(src, v16i.as_pointer()), align=4), v16f)
+            # noise: fmix32((i + lane) mod 2**32 ^ seed) >> 8, times 2**-24 (``_noise``)
+            h = builder.add(splat(builder.trunc(args[1], i32), v16i), ci(list(range(16))))
+            h = builder.xor(h, splat(builder.trunc(args[5], i32), v16i))
+            h = builder.xor(h, builder.lshr(h, ci(16)))
+            h = builder.mul(h, ci(0x85EBCA6B - (1 << 32)))
+            h = builder.xor(h, builder.lshr(h, ci(13)))
+            h = builder.mul(h, ci(0xC2B2AE35 - (1 << 32)))
+            h = builder.xor(h, builder.lshr(h, ci(16)))
+            u = builder.fmul(builder.sitofp(builder.lshr(h, ci(8)), v16f), cf(5.9604644775390625e-08))
+            t = builder.fadd(builder.fmul(builder.fsub(x, splat(args[2], v16f)), splat(args[3], v16f)), u)
+            floor = cgutils.get_or_insert_function(module, ir.FunctionType(v16f, [v16f]), "llvm.floor.v16f32")
+            r = builder.call(floor, [t])
+            top = builder.fsub(splat(args[4], v16f), cf(1.0)) if zero_exact else splat(args[4], v16f)
+            c = builder.select(builder.fcmp_ordered("<", top, r), top, r)  # clamp; NaN stays NaN ...
+            c = builder.select(builder.fcmp_ordered(">", c, cf(0.0)), c, cf(0.0))  # ... and becomes 0
+            code = builder.fptosi(c, v16i)
+            if zero_exact:
+                special = builder.or_(builder.fcmp_ordered("==", x, cf(0.0)), builder.fcmp_unordered("uno", r, r))
+                code = builder.select(special, ci(0), builder.add(code, ci(1)))
+            shifted = builder.shl(code, ci([(k * bits) % 32 for k in range(16)]))
+            vk = ir.VectorType(i32, per_word)
+            reduce_or = cgutils.get_or_insert_function(module, ir.FunctionType(i32, [vk]),
+                                                       f"llvm.vector.reduce.or.v{per_word}i32")
+            for j in range(bits // 2):
+                part = builder.shuffle_vector(shifted, ir.Constant(v16i, ir.Undefined),
+                                              ir.Constant(vk, list(range(j * per_word, (j + 1) * per_word))))
+                word = builder.call(reduce_or, [part])
+                dst = builder.gep(w_a.data, [builder.add(args[7], ir.Constant(args[7].type, j))])
+                builder.store(word, builder.bitcast(dst, i32.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.none(xb, i, lo, inv, levels, seed, words, w), codegen
+
+    return quant16
+
+
+_QUANT16_2, _QUANT16_2Z = _make_quant16(2, False), _make_quant16(2, True)
+_QUANT16_4, _QUANT16_4Z = _make_quant16(4, False), _make_quant16(4, True)
+
+
+def _is_f32_in(xb):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_is_f32_in, jit_options=_JIT)
+def _ov_is_f32_in(xb):  # type: ignore[no-untyped-def]
+    f32 = isinstance(xb.dtype, types.Integer) and xb.dtype.bitwidth == 32
+    return (lambda xb: True) if f32 else (lambda xb: False)
+
+
+@njit(**_JIT)
+def _quantize_vec16(xb, a, n16, lo_b, sb, bits, seed, c32, w0):  # type: ignore[no-untyped-def]
+    """Codes (2 or 4 bits) of ``n16`` runs of 16 float32 values from ``a``, packed from word ``w0`` of ``c32``."""
+    lo = bits_f32(lo_b)
+    step, zero_exact = _scale_step(sb)
+    inv = np.float32(1.0) / step if step > 0 else np.float32(0.0)
+    levels = np.float32((1 << bits) - 1)
+    k = bits // 2
+    if bits == 2:
+        if zero_exact:
+            for j in range(n16):
+                _QUANT16_2Z(xb, _U(a + 16 * j), lo, inv, levels, seed, c32, _U(w0 + k * j))
+        else:
+            for j in range(n16):
+                _QUANT16_2(xb, _U(a + 16 * j), lo, inv, levels, seed, c32, _U(w0 + k * j))
+    elif zero_exact:
+        for j in range(n16):
+            _QUANT16_4Z(xb, _U(a + 16 * j), lo, inv, levels, seed, c32, _U(w0 + k * j))
+    else:
+        for j in range(n16):
+            _QUANT16_4(xb, _U(a + 16 * j), lo, inv, levels, seed, c32, _U(w0 + k * j))
+
+
 @njit(**_JIT)
 def _quantize_span(  # type: ignore[no-untyped-def]
     xb, n, a, stop, lo_b, sb, bits, seed, scratch, codes, c16, c32, o0
@@ -352,6 +452,13 @@ def _quantize_span(  # type: ignore[no-untyped-def]
     """Codes of the values ``a:stop`` (``stop - a`` a multiple of 32, values past ``n`` padding)
     packed into the flat uint8 ``codes`` (``c16``, ``c32``: its word views) from byte ``o0``."""
     b = max(a, min(n, stop))
+    if (bits == 2 or bits == 4) and _is_f32_in(xb):  # runs of 16 values as explicit vectors, the rest below
+        n16 = (b - a) // 16
+        _quantize_vec16(xb, a, n16, lo_b, sb, bits, seed, c32, o0 // 4)
+        a += 16 * n16
+        o0 += 2 * bits * n16
+        if a == stop:
+            return
     count = stop - a
     _codes_range(xb, a, b, lo_b, sb, bits, seed, scratch)
     for k in range(b - a, count):
@@ -519,6 +626,9 @@ def _decode_words(words, w0, nwords, bits, lo, step, zero_exact, out, o0):  # ty
 # the same speed, close to the output's write limit. The arithmetic is the reference's, operation for
 # operation (``lo + float(c) * step``, no fused multiply-add), so the bytes are unchanged; float16 and
 # bfloat16 outputs, and groups with a non-finite lo or step, keep the scalar-per-word path.
+# ``quantize_pack`` of float32 at 2 and 4 bits does the same (``_make_quant16``: noise hash, rounding,
+# clamping and packing of 16 values in 16 lanes, OR-reduced into their words): 10-15 % faster at
+# 2 bits, about the same at 4; at 8 bits it was 20 % slower than the auto-vectorised loop, which stays.
 
 
 def _make_store16(bits: int, zero_exact: bool, first: int = 0):  # type: ignore[no-untyped-def]
