@@ -629,16 +629,19 @@ def _decode_words(words, w0, nwords, bits, lo, step, zero_exact, out, o0):  # ty
 # ``quantize_pack`` of float32 at 2 and 4 bits does the same (``_make_quant16``: noise hash, rounding,
 # clamping and packing of 16 values in 16 lanes, OR-reduced into their words): 10-15 % faster at
 # 2 bits, about the same at 4; at 8 bits it was 20 % slower than the auto-vectorised loop, which stays.
+# The decode takes ``zero_exact`` as a run-time operand (a select that costs nothing measurable in a
+# write-bound loop); quantize has an intrinsic per (bits, zero_exact), since the same run-time operand
+# made that compute-bound loop 3-8 % slower side by side.
 
 
-def _make_store16(bits: int, zero_exact: bool, first: int = 0):  # type: ignore[no-untyped-def]
-    """An intrinsic decoding 16 codes of ``bits`` from little-endian 32-bit words (codes ``first`` to
-    ``first + 15`` counted from word ``w``) into 16 float32 bit patterns at ``out[o:o + 16]``, as one
-    explicit 16-lane vector; see ``NOTE [ Explicit vectors ]``."""
+def _make_store16(bits: int, first: int = 0):  # type: ignore[no-untyped-def]
+    """An intrinsic decoding 16 codes of ``bits`` of a group (zero-exact or not, ``zero_exact``) from
+    little-endian 32-bit words (codes ``first`` to ``first + 15`` counted from word ``w``) into 16 float32
+    bit patterns at ``out[o:o + 16]``, as one explicit 16-lane vector; see ``NOTE [ Explicit vectors ]``."""
     words_per_16 = max(1, (first + 16) * bits // 32)
 
     @intrinsic
-    def store16(typingctx, out, o, words, w, lo, step):  # type: ignore[no-untyped-def]
+    def store16(typingctx, out, o, words, w, lo, step, zero_exact):  # type: ignore[no-untyped-def]
         def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
             out_a = context.make_array(sig.args[0])(context, builder, args[0])
             words_a = context.make_array(sig.args[2])(context, builder, args[2])
@@ -652,30 +655,27 @@ def _make_store16(bits: int, zero_exact: bool, first: int = 0):  # type: ignore[
             shifts = ir.Constant(v16i, [((first + k) * bits) % 32 for k in range(16)])
             c = builder.and_(builder.lshr(lanes, shifts), ir.Constant(v16i, [(1 << bits) - 1] * 16))
 
-            def splat(x):  # type: ignore[no-untyped-def]
-                one = builder.insert_element(ir.Constant(v16f, ir.Undefined), x, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [0] * 16))
+            def splat(x, vt=v16f):  # type: ignore[no-untyped-def]
+                one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(v16i, [0] * 16))
 
-            k = builder.sub(c, ir.Constant(v16i, [1] * 16)) if zero_exact else c
+            zx = builder.icmp_unsigned("!=", args[6], ir.Constant(args[6].type, 0))
+            zx_v = splat(zx, ir.VectorType(ir.IntType(1), 16))
+            k = builder.sub(c, builder.zext(zx_v, v16i))  # a zero-exact group spends code 0 on zeros
             v = builder.fadd(splat(args[4]), builder.fmul(builder.sitofp(k, v16f), splat(args[5])))
-            vb = builder.bitcast(v, v16i)
-            if zero_exact:
-                is0 = builder.icmp_unsigned("==", c, ir.Constant(v16i, [0] * 16))
-                vb = builder.select(is0, ir.Constant(v16i, [0] * 16), vb)
+            is0 = builder.and_(builder.icmp_unsigned("==", c, ir.Constant(v16i, [0] * 16)), zx_v)
+            vb = builder.select(is0, ir.Constant(v16i, [0] * 16), builder.bitcast(v, v16i))
             dst = builder.gep(out_a.data, [args[1]])
             builder.store(vb, builder.bitcast(dst, v16i.as_pointer()), align=4)
             return context.get_dummy_value()
 
-        return types.none(out, o, words, w, lo, step), codegen
+        return types.none(out, o, words, w, lo, step, zero_exact), codegen
 
     return store16
 
 
-_STORE16_1, _STORE16_1Z = _make_store16(1, False), _make_store16(1, True)
-_STORE16_1H, _STORE16_1HZ = _make_store16(1, False, 16), _make_store16(1, True, 16)  # a word's upper half
-_STORE16_2, _STORE16_2Z = _make_store16(2, False), _make_store16(2, True)
-_STORE16_4, _STORE16_4Z = _make_store16(4, False), _make_store16(4, True)
-_STORE16_8, _STORE16_8Z = _make_store16(8, False), _make_store16(8, True)
+_STORE16_1, _STORE16_1H = _make_store16(1), _make_store16(1, 16)  # a word's lower and upper half
+_STORE16_2, _STORE16_4, _STORE16_8 = _make_store16(2), _make_store16(4), _make_store16(8)
 
 
 def _is_f32_out(out):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload
@@ -693,34 +693,18 @@ def _decode_vec32(c32, w0, n32, bits, zero_exact, lo, step, out, o0):  # type: i
     """Decode ``n32`` runs of 32 codes (``32 * bits / 32 = bits`` words each) from word ``w0`` of ``c32``
     into float32 ``out`` from ``o0``: two explicit 16-lane vectors per run."""
     if bits == 1:
-        if zero_exact:
-            for j in range(n32):
-                _STORE16_1Z(out, _U(o0 + 32 * j), c32, _U(w0 + j), lo, step)
-                _STORE16_1HZ(out, _U(o0 + 32 * j + 16), c32, _U(w0 + j), lo, step)
-        else:
-            for j in range(n32):
-                _STORE16_1(out, _U(o0 + 32 * j), c32, _U(w0 + j), lo, step)
-                _STORE16_1H(out, _U(o0 + 32 * j + 16), c32, _U(w0 + j), lo, step)
+        for j in range(n32):
+            _STORE16_1(out, _U(o0 + 32 * j), c32, _U(w0 + j), lo, step, zero_exact)
+            _STORE16_1H(out, _U(o0 + 32 * j + 16), c32, _U(w0 + j), lo, step, zero_exact)
     elif bits == 2:
-        if zero_exact:
-            for j in range(2 * n32):
-                _STORE16_2Z(out, _U(o0 + 16 * j), c32, _U(w0 + j), lo, step)
-        else:
-            for j in range(2 * n32):
-                _STORE16_2(out, _U(o0 + 16 * j), c32, _U(w0 + j), lo, step)
-    elif bits == 4:
-        if zero_exact:
-            for j in range(2 * n32):
-                _STORE16_4Z(out, _U(o0 + 16 * j), c32, _U(w0 + 2 * j), lo, step)
-        else:
-            for j in range(2 * n32):
-                _STORE16_4(out, _U(o0 + 16 * j), c32, _U(w0 + 2 * j), lo, step)
-    elif zero_exact:
         for j in range(2 * n32):
-            _STORE16_8Z(out, _U(o0 + 16 * j), c32, _U(w0 + 4 * j), lo, step)
+            _STORE16_2(out, _U(o0 + 16 * j), c32, _U(w0 + j), lo, step, zero_exact)
+    elif bits == 4:
+        for j in range(2 * n32):
+            _STORE16_4(out, _U(o0 + 16 * j), c32, _U(w0 + 2 * j), lo, step, zero_exact)
     else:
         for j in range(2 * n32):
-            _STORE16_8(out, _U(o0 + 16 * j), c32, _U(w0 + 4 * j), lo, step)
+            _STORE16_8(out, _U(o0 + 16 * j), c32, _U(w0 + 4 * j), lo, step, zero_exact)
 
 
 @njit(**_JIT)
