@@ -16,10 +16,14 @@ For each size (millions of values) it measures, as medians over repeats, in one 
   whole output: ``fill_`` of that output (timed alternately with the decode) and, on CPU, libc's
   ``memset`` of it (which streams past the caches for large sizes), and a numba loop that stores one
   constant into it with the decode's threads (the fastest pure write the kernels' compiler emits,
-  timed alternately with the decode). ``reference_over_fill`` is the speed-up over the reference that
-  a decode as fast as a pure write would have;
+  timed alternately with the decode), and ``fill_`` right after a ``copy_``, in the cache state the
+  decode itself is timed in (``fill_after_copy_ms``). ``reference_over_fill_after_copy`` is the
+  speed-up over the reference that a decode as fast as a pure write would have;
 * ``unpack_dequantize``: reference and fast, each allocating its output (first-touch page faults are
   then part of the cost): what a caller without a buffer pays, shown for comparison;
+* every reference is timed alternately with ``copy_`` too, like its fast op: the speed-up compares
+  the two under one protocol and cache state (the copy evicts a decode's output, so both write to
+  cold memory). ``reference_alone_ms`` is the reference's back-to-back median, shown for comparison;
 * ``group_minmax`` with each reduction strategy (``per_group``, ``two_level``) and the registered op
   (whatever the ``ReductionSelector`` calibrated).
 
@@ -104,6 +108,13 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def paired_reference(copy: Callable[[], Any], ref: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """(median seconds of ``ref`` timed alternately with ``copy``, as the fast op is; median of ``ref``
+    back to back). The speed-up compares the first with the fast op: same protocol, same cache state."""
+    _, t_paired, _ = paired(copy, ref, repeats)
+    return t_paired, median_seconds(ref, repeats, warmup=0)
+
+
 def synchronized(device: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` that returns only when the device has finished its work (CUDA launches are asynchronous)."""
     if device != "cuda":
@@ -122,13 +133,17 @@ def store_loop() -> Callable[[torch.Tensor, int], None]:
     import numpy as np
     from numba import njit, prange
 
+    # NOTE: each task stores through a slice indexed from 0. Indexing ``out`` itself from
+    # ``c * per`` (a signed index numba wraps around) was 2-3x slower than ``fill_`` at 1-16 Mi values,
+    # which made this a wrong limit in earlier runs; the slice form runs at ``fill_``'s speed.
     @njit(parallel=True, nogil=True, cache=False)
     def store(out, value, nchunks):  # type: ignore[no-untyped-def]
         n = out.shape[0]
         per = (n + nchunks - 1) // nchunks
         for c in prange(nchunks):
-            for i in range(c * per, min(n, (c + 1) * per)):
-                out[i] = value
+            part = out[c * per : min(n, (c + 1) * per)]
+            for i in range(part.shape[0]):
+                part[i] = value
 
     def call(out: torch.Tensor, threads: int) -> None:
         store(out.numpy(), np.float32(1.0), threads)
@@ -167,15 +182,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         copy_gbps = gbps(nbytes, t_copy)
         G = args.group_size
         for bits in args.bits:
-            t_ref_q = median_seconds(sync(lambda: reference.quantize_pack(x, bits, G, 1)), args.ref_repeats)
+            ref_q = sync(lambda: reference.quantize_pack(x, bits, G, 1))
+            t_ref_q, alone_q = paired_reference(sync(lambda: dst.copy_(x)), ref_q, args.ref_repeats)
             copy_q, t_fast_q, best_q = paired(
                 sync(lambda: dst.copy_(x)), sync(lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1)),
                 args.repeats,
             )
             codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, G, 1)
             out = torch.empty_like(x)
-            t_ref_i = median_seconds(
-                sync(lambda: reference.unpack_dequantize_into(out, codes, lo, scale, bits, G)), args.ref_repeats
+            t_ref_i, alone_i = paired_reference(
+                sync(lambda: dst.copy_(x)),
+                sync(lambda: reference.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
+                args.ref_repeats,
             )
             copy_i, t_fast_i, best_i = paired(
                 sync(lambda: dst.copy_(x)),
@@ -188,6 +206,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
                 args.repeats,
             )
+            # the same write after a copy_, in the cache state the decode is timed in above
+            _, cold_fill_i, _ = paired(sync(lambda: dst.copy_(x)), sync(lambda: out.fill_(1.0)), args.repeats)
             t_memset = store_i = t_fast_store = None
             if device == "cpu":
                 t_memset, _ = timed(lambda: ctypes.memset(out.data_ptr(), 0, nbytes), args.repeats)
@@ -197,18 +217,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G),
                         args.repeats,
                     )
-            t_ref_u = median_seconds(
-                sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)), args.ref_repeats
+            t_ref_u, alone_u = paired_reference(
+                sync(lambda: dst.copy_(x)),
+                sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
+                args.ref_repeats,
             )
             copy_u, t_fast_u, best_u = paired(
                 sync(lambda: dst.copy_(x)),
                 sync(lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
                 args.repeats,
             )
-            for op, t_ref, t_fast, best, t_pair_copy in (
-                ("quantize_pack", t_ref_q, t_fast_q, best_q, copy_q),
-                ("unpack_dequantize_into", t_ref_i, t_fast_i, best_i, copy_i),
-                ("unpack_dequantize", t_ref_u, t_fast_u, best_u, copy_u),
+            for op, t_ref, t_ref_alone, t_fast, best, t_pair_copy in (
+                ("quantize_pack", t_ref_q, alone_q, t_fast_q, best_q, copy_q),
+                ("unpack_dequantize_into", t_ref_i, alone_i, t_fast_i, best_i, copy_i),
+                ("unpack_dequantize", t_ref_u, alone_u, t_fast_u, best_u, copy_u),
             ):
                 fast_gbps = gbps(nbytes, t_fast)
                 pair_copy_gbps = gbps(nbytes, t_pair_copy)
@@ -225,6 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "copy_gbps": pair_copy_gbps,
                     "reference_ms": t_ref * 1e3,
                     "reference_gbps": gbps(nbytes, t_ref),
+                    "reference_alone_ms": t_ref_alone * 1e3,
                     "fast_ms": t_fast * 1e3,
                     "fast_best_ms": best * 1e3,
                     "fast_gbps": fast_gbps,
@@ -235,6 +258,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row.update({
                         "fill_ms": fill_i * 1e3, "fast_paired_with_fill_ms": t_fast_fill * 1e3,
                         "fraction_of_fill": fill_i / t_fast_fill, "reference_over_fill": t_ref / fill_i,
+                        "fill_after_copy_ms": cold_fill_i * 1e3, "fraction_of_fill_after_copy": cold_fill_i / t_fast,
+                        "reference_over_fill_after_copy": t_ref / cold_fill_i,
                         "memset_ms": t_memset * 1e3 if t_memset is not None else None,
                         "reference_over_memset": t_ref / t_memset if t_memset is not None else None,
                         "store_loop_ms": store_i * 1e3 if store_i is not None else None,
@@ -303,16 +328,19 @@ def print_table(result: dict[str, Any]) -> None:
             f"{r['speedup_vs_reference']:>6.1f}x  {verdict}"
         )
     print()
-    print(f"{'write limit':<23}{'MiV':>5}{'bits':>5}{'fill ms':>9}{'memset ms':>10}{'decode/fill':>12}"
-          f"{'ref/fill':>9}{'ref/memset':>11}{'store ms':>9}{'decode/store':>13}")
+    print("write limit of unpack_dequantize_into: fill_ of its output, alternating with the decode (warm) and")
+    print("after a copy_ (cold, as the decode and the reference are timed above); ref/cold: the most a decode")
+    print("could gain over the reference there")
+    print(f"{'':<23}{'MiV':>5}{'bits':>5}{'fill ms':>9}{'decode/fill':>12}{'cold ms':>9}{'decode/cold':>12}"
+          f"{'ref/cold':>9}{'memset ms':>10}{'store ms':>9}{'decode/store':>13}")
     nan = float("nan")
     for r in result["rows"]:
         if "fill_ms" in r:
             memset, store = r["memset_ms"], r["store_loop_ms"]
-            print(f"{'unpack_dequantize_into':<23}{r['size_mvalues']:>5g}{r['bits']:>5}{r['fill_ms']:>9.2f}"
-                  f"{memset if memset is not None else nan:>10.2f}{100 * r['fraction_of_fill']:>11.0f}%"
-                  f"{r['reference_over_fill']:>8.1f}x"
-                  f"{r['reference_over_memset'] if memset is not None else nan:>10.1f}x"
+            print(f"{'':<23}{r['size_mvalues']:>5g}{r['bits']:>5}{r['fill_ms']:>9.2f}"
+                  f"{100 * r['fraction_of_fill']:>11.0f}%{r['fill_after_copy_ms']:>9.2f}"
+                  f"{100 * r['fraction_of_fill_after_copy']:>11.0f}%{r['reference_over_fill_after_copy']:>8.1f}x"
+                  f"{memset if memset is not None else nan:>10.2f}"
                   f"{store if store is not None else nan:>9.2f}"
                   f"{100 * r['fraction_of_store_loop'] if store is not None else nan:>12.0f}%")
     print()

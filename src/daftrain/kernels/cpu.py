@@ -688,7 +688,13 @@ def _ov_is_f32_out(out):  # type: ignore[no-untyped-def]
     return (lambda out: True) if f32 else (lambda out: False)
 
 
-@njit(**_JIT)
+# NOTE [ Inlined group decode ]
+# ``_decode_group`` and ``_decode_vec32`` are inlined into ``_dequantize``'s parallel loop
+# (``inline="always"``: numba splices their IR in; LLVM did not inline the calls). As calls, each group
+# paid ~30 ns of call overhead (five arrays passed as exploded structs): single-threaded, 4 Mi values in
+# groups of 64 decoded in 2.95 ms and in groups of 256 in 0.99 ms, against 0.65 ms for ``fill_`` of the
+# output; inlined, 0.97 and 0.77 ms. Cold compile time did not change (13.3 s against 13.2 s).
+@njit(inline="always", **_JIT)
 def _decode_vec32(c32, w0, n32, bits, zero_exact, lo, step, out, o0):  # type: ignore[no-untyped-def]
     """Decode ``n32`` runs of 32 codes (``32 * bits / 32 = bits`` words each) from word ``w0`` of ``c32``
     into float32 ``out`` from ``o0``: two explicit 16-lane vectors per run."""
@@ -707,7 +713,7 @@ def _decode_vec32(c32, w0, n32, bits, zero_exact, lo, step, out, o0):  # type: i
             _STORE16_8(out, _U(o0 + 16 * j), c32, _U(w0 + 4 * j), lo, step, zero_exact)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b, sb, out, o0):  # type: ignore[no-untyped-def]
     """Decode ``count`` values of one group (codes from byte ``c0``; ``c16``/``c32``/``c64``: word
     views of ``codes``) into ``out[o0:o0 + count]``."""
