@@ -23,7 +23,8 @@ For each size (millions of values) it measures, as medians over repeats, in one 
   then part of the cost): what a caller without a buffer pays, shown for comparison;
 * every reference is timed alternately with ``copy_`` too, like its fast op: the speed-up compares
   the two under one protocol and cache state (the copy evicts a decode's output, so both write to
-  cold memory). ``reference_alone_ms`` is the reference's back-to-back median, shown for comparison;
+  cold memory). ``reference_alone_ms`` and ``fast_alone_ms`` are their back-to-back medians (warm
+  caches, as in a loop over one buffer), and ``speedup_alone`` (the ``alone`` column) their ratio;
 * ``group_minmax`` with each reduction strategy (``per_group``, ``two_level``) and the registered op
   (whatever the ``ReductionSelector`` calibrated).
 
@@ -184,10 +185,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for bits in args.bits:
             ref_q = sync(lambda: reference.quantize_pack(x, bits, G, 1))
             t_ref_q, alone_q = paired_reference(sync(lambda: dst.copy_(x)), ref_q, args.ref_repeats)
-            copy_q, t_fast_q, best_q = paired(
-                sync(lambda: dst.copy_(x)), sync(lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1)),
-                args.repeats,
-            )
+            fast_q = sync(lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1))
+            copy_q, t_fast_q, best_q = paired(sync(lambda: dst.copy_(x)), fast_q, args.repeats)
+            fast_alone_q = median_seconds(fast_q, args.repeats)
             codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, G, 1)
             out = torch.empty_like(x)
             t_ref_i, alone_i = paired_reference(
@@ -195,11 +195,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sync(lambda: reference.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
                 args.ref_repeats,
             )
-            copy_i, t_fast_i, best_i = paired(
-                sync(lambda: dst.copy_(x)),
-                sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
-                args.repeats,
-            )
+            fast_i = sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G))
+            copy_i, t_fast_i, best_i = paired(sync(lambda: dst.copy_(x)), fast_i, args.repeats)
+            fast_alone_i = median_seconds(fast_i, args.repeats)
             # the write limit of a decode: it reads a few bits per value and writes the whole output
             fill_i, t_fast_fill, _ = paired(
                 sync(lambda: out.fill_(1.0)),
@@ -222,15 +220,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
                 args.ref_repeats,
             )
-            copy_u, t_fast_u, best_u = paired(
-                sync(lambda: dst.copy_(x)),
-                sync(lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
-                args.repeats,
-            )
-            for op, t_ref, t_ref_alone, t_fast, best, t_pair_copy in (
-                ("quantize_pack", t_ref_q, alone_q, t_fast_q, best_q, copy_q),
-                ("unpack_dequantize_into", t_ref_i, alone_i, t_fast_i, best_i, copy_i),
-                ("unpack_dequantize", t_ref_u, alone_u, t_fast_u, best_u, copy_u),
+            fast_u = sync(lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype))
+            copy_u, t_fast_u, best_u = paired(sync(lambda: dst.copy_(x)), fast_u, args.repeats)
+            fast_alone_u = median_seconds(fast_u, args.repeats)
+            for op, t_ref, t_ref_alone, t_fast, t_fast_alone, best, t_pair_copy in (
+                ("quantize_pack", t_ref_q, alone_q, t_fast_q, fast_alone_q, best_q, copy_q),
+                ("unpack_dequantize_into", t_ref_i, alone_i, t_fast_i, fast_alone_i, best_i, copy_i),
+                ("unpack_dequantize", t_ref_u, alone_u, t_fast_u, fast_alone_u, best_u, copy_u),
             ):
                 fast_gbps = gbps(nbytes, t_fast)
                 pair_copy_gbps = gbps(nbytes, t_pair_copy)
@@ -253,6 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "fast_gbps": fast_gbps,
                     "fraction_of_copy": fast_gbps / pair_copy_gbps,
                     "speedup_vs_reference": t_ref / t_fast,
+                    "fast_alone_ms": t_fast_alone * 1e3,
+                    "speedup_alone": t_ref_alone / t_fast_alone,
                 }
                 if op == "unpack_dequantize_into":
                     row.update({
@@ -311,7 +309,7 @@ def print_table(result: dict[str, Any]) -> None:
           f"{m['torch_threads']} threads, {m['cpu_count']} CPUs, load {m['load_average']}")
     head = (
         f"{'op':<23}{'MiV':>5}{'bits':>5}{'copy GB/s':>10}{'ref GB/s':>9}{'fast GB/s':>10}"
-        f"{'fast ms':>9}{'%copy':>7}{'x ref':>7}  target"
+        f"{'fast ms':>9}{'%copy':>7}{'x ref':>7}{'alone':>7}  target"
     )
     print(head)
     print("-" * len(head))
@@ -325,7 +323,7 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"{r['op']:<23}{r['size_mvalues']:>5g}{r['bits']:>5}{r['copy_gbps']:>10.2f}{r['reference_gbps']:>9.2f}"
             f"{r['fast_gbps']:>10.2f}{r['fast_ms']:>9.2f}{100 * r['fraction_of_copy']:>6.0f}%"
-            f"{r['speedup_vs_reference']:>6.1f}x  {verdict}"
+            f"{r['speedup_vs_reference']:>6.1f}x{r['speedup_alone']:>6.1f}x  {verdict}"
         )
     print()
     print("write limit of unpack_dequantize_into: fill_ of its output, alternating with the decode (warm) and")
