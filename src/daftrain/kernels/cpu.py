@@ -416,16 +416,23 @@ def _deinterleave(builder, vectors, offsets):  # type: ignore[no-untyped-def]
 
 
 def _make_quant_bytes(bits: int, zero_exact: bool):  # type: ignore[no-untyped-def]
-    """An intrinsic quantizing the ``128 / bits`` float32 values ``xb[i:i + 128 / bits]`` (as int32 bits)
-    to ``bits``-bit codes with the reference's stochastic rounding, packed into the 16 bytes
-    ``codes[o:o + 16]``, as explicit 16-lane vectors; see ``NOTE [ Explicit vectors ]``."""
+    """An intrinsic quantizing ``nruns`` runs of ``128 / bits`` float32 values from ``xb[i]`` (as int32
+    bits) to ``bits``-bit codes with the reference's stochastic rounding, each run packed into 16 bytes,
+    from ``codes[o]`` on, as explicit 16-lane vectors; see ``NOTE [ Explicit vectors ]``."""
     nvec = 8 // bits  # codes per byte: vector j holds the values at j, j + nvec, j + 2 nvec, ...
 
     @intrinsic
-    def quant_bytes(typingctx, xb, i, lo, inv, levels, seed, codes, o):  # type: ignore[no-untyped-def]
+    def quant_bytes(typingctx, xb, i, nruns, lo, inv, levels, seed, codes, o):  # type: ignore[no-untyped-def]
         def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            with cgutils.for_range(builder, args[2]) as loop:
+                run_i = builder.add(args[1], builder.mul(loop.index, ir.Constant(args[1].type, 128 // bits)))
+                run_o = builder.add(args[8], builder.mul(loop.index, ir.Constant(args[8].type, 16)))
+                run(context, builder, sig, [args[0], run_i, *args[3:8], run_o])
+            return context.get_dummy_value()
+
+        def run(context, builder, sig, args):  # type: ignore[no-untyped-def]
             x_a = context.make_array(sig.args[0])(context, builder, args[0])
-            c_a = context.make_array(sig.args[6])(context, builder, args[6])
+            c_a = context.make_array(sig.args[7])(context, builder, args[6])
             i32, f32 = ir.IntType(32), ir.FloatType()
             v16i, v16f, v16b = ir.VectorType(i32, 16), ir.VectorType(f32, 16), ir.VectorType(ir.IntType(8), 16)
             floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f]), "llvm.floor.v16f32")
@@ -469,9 +476,8 @@ def _make_quant_bytes(bits: int, zero_exact: bool):  # type: ignore[no-untyped-d
                 packed = shifted if packed is None else builder.or_(packed, shifted)
             dst = builder.bitcast(builder.gep(c_a.data, [args[7]]), v16b.as_pointer())
             builder.store(builder.trunc(packed, v16b), dst, align=1)
-            return context.get_dummy_value()
 
-        return types.none(xb, i, lo, inv, levels, seed, codes, o), codegen
+        return types.none(xb, i, nruns, lo, inv, levels, seed, codes, o), codegen
 
     return quant_bytes
 
@@ -490,34 +496,15 @@ def _quantize_runs(xb, a, nruns, lo_b, sb, bits, seed, codes, o0):  # type: igno
     step, zero_exact = _scale_step(sb)
     inv = np.float32(1.0) / step if step > 0 else np.float32(0.0)
     levels = np.float32((1 << bits) - 1)
-    run = 128 // bits
+    args = (xb, _U(a), _U(nruns), lo, inv, levels, seed, codes, _U(o0))
     if bits == 1:
-        if zero_exact:
-            for j in range(nruns):
-                _QUANT_1Z(xb, _U(a + run * j), lo, inv, levels, seed, codes, _U(o0 + 16 * j))
-        else:
-            for j in range(nruns):
-                _QUANT_1(xb, _U(a + run * j), lo, inv, levels, seed, codes, _U(o0 + 16 * j))
+        _QUANT_1Z(*args) if zero_exact else _QUANT_1(*args)
     elif bits == 2:
-        if zero_exact:
-            for j in range(nruns):
-                _QUANT_2Z(xb, _U(a + run * j), lo, inv, levels, seed, codes, _U(o0 + 16 * j))
-        else:
-            for j in range(nruns):
-                _QUANT_2(xb, _U(a + run * j), lo, inv, levels, seed, codes, _U(o0 + 16 * j))
+        _QUANT_2Z(*args) if zero_exact else _QUANT_2(*args)
     elif bits == 4:
-        if zero_exact:
-            for j in range(nruns):
-                _QUANT_4Z(xb, _U(a + run * j), lo, inv, levels, seed, codes, _U(o0 + 16 * j))
-        else:
-            for j in range(nruns):
-                _QUANT_4(xb, _U(a + run * j), lo, inv, levels, seed, codes, _U(o0 + 16 * j))
-    elif zero_exact:
-        for j in range(nruns):
-            _QUANT_8Z(xb, _U(a + run * j), lo, inv, levels, seed, codes, _U(o0 + 16 * j))
+        _QUANT_4Z(*args) if zero_exact else _QUANT_4(*args)
     else:
-        for j in range(nruns):
-            _QUANT_8(xb, _U(a + run * j), lo, inv, levels, seed, codes, _U(o0 + 16 * j))
+        _QUANT_8Z(*args) if zero_exact else _QUANT_8(*args)
 
 
 @njit(inline="always", **_JIT)
