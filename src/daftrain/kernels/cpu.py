@@ -216,14 +216,15 @@ def _ov_store_bits(out, i, b):  # type: ignore[no-untyped-def]
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_f32_in(xb):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload
+def _is_f32(a):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload
+    """Whether the array ``a`` holds float32 bit patterns (32-bit integers), at compile time."""
     raise NotImplementedError
 
 
-@overload(_is_f32_in, jit_options=_JIT)
-def _ov_is_f32_in(xb):  # type: ignore[no-untyped-def]
-    f32 = isinstance(xb.dtype, types.Integer) and xb.dtype.bitwidth == 32
-    return (lambda xb: True) if f32 else (lambda xb: False)
+@overload(_is_f32, jit_options=_JIT)
+def _ov_is_f32(a):  # type: ignore[no-untyped-def]
+    f32 = isinstance(a.dtype, types.Integer) and a.dtype.bitwidth == 32
+    return (lambda a: True) if f32 else (lambda a: False)
 
 
 @intrinsic
@@ -269,7 +270,7 @@ def _stats_range(xb, a, b):  # type: ignore[no-untyped-def]
     kmin = np.int32(0x7FFFFFFF)
     kmax = np.int32(-0x80000000)
     pmin = np.int32(_INF)
-    if _is_f32_in(xb) and b - a >= 16:
+    if _is_f32(xb) and b - a >= 16:
         n16 = (b - a) // 16
         kmin, kmax, pmin = _stats16(xb, _U(a), _U(n16))
         a += 16 * n16
@@ -514,7 +515,7 @@ def _quantize_span(  # type: ignore[no-untyped-def]
     """Codes of the values ``a:stop`` (``stop - a`` a multiple of 32, values past ``n`` padding)
     packed into the flat uint8 ``codes`` (``c16``, ``c32``: its word views) from byte ``o0``."""
     b = max(a, min(n, stop))
-    if _is_f32_in(xb):  # runs of 16 bytes of codes as explicit vectors, the rest below
+    if _is_f32(xb):  # runs of 16 bytes of codes as explicit vectors, the rest below
         nruns = (b - a) // (128 // bits)
         _quantize_runs(xb, a, nruns, lo_b, sb, bits, seed, codes, o0)
         a += nruns * (128 // bits)
@@ -747,16 +748,6 @@ _STORE16_1, _STORE16_1H = _make_store16(1), _make_store16(1, 16)  # a word's low
 _STORE16_2, _STORE16_4, _STORE16_8 = _make_store16(2), _make_store16(4), _make_store16(8)
 
 
-def _is_f32_out(out):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload
-    raise NotImplementedError
-
-
-@overload(_is_f32_out, jit_options=_JIT)
-def _ov_is_f32_out(out):  # type: ignore[no-untyped-def]
-    f32 = isinstance(out.dtype, types.Integer) and out.dtype.bitwidth == 32
-    return (lambda out: True) if f32 else (lambda out: False)
-
-
 # NOTE [ Inlined group decode ]
 # ``_decode_group`` and ``_decode_vec32`` are inlined into ``_dequantize``'s parallel loop
 # (``inline="always"``: numba splices their IR in; LLVM did not inline the calls). As calls, each group
@@ -791,7 +782,7 @@ def _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b, sb, out, o0):  # 
     per = 8 // bits
     mask = (1 << bits) - 1
     full = 0
-    if np.isfinite(lo) and np.isfinite(step) and _is_f32_out(out):
+    if np.isfinite(lo) and np.isfinite(step) and _is_f32(out):
         full = count // 32
         _decode_vec32(c32, c0 // 4, full, bits, zero_exact, lo, step, out, o0)
         full *= 32
