@@ -179,10 +179,23 @@ def test_decode_any_bytes(bits: int) -> None:
 
 
 def test_seed_and_index_hash() -> None:
-    """Seeds past 32 bits and negative ones are taken mod 2**32, as the reference does."""
+    """Seeds past 32 bits and negative ones are taken mod 2**32, as the reference does (groups of 32 take
+    the scalar path at 2 bits, groups of 256 the explicit vectors)."""
     x = torch.randn(1000, generator=torch.Generator().manual_seed(4))
     for seed in (0, 1, 2**32 - 1, 2**32 + 5, 2**63 - 1, -1, -(2**40)):
-        check_quantize(x, 2, 32, seed)
+        for group_size in (32, 256):
+            check_quantize(x, 2, group_size, seed)
+
+
+@pytest.mark.parametrize("group_size", (96, 160, 224))
+def test_vector_runs_then_scalar_rest(group_size: int) -> None:
+    """float32 groups that are not a whole number of explicit-vector runs (``128 / bits`` values): runs,
+    then the scalar path for the rest of each group, for plain and zero-exact (ReLU) groups."""
+    gen = torch.Generator().manual_seed(group_size)
+    x = torch.randn(5 * group_size + 40, generator=gen)
+    for values in (x, torch.relu(x)):
+        for bits in BITS:
+            check_quantize(values, bits, group_size, seed=bits)
 
 
 def test_non_contiguous_and_shapes() -> None:
