@@ -172,3 +172,24 @@ def test_opcheck():
     m = x > 0
     opcheck(Q.pack_bool.default, (m,))
     opcheck(Q.unpack_bool.default, (Q.pack_bool(m), 1000))
+
+
+def test_unpack_into_bumps_the_version_of_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op writes ``out``: its version counter moves, with the fast kernel and with the reference (so an
+    autograd graph that saved ``out`` sees the write), and a tensor saved before the write is refused."""
+    from daftrain.kernels import registry
+
+    x = torch.randn(1000)
+    codes, lo, scale = Q.quantize_pack(x, 2, 256, 5)
+    for backend in ("fast", "reference"):
+        if backend == "reference":
+            monkeypatch.setattr(registry._status, "cpu", "reference")
+        out = torch.zeros(1000)
+        before = out._version
+        Q.unpack_dequantize_into(out, codes, lo, scale, 2, 256)
+        assert out._version > before, backend
+        w = torch.ones(1000, requires_grad=True)
+        y = (w * out).sum()  # saves out
+        Q.unpack_dequantize_into(out, codes, lo, scale, 2, 256)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()

@@ -8,6 +8,10 @@ must be byte-identical to the reference.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from .kernels import reference
@@ -17,6 +21,51 @@ __all__ = [
     "ARGUMENT_CHECKS", "group_minmax", "pack_bool", "quantize_pack", "unpack_bool", "unpack_dequantize",
     "unpack_dequantize_into",
 ]
+
+# NOTE [ Op registration ]
+# The ops are defined on a ``torch.library.Library`` from schema strings, not with
+# ``torch.library.custom_op``: a call then goes from PyTorch's C++ dispatcher straight to one Python
+# kernel. custom_op adds Python autograd and ADInplaceOrView layers to every call: 11-16 us in a tight
+# loop, and 65-110 us for a decode of 4 Mi values (after a kernel that streamed 16 MB the interpreter's
+# own working set is out of cache), a quarter of that decode's time. The reference is each op's
+# ``CompositeExplicitAutograd`` kernel (every device), the fast kernels register per device key beside
+# it, and ``register_fake`` gives the meta kernel. Without custom_op's ADInplaceOrView layer nothing
+# bumps the version counter of a mutated argument: the reference writes with PyTorch ops, which bump it,
+# and the registry bumps it after a fast kernel wrote through a raw pointer (``bump_versions``).
+# ``torch.library.opcheck`` checks the schema, fake kernel and mutation.
+_LIB = torch.library.Library("daftrain", "DEF")
+
+
+class _Op:
+    """A ``daftrain::`` operator defined by ``schema``; calling it dispatches through ``torch.ops``."""
+
+    def __init__(self, schema: str, reference_kernel: Callable[..., Any]) -> None:
+        self.name = schema.split("(", 1)[0]
+        _LIB.define(schema)
+        _LIB.impl(self.name, reference_kernel, "CompositeExplicitAutograd")
+        self.default = getattr(torch.ops.daftrain, self.name).default
+        functools.update_wrapper(self, reference_kernel)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.default(*args, **kwargs)
+
+    def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        torch.library.register_fake(f"daftrain::{self.name}", fn, lib=_LIB)
+        return fn
+
+
+def _op(schema: str) -> Callable[[Callable[..., Any]], _Op]:
+    return lambda reference_kernel: _Op(schema, reference_kernel)
+
+
+# Positions of the arguments each op writes into (its schema's ``Tensor(a!)``).
+MUTATED_ARGUMENTS: dict[str, tuple[int, ...]] = {"unpack_dequantize_into": (0,)}
+
+
+def bump_versions(name: str, args: tuple[Any, ...]) -> None:
+    """Bump the version counter of every argument op ``name`` wrote into; see ``NOTE [ Op registration ]``."""
+    for i in MUTATED_ARGUMENTS.get(name, ()):
+        torch.autograd.graph.increment_version(args[i])
 
 
 def _check_float(x: torch.Tensor) -> None:
@@ -51,7 +100,7 @@ def _check_unpack_bool(packed: torch.Tensor, numel: int) -> None:
     )
 
 
-@torch.library.custom_op("daftrain::group_minmax", mutates_args=())
+@_op("group_minmax(Tensor x, int group_size) -> Tensor")
 def group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per-group ``[min, max, min positive]`` of flat ``x`` as float32 [num_groups, 3]."""
     _check_group_minmax(x, group_size)
@@ -64,7 +113,7 @@ def _(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.new_empty(-(-x.numel() // group_size), 3, dtype=torch.float32)
 
 
-@torch.library.custom_op("daftrain::quantize_pack", mutates_args=())
+@_op("quantize_pack(Tensor x, int bits, int group_size, int seed) -> (Tensor, Tensor, Tensor)")
 def quantize_pack(
     x: torch.Tensor, bits: int, group_size: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,7 +137,8 @@ def _(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Ten
     )
 
 
-@torch.library.custom_op("daftrain::unpack_dequantize", mutates_args=())
+@_op("unpack_dequantize(Tensor codes, Tensor lo, Tensor scale, int bits, int group_size, int numel, "
+     "ScalarType dtype) -> Tensor")
 def unpack_dequantize(
     codes: torch.Tensor,
     lo: torch.Tensor,
@@ -109,14 +159,14 @@ def _(codes, lo, scale, bits, group_size, numel, dtype):  # type: ignore[no-unty
     return codes.new_empty(numel, dtype=dtype)
 
 
-@torch.library.custom_op("daftrain::unpack_dequantize_into", mutates_args=("out",))
+@_op("unpack_dequantize_into(Tensor(a!) out, Tensor codes, Tensor lo, Tensor scale, int bits, int group_size) -> ()")
 def unpack_dequantize_into(
     out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
 ) -> None:
     """``unpack_dequantize`` into the preallocated contiguous 1-D ``out`` (its numel and dtype say what
     to decode): backward reuses its decode buffers instead of faulting in fresh memory every time."""
     _check_unpack_into(out, codes, lo, scale, bits, group_size)
-    reference.unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+    reference.unpack_dequantize_into(out, codes, lo, scale, bits, group_size)  # its writes bump out's version
 
 
 @unpack_dequantize_into.register_fake
@@ -155,7 +205,7 @@ def _check_unpack(
     )
 
 
-@torch.library.custom_op("daftrain::pack_bool", mutates_args=())
+@_op("pack_bool(Tensor x) -> Tensor")
 def pack_bool(x: torch.Tensor) -> torch.Tensor:
     """Flat bool tensor -> uint8 [ceil(n/8)], 1 bit per value, LSB first."""
     _check_pack_bool(x)
@@ -167,7 +217,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(bool_nbytes(x.numel()), dtype=torch.uint8)
 
 
-@torch.library.custom_op("daftrain::unpack_bool", mutates_args=())
+@_op("unpack_bool(Tensor packed, int numel) -> Tensor")
 def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of ``pack_bool``."""
     _check_unpack_bool(packed, numel)

@@ -88,6 +88,13 @@ def _guarded(backend: str, name: str, fn: Callable[..., Any]) -> Callable[..., A
             except Exception:
                 compile_errors = ()
 
+    def write_and_bump(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        ops.bump_versions(name, args)  # it wrote through a raw pointer; see NOTE [ Op registration ]
+        return out
+
+    run = write_and_bump if name in ops.MUTATED_ARGUMENTS else fn
+
     @functools.wraps(fn)
     def kernel(*args: Any, **kwargs: Any) -> Any:
         check(*args, **kwargs)
@@ -95,7 +102,7 @@ def _guarded(backend: str, name: str, fn: Callable[..., Any]) -> Callable[..., A
         if status is not None and getattr(status, backend) == "reference":
             return ref(*args, **kwargs)
         try:
-            return fn(*args, **kwargs)
+            return run(*args, **kwargs)
         except compile_errors as exc:
             with _lock:
                 if status is not None and getattr(status, backend) != "reference":
