@@ -19,6 +19,9 @@ For each size (millions of values) it measures, as medians over repeats, in one 
   timed alternately with the decode), and ``fill_`` right after a ``copy_``, in the cache state the
   decode itself is timed in (``fill_after_copy_ms``). ``reference_over_fill_after_copy`` is the
   speed-up over the reference that a decode as fast as a pure write would have;
+* on CPU a float32 decode of at least ``STREAMING_BYTES`` (32 MiB) stores non-temporally
+  (``NOTE [ Streaming stores ]`` in ``kernels/cpu.py``; ``streaming_stores`` in the row): its output is
+  then not in cache afterwards, so the ``fill_`` timed alternately with it is a cold one too;
 * ``unpack_dequantize``: reference and fast, each allocating its output (first-touch page faults are
   then part of the cost): what a caller without a buffer pays, shown for comparison;
 * every reference is timed alternately with ``copy_`` too, like its fast op: the speed-up compares
@@ -253,6 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "speedup_alone": t_ref_alone / t_fast_alone,
                 }
                 if op == "unpack_dequantize_into":
+                    row["streaming_stores"] = (device == "cpu" and dtype == torch.float32
+                                               and nbytes >= cpu.STREAMING_BYTES and out.data_ptr() % 64 == 0)
                     row.update({
                         "fill_ms": fill_i * 1e3, "fast_paired_with_fill_ms": t_fast_fill * 1e3,
                         "fraction_of_fill": fill_i / t_fast_fill, "reference_over_fill": t_ref / fill_i,
@@ -328,7 +333,8 @@ def print_table(result: dict[str, Any]) -> None:
     print()
     print("write limit of unpack_dequantize_into: fill_ of its output, alternating with the decode (warm) and")
     print("after a copy_ (cold, as the decode and the reference are timed above); ref/cold: the most a decode")
-    print("could gain over the reference there")
+    print("with cached stores could gain over the reference there (from 32 MiB of output the decode streams")
+    print("past the cache instead: NOTE [ Streaming stores ], and the fill_ beside it is cold too)")
     print(f"{'':<23}{'MiV':>5}{'bits':>5}{'fill ms':>9}{'decode/fill':>12}{'cold ms':>9}{'decode/cold':>12}"
           f"{'ref/cold':>9}{'memset ms':>10}{'store ms':>9}{'decode/store':>13}")
     nan = float("nan")

@@ -434,3 +434,21 @@ def test_torch_thread_count_survives_numba_pool_start() -> None:
     env = {**os.environ, "PYTHONPATH": src}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("offset", (0, 1))
+def test_streaming_decode(offset: int) -> None:
+    """A float32 output of at least ``STREAMING_BYTES`` is written with non-temporal stores when it is
+    64-byte aligned (``offset`` 0), with cached stores otherwise (``offset`` 1: 4 bytes past alignment);
+    both byte-identical to the reference, plain and zero-exact groups."""
+    n = cpu.STREAMING_BYTES // 4 + 1000
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(n, generator=gen)
+    x[: n // 2] = torch.relu(x[: n // 2])
+    for bits in (1, 2, 4, 8):
+        codes, lo, scale = reference.quantize_pack(x, bits, 256, bits)
+        out = torch.full((n + 16,), float("nan"))[offset : offset + n]
+        assert (out.data_ptr() % 64 == 0) == (offset == 0)
+        torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, 256)
+        assert_same(out, reference.unpack_dequantize(codes, lo, scale, bits, 256, n, torch.float32),
+                    f"streaming decode (bits={bits}, offset={offset})")
