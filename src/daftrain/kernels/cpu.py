@@ -227,6 +227,26 @@ def _ov_is_f32(a):  # type: ignore[no-untyped-def]
     return (lambda a: True) if f32 else (lambda a: False)
 
 
+# 16-lane LLVM IR building blocks of the explicit-vector kernels (NOTE [ Explicit vectors ])
+_I32, _F32 = ir.IntType(32), ir.FloatType()
+_V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+
+
+def _i32x16(values: int | list[int]) -> ir.Constant:
+    """A constant <16 x i32>: one value in every lane, or one value per lane."""
+    return ir.Constant(_V16I, values if isinstance(values, list) else [values] * 16)
+
+
+def _f32x16(value: float) -> ir.Constant:
+    return ir.Constant(_V16F, [value] * 16)
+
+
+def _splat(builder: ir.IRBuilder, x: ir.Value, vt: ir.VectorType) -> ir.Value:
+    """``x`` in every lane of a 16-lane vector of type ``vt``."""
+    one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(_V16I, [0] * 16))
+
+
 @intrinsic
 def _stats16(typingctx, xb, a, n16):  # type: ignore[no-untyped-def]
     """(min key, max key, min positive bits) of the float32 values ``xb[a:a + 16 * n16]`` (int32 bits)
@@ -234,12 +254,7 @@ def _stats16(typingctx, xb, a, n16):  # type: ignore[no-untyped-def]
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         x_a = context.make_array(sig.args[0])(context, builder, args[0])
-        i32 = ir.IntType(32)
-        v16i = ir.VectorType(i32, 16)
-
-        def ci(value):  # type: ignore[no-untyped-def]
-            return ir.Constant(v16i, [value] * 16)
-
+        ci, v16i = _i32x16, _V16I
         kmin_p = cgutils.alloca_once_value(builder, ci(0x7FFFFFFF))
         kmax_p = cgutils.alloca_once_value(builder, ci(-0x80000000))
         pmin_p = cgutils.alloca_once_value(builder, ci(_INF))
@@ -256,7 +271,7 @@ def _stats16(typingctx, xb, a, n16):  # type: ignore[no-untyped-def]
             builder.store(builder.select(builder.icmp_signed("<", p, pmin), p, pmin), pmin_p)
         out = []
         for name, ptr in (("smin", kmin_p), ("smax", kmax_p), ("smin", pmin_p)):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [v16i]),
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [v16i]),
                                                 f"llvm.vector.reduce.{name}.v16i32")
             out.append(builder.call(fn, [builder.load(ptr)]))
         return context.make_tuple(builder, sig.return_type, out)
@@ -403,10 +418,9 @@ def _deinterleave(builder, vectors, offsets):  # type: ignore[no-untyped-def]
     holds every ``len(vectors)``-th value. Returns (vectors, offsets)."""
     if len(vectors) == 1:
         return vectors, offsets
-    i32 = ir.IntType(32)
     halves: list[tuple[list, list]] = []
     for parity in (0, 1):
-        lanes = ir.Constant(ir.VectorType(i32, 16), [2 * k + parity for k in range(16)])
+        lanes = _i32x16([2 * k + parity for k in range(16)])
         vs, offs = [], []
         for p in range(0, len(vectors), 2):
             vs.append(builder.shuffle_vector(vectors[p], vectors[p + 1], lanes))
@@ -434,19 +448,12 @@ def _make_quant_bytes(bits: int, zero_exact: bool):  # type: ignore[no-untyped-d
         def run(context, builder, sig, args):  # type: ignore[no-untyped-def]
             x_a = context.make_array(sig.args[0])(context, builder, args[0])
             c_a = context.make_array(sig.args[7])(context, builder, args[6])
-            i32, f32 = ir.IntType(32), ir.FloatType()
-            v16i, v16f, v16b = ir.VectorType(i32, 16), ir.VectorType(f32, 16), ir.VectorType(ir.IntType(8), 16)
+            i32, v16i, v16f, v16b = _I32, _V16I, _V16F, ir.VectorType(ir.IntType(8), 16)
+            ci, cf = _i32x16, _f32x16
             floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f]), "llvm.floor.v16f32")
 
             def splat(x, vt):  # type: ignore[no-untyped-def]
-                one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(v16i, [0] * 16))
-
-            def ci(values):  # type: ignore[no-untyped-def]
-                return ir.Constant(v16i, values if isinstance(values, list) else [values] * 16)
-
-            def cf(value):  # type: ignore[no-untyped-def]
-                return ir.Constant(v16f, [value] * 16)
+                return _splat(builder, x, vt)
 
             src = builder.bitcast(builder.gep(x_a.data, [args[1]]), v16i.as_pointer())
             loaded = [builder.load(builder.gep(src, [ir.Constant(i32, j)]), align=4) for j in range(nvec)]
@@ -742,8 +749,7 @@ def _make_store16(bits: int, first: int = 0):  # type: ignore[no-untyped-def]
         def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
             out_a = context.make_array(sig.args[0])(context, builder, args[0])
             words_a = context.make_array(sig.args[2])(context, builder, args[2])
-            i32, f32 = ir.IntType(32), ir.FloatType()
-            v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+            i32, v16i, v16f = _I32, _V16I, _V16F
             wk = ir.VectorType(i32, words_per_16)
             src = builder.gep(words_a.data, [args[3]])
             loaded = builder.load(builder.bitcast(src, wk.as_pointer()), align=4)
@@ -753,8 +759,7 @@ def _make_store16(bits: int, first: int = 0):  # type: ignore[no-untyped-def]
             c = builder.and_(builder.lshr(lanes, shifts), ir.Constant(v16i, [(1 << bits) - 1] * 16))
 
             def splat(x, vt=v16f):  # type: ignore[no-untyped-def]
-                one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(v16i, [0] * 16))
+                return _splat(builder, x, vt)
 
             zx = builder.icmp_unsigned("!=", args[6], ir.Constant(args[6].type, 0))
             zx_v = splat(zx, ir.VectorType(ir.IntType(1), 16))
