@@ -31,7 +31,7 @@ __all__ = [
 # ``CompositeExplicitAutograd`` kernel (every device), the fast kernels register per device key beside
 # it, and ``register_fake`` gives the meta kernel. Without custom_op's ADInplaceOrView layer nothing
 # bumps the version counter of a mutated argument: the reference writes with PyTorch ops, which bump it,
-# and the registry bumps it after a fast kernel wrote through a raw pointer (``bump_versions``).
+# and the registry bumps it after a fast kernel wrote through a raw pointer (``mutated_positions``).
 # ``torch.library.opcheck`` checks the schema, fake kernel and mutation.
 _LIB = torch.library.Library("daftrain", "DEF")
 
@@ -58,14 +58,10 @@ def _op(schema: str) -> Callable[[Callable[..., Any]], _Op]:
     return lambda reference_kernel: _Op(schema, reference_kernel)
 
 
-# Positions of the arguments each op writes into (its schema's ``Tensor(a!)``).
-MUTATED_ARGUMENTS: dict[str, tuple[int, ...]] = {"unpack_dequantize_into": (0,)}
-
-
-def bump_versions(name: str, args: tuple[Any, ...]) -> None:
-    """Bump the version counter of every argument op ``name`` wrote into; see ``NOTE [ Op registration ]``."""
-    for i in MUTATED_ARGUMENTS.get(name, ()):
-        torch.autograd.graph.increment_version(args[i])
+def mutated_positions(name: str) -> tuple[int, ...]:
+    """Positions of the arguments op ``name`` writes into: its schema's ``Tensor(a!)``."""
+    arguments = getattr(torch.ops.daftrain, name).default._schema.arguments
+    return tuple(i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _check_float(x: torch.Tensor) -> None:

@@ -65,6 +65,8 @@ def _describe_error(exc: BaseException) -> str:
 def _guarded(backend: str, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a backend kernel: validate the arguments; on a JIT compile failure at run time, warn once
     and use the reference."""
+    import torch
+
     from .. import ops
     from . import reference
 
@@ -88,12 +90,15 @@ def _guarded(backend: str, name: str, fn: Callable[..., Any]) -> Callable[..., A
             except Exception:
                 compile_errors = ()
 
+    mutated = ops.mutated_positions(name)
+
     def write_and_bump(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        ops.bump_versions(name, args)  # it wrote through a raw pointer; see NOTE [ Op registration ]
+        for i in mutated:  # it wrote through a raw pointer; see NOTE [ Op registration ]
+            torch.autograd.graph.increment_version(args[i])
         return out
 
-    run = write_and_bump if name in ops.MUTATED_ARGUMENTS else fn
+    run = write_and_bump if mutated else fn
 
     @functools.wraps(fn)
     def kernel(*args: Any, **kwargs: Any) -> Any:
