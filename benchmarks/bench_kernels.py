@@ -256,8 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "speedup_alone": t_ref_alone / t_fast_alone,
                 }
                 if op == "unpack_dequantize_into":
-                    row["streaming_stores"] = (device == "cpu" and dtype == torch.float32
-                                               and nbytes >= cpu.STREAMING_BYTES and out.data_ptr() % 64 == 0)
+                    row["streaming_stores"] = device == "cpu" and cpu.streams(out)
                     row.update({
                         "fill_ms": fill_i * 1e3, "fast_paired_with_fill_ms": t_fast_fill * 1e3,
                         "fraction_of_fill": fill_i / t_fast_fill, "reference_over_fill": t_ref / fill_i,

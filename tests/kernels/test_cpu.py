@@ -449,6 +449,7 @@ def test_streaming_decode(offset: int) -> None:
         codes, lo, scale = reference.quantize_pack(x, bits, 256, bits)
         out = torch.full((n + 16,), float("nan"))[offset : offset + n]
         assert (out.data_ptr() % 64 == 0) == (offset == 0)
+        assert cpu.streams(out) == (offset == 0)
         torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, 256)
         assert_same(out, reference.unpack_dequantize(codes, lo, scale, bits, 256, n, torch.float32),
                     f"streaming decode (bits={bits}, offset={offset})")

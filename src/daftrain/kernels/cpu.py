@@ -62,12 +62,14 @@ from .reduction import ReductionSelector
 __all__ = [
     "PER_GROUP",
     "STRATEGIES",
+    "STREAMING_BYTES",
     "TWO_LEVEL",
     "make_kernels",
     "minmax_per_group",
     "minmax_two_level",
     "pack_bool",
     "quantize_pack_with",
+    "streams",
     "threads",
     "unpack_bool",
     "unpack_dequantize",
@@ -725,6 +727,11 @@ def _decode_words(words, w0, nwords, bits, lo, step, zero_exact, out, o0):  # ty
 STREAMING_BYTES = 32 << 20
 
 
+def streams(out: torch.Tensor) -> bool:
+    """Whether ``unpack_dequantize_into`` writes ``out`` with non-temporal stores."""
+    return out.dtype == torch.float32 and out.numel() * 4 >= STREAMING_BYTES and out.data_ptr() % 64 == 0
+
+
 @intrinsic
 def _store_fence(typingctx):  # type: ignore[no-untyped-def]
     """A full memory fence: orders the non-temporal stores before the task ends."""
@@ -1188,9 +1195,8 @@ def unpack_dequantize_into(
         out_np = out.view(torch.int16).numpy().view(np.uint16)
     else:
         raise TypeError(f"cannot dequantize to {out.dtype}")
-    streaming = out.dtype == torch.float32 and numel * 4 >= STREAMING_BYTES and out.data_ptr() % 64 == 0
     with _Guard(numel) as nt:
-        _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt, streaming)
+        _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt, streams(out))
 
 
 unpack_dequantize = reference.allocating(unpack_dequantize_into, lambda numel, dtype, device: _empty(numel, dtype))
