@@ -112,11 +112,14 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def paired_reference(copy: Callable[[], Any], ref: Callable[[], Any], repeats: int) -> tuple[float, float]:
-    """(median seconds of ``ref`` timed alternately with ``copy``, as the fast op is; median of ``ref``
-    back to back). The speed-up compares the first with the fast op: same protocol, same cache state."""
-    _, t_paired, _ = paired(copy, ref, repeats)
-    return t_paired, median_seconds(ref, repeats, warmup=0)
+def paired_and_alone(
+    copy: Callable[[], Any], fn: Callable[[], Any], repeats: int
+) -> tuple[float, float, float, float]:
+    """``paired(copy, fn)`` (medians of ``copy`` and ``fn`` timed alternately, best of ``fn``), then the
+    median of ``fn`` back to back (warm caches). Fast ops and references are timed alike: the speed-up
+    compares them under one protocol and cache state."""
+    t_copy, t_fn, best = paired(copy, fn, repeats)
+    return t_copy, t_fn, best, median_seconds(fn, repeats, warmup=0)
 
 
 def synchronized(device: str, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -182,50 +185,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         x = (torch.relu(x) if args.input == "relu" else x).to(dtype).to(device)
         nbytes = numel * x.element_size()
         dst = torch.empty_like(x)
-        t_copy, best_copy = timed(sync(lambda: dst.copy_(x)), args.repeats)
+        copy = sync(lambda: dst.copy_(x))
+        t_copy, best_copy = timed(copy, args.repeats)
         copy_gbps = gbps(nbytes, t_copy)
         G = args.group_size
         for bits in args.bits:
-            ref_q = sync(lambda: reference.quantize_pack(x, bits, G, 1))
-            t_ref_q, alone_q = paired_reference(sync(lambda: dst.copy_(x)), ref_q, args.ref_repeats)
-            fast_q = sync(lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1))
-            copy_q, t_fast_q, best_q = paired(sync(lambda: dst.copy_(x)), fast_q, args.repeats)
-            fast_alone_q = median_seconds(fast_q, args.repeats)
+            _, t_ref_q, _, alone_q = paired_and_alone(
+                copy, sync(lambda: reference.quantize_pack(x, bits, G, 1)), args.ref_repeats
+            )
+            copy_q, t_fast_q, best_q, fast_alone_q = paired_and_alone(
+                copy, sync(lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1)), args.repeats
+            )
             codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, G, 1)
             out = torch.empty_like(x)
-            t_ref_i, alone_i = paired_reference(
-                sync(lambda: dst.copy_(x)),
-                sync(lambda: reference.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
-                args.ref_repeats,
+            _, t_ref_i, _, alone_i = paired_and_alone(
+                copy, sync(lambda: reference.unpack_dequantize_into(out, codes, lo, scale, bits, G)), args.ref_repeats
             )
-            fast_i = sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G))
-            copy_i, t_fast_i, best_i = paired(sync(lambda: dst.copy_(x)), fast_i, args.repeats)
-            fast_alone_i = median_seconds(fast_i, args.repeats)
+            decode = sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G))
+            copy_i, t_fast_i, best_i, fast_alone_i = paired_and_alone(copy, decode, args.repeats)
             # the write limit of a decode: it reads a few bits per value and writes the whole output
-            fill_i, t_fast_fill, _ = paired(
-                sync(lambda: out.fill_(1.0)),
-                sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G)),
-                args.repeats,
-            )
+            fill = sync(lambda: out.fill_(1.0))
+            fill_i, t_fast_fill, _ = paired(fill, decode, args.repeats)
             # the same write after a copy_, in the cache state the decode is timed in above
-            _, cold_fill_i, _ = paired(sync(lambda: dst.copy_(x)), sync(lambda: out.fill_(1.0)), args.repeats)
+            _, cold_fill_i, _ = paired(copy, fill, args.repeats)
             t_memset = store_i = t_fast_store = None
             if device == "cpu":
                 t_memset, _ = timed(lambda: ctypes.memset(out.data_ptr(), 0, nbytes), args.repeats)
                 if dtype == torch.float32:
-                    store_i, t_fast_store, _ = paired(
-                        lambda: store(out, threads),
-                        lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G),
-                        args.repeats,
-                    )
-            t_ref_u, alone_u = paired_reference(
-                sync(lambda: dst.copy_(x)),
-                sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
+                    store_i, t_fast_store, _ = paired(lambda: store(out, threads), decode, args.repeats)
+            _, t_ref_u, _, alone_u = paired_and_alone(
+                copy, sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
                 args.ref_repeats,
             )
-            fast_u = sync(lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype))
-            copy_u, t_fast_u, best_u = paired(sync(lambda: dst.copy_(x)), fast_u, args.repeats)
-            fast_alone_u = median_seconds(fast_u, args.repeats)
+            copy_u, t_fast_u, best_u, fast_alone_u = paired_and_alone(
+                copy, sync(lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
+                args.repeats,
+            )
             for op, t_ref, t_ref_alone, t_fast, t_fast_alone, best, t_pair_copy in (
                 ("quantize_pack", t_ref_q, alone_q, t_fast_q, fast_alone_q, best_q, copy_q),
                 ("unpack_dequantize_into", t_ref_i, alone_i, t_fast_i, fast_alone_i, best_i, copy_i),
