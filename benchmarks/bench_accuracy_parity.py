@@ -66,10 +66,10 @@ class Run:
     report: dict[str, Any] | None = None
 
 
-def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftrain.compress | None:
+def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int, seed: int = 0) -> daftrain.compress | None:
     """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``); ``auto<b>`` at ``b`` average bits
     (``auto2``), and ``auto<b>cal``, which also calls ``ctx.calibrate`` (``--calibrate-every``). Suffix
-    ``_g<G>`` for group size G (``fixed2_g64``)."""
+    ``_g<G>`` for group size G (``fixed2_g64``); ``seed`` seeds the stochastic rounding."""
     if config == "fp32":
         return None
     name, *options = config.split("_")
@@ -80,11 +80,11 @@ def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int) -> daftra
         else:
             raise ValueError(f"unknown configuration option {option!r} in {config!r}")
     if name.startswith("fixed"):
-        return daftrain.compress(bits=int(name.removeprefix("fixed")), model=model, seed=0, **extra)
+        return daftrain.compress(bits=int(name.removeprefix("fixed")), model=model, seed=seed, **extra)
     if not name.startswith("auto"):
         raise ValueError(f"unknown configuration {config!r}")
     avg_bits = float(name.removeprefix("auto").removesuffix("cal"))
-    return daftrain.compress(bits="auto", avg_bits=avg_bits, model=model, seed=0, adapt_interval=adapt_interval,
+    return daftrain.compress(bits="auto", avg_bits=avg_bits, model=model, seed=seed, adapt_interval=adapt_interval,
                              **extra)
 
 

