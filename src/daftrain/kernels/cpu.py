@@ -706,8 +706,9 @@ def _decode_words(words, w0, nwords, bits, lo, step, zero_exact, out, o0):  # ty
 # ``bits * j``, OR-ed and truncated to 8 bits, one 16-byte store. The first version reduced each
 # word across its lanes instead (4 shuffle-OR steps per 16 codes), which cost as much as the noise
 # hash. Single-threaded, 4 Mi values in groups of 256: 2 bits 3.2 -> 2.3 ms, 4 bits 3.6 -> 2.5 ms
-# (the hash's two multiplies are now about half of what is left); 2 threads: 56 % of ``copy_`` at
-# 4 Mi, 79 % at 16 Mi. The per-group helpers are inlined, as in ``NOTE [ Inlined group decode ]``.
+# (the hash's two multiplies are now about half of what is left); 2 threads, in the committed
+# ``benchmarks/results/kernels.json``: 55 % of ``copy_`` at 4 Mi, 86 % at 16 Mi. The per-group
+# helpers are inlined, as in ``NOTE [ Inlined group decode ]``.
 # The decode takes ``zero_exact`` as a run-time operand (a select that costs nothing measurable in a
 # write-bound loop); quantize has an intrinsic per (bits, zero_exact), since the same run-time operand
 # made that compute-bound loop 3-8 % slower side by side.
