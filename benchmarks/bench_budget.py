@@ -43,9 +43,9 @@ def _case(name: str):
     import torch
     import torch.nn.functional as F
 
-    from daftrain.budgeted_step import token_count
-    from daftrain.models.resnet import resnet18
-    from daftrain.models.transformers_zoo import gpt2_lm
+    from daftrain.budget.step import token_count
+    from daftrain.demo.models.resnet import resnet18
+    from daftrain.demo.models.transformers_zoo import gpt2_lm
 
     torch.manual_seed(0)
     if name == "resnet18":
@@ -60,7 +60,8 @@ def _case(name: str):
 def child(spec: dict) -> dict:
     import torch
 
-    from daftrain.budgeted_step import (
+    from daftrain.budget.memory import current_rss_bytes, peak_rss_bytes
+    from daftrain.budget.step import (
         BudgetedStep,
         _balanced_sizes,
         _samples,
@@ -69,7 +70,6 @@ def child(spec: dict) -> dict:
         find_segments,
         split_batch,
     )
-    from daftrain.memory import current_rss_bytes, peak_rss_bytes
 
     model, batch, loss_fn, count = _case(spec["model"])
     count = count or _samples

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 import daftrain
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_accuracy_parity import CORPORA, authorship_corpus, make_ctx, minilm_lora  # noqa: E402
-from common import write_json  # noqa: E402
+from bench_accuracy_parity import CORPORA, authorship_corpus, make_ctx, minilm_lora
+from common import write_json
 
 RESULTS = Path(__file__).parent / "results" / "gradient_noise_minilm.json"
 _MODULES = ("query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense", "pooler")

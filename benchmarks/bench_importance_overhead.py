@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_json  # noqa: E402
+from common import write_json
 
-import daftrain  # noqa: E402
-from daftrain.models.resnet import resnet18  # noqa: E402
-from daftrain.models.transformers_zoo import gpt2_lm  # noqa: E402
+import daftrain
+from daftrain.demo.models.resnet import resnet18
+from daftrain.demo.models.transformers_zoo import gpt2_lm
 
 TARGET_PCT = 5.0
 

@@ -59,8 +59,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from daftrain import ops  # noqa: E402,F401
-from daftrain.kernels import cpu, reference, registry  # noqa: E402
+from daftrain.kernels import (
+    cpu,
+    ops,  # noqa: F401
+    reference,
+    registry,
+)
 
 TARGET_COPY_FRACTION = 0.5
 TARGET_SPEEDUP = 15.0

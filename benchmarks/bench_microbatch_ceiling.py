@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, timed, write_json  # noqa: E402
+from common import median, timed, write_json
 
-import daftrain  # noqa: E402
-from daftrain.models.resnet import resnet18  # noqa: E402
+import daftrain
+from daftrain.demo.models.resnet import resnet18
 
 BATCH = 256
 

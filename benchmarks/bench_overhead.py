@@ -23,8 +23,8 @@ configurations (host-memory pages) are for CPU training and are left out with ``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,12 +32,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, timed, write_json  # noqa: E402
+from common import median, timed, write_json
 
-import daftrain  # noqa: E402
-from daftrain.pool import PagePool  # noqa: E402
-from daftrain.models.resnet import resnet18  # noqa: E402
-from daftrain.models.transformers_zoo import gpt2_lm  # noqa: E402
+import daftrain
+from daftrain.demo.models.resnet import resnet18
+from daftrain.demo.models.transformers_zoo import gpt2_lm
+from daftrain.pool.store import PagePool
 
 TARGET_OVERHEAD = 0.10
 

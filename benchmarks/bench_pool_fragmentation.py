@@ -54,10 +54,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_json  # noqa: E402
+from common import write_json
 
-from daftrain.memory import current_rss_bytes, format_bytes  # noqa: E402
-from daftrain.pool import AdaptiveStep, FixedStep, PagePool, PoolConfig, TrackingStep  # noqa: E402
+from daftrain.budget.memory import current_rss_bytes, format_bytes
+from daftrain.pool.store import AdaptiveStep, FixedStep, PagePool, PoolConfig, TrackingStep
 
 MIB = 1 << 20
 PHASE_MEDIANS_MIB = (1.0, 2.0, 0.5, 1.0)

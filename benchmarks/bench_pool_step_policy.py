@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_pool_fragmentation import MIB, make_source, payload, workload  # noqa: E402
-from common import write_json  # noqa: E402
+from bench_pool_fragmentation import MIB, make_source, payload, workload
+from common import write_json
 
-from daftrain.memory import format_bytes  # noqa: E402
-from daftrain.pool import AdaptiveStep, FixedStep, PagePool, PoolConfig, TrackingStep  # noqa: E402
+from daftrain.budget.memory import format_bytes
+from daftrain.pool.store import AdaptiveStep, FixedStep, PagePool, PoolConfig, TrackingStep
 
 POLICIES = {
     "fixed-100MiB": lambda: FixedStep(100 * MIB),

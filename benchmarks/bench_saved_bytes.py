@@ -2,7 +2,7 @@
 
 ResNet-18 (CIFAR-style, 3x32x32, batch 128) and GPT-2 small (from a config, seq 256, batch 8, eager
 attention, dropout 0.1). Plain PyTorch's bytes are counted by an independent hook
-(``daftrain.memory.SavedTensorCounter``: unique storages, parameters and buffers left out); daftrain's
+(``daftrain.budget.memory.SavedTensorCounter``: unique storages, parameters and buffers left out); daftrain's
 are what its records hold plus the tensors it keeps exact. Step time is forward + backward, each
 configuration run in turn within every repeat (so machine noise hits all alike), median over repeats.
 
@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, timed, write_json  # noqa: E402
+from common import median, timed, write_json
 
-import daftrain  # noqa: E402
-from daftrain.memory import SavedTensorCounter  # noqa: E402
-from daftrain.models.resnet import resnet18  # noqa: E402
-from daftrain.models.transformers_zoo import gpt2_lm  # noqa: E402
+import daftrain
+from daftrain.budget.memory import SavedTensorCounter
+from daftrain.demo.models.resnet import resnet18
+from daftrain.demo.models.transformers_zoo import gpt2_lm
 
 TARGETS = {"resnet18": 14.0, "gpt2_small": 10.0}  # min saved-bytes ratio at 2 bits
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from daftrain import cli
-from daftrain.demo import DemoArgs, DemoResult, format_table, run_method
+from daftrain.demo.run import DemoArgs, DemoResult, format_table, run_method
 
 
 def test_demo_help_documents_every_flag(capsys):

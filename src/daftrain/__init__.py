@@ -9,32 +9,45 @@ Every activation autograd saves for backward is stored quantized per group and b
     print(ctx.stats.ratio)
 """
 
-from . import ops  # noqa: F401  (registers the daftrain:: custom ops)
-from .kernels.registry import load_fast_kernels as _load_fast_kernels
-from .allocation import AllocationError
-from .budget import Budget, BudgetError, BudgetTooSmallError
-from .budgeted_step import BudgetedStep, batchnorm_to_groupnorm, token_count
+from .auto import AllocationError, AllocationReport, QuantizationVarianceWarning, StateDictError
+from .budget import (
+    Budget,
+    BudgetedStep,
+    BudgetError,
+    BudgetTooSmallError,
+    Plan,
+    PlannerConfig,
+    batchnorm_to_groupnorm,
+    token_count,
+)
 from .config import CompressionConfig
-from .hooks import compress
-from .importance import AllocationReport, QuantizationVarianceWarning, StateDictError
+from .errors import ArgumentTypeError, DaftrainError, InvalidArgumentError, UnsupportedError
+from .kernels import load_fast_kernels as _load_fast_kernels
+from .kernels import ops as _ops  # registers the daftrain:: custom ops
 from .layout import LayoutError, PackedLayout
-from .planner import Plan, PlannerConfig
-from .pool import PagePool, PoolBudgetError, PoolConfig
-from .stats import CompressionStats
+from .pool import AdaptiveStep, FixedStep, PagePool, PoolBudgetError, PoolConfig, PoolError, TrackingStep
+from .saved import CompressionStats, InPlaceModificationError, compress
 
 __version__ = "0.1.0"
 
+del _ops
 _load_fast_kernels()  # numba on CPU, Triton on CUDA; the reference where they cannot load (one warning)
 
 __all__ = [
+    "AdaptiveStep",
     "AllocationError",
     "AllocationReport",
+    "ArgumentTypeError",
     "Budget",
     "BudgetError",
     "BudgetTooSmallError",
     "BudgetedStep",
     "CompressionConfig",
     "CompressionStats",
+    "DaftrainError",
+    "FixedStep",
+    "InPlaceModificationError",
+    "InvalidArgumentError",
     "LayoutError",
     "PackedLayout",
     "PagePool",
@@ -42,8 +55,11 @@ __all__ = [
     "PlannerConfig",
     "PoolBudgetError",
     "PoolConfig",
+    "PoolError",
     "QuantizationVarianceWarning",
     "StateDictError",
+    "TrackingStep",
+    "UnsupportedError",
     "__version__",
     "batchnorm_to_groupnorm",
     "compress",

@@ -29,7 +29,7 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def _demo(ns: argparse.Namespace) -> int:
-    from .demo import DemoArgs, demo
+    from .demo.run import DemoArgs, demo
 
     fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(DemoArgs)}
     demo(DemoArgs(**fields), out_json=ns.json)
@@ -61,7 +61,7 @@ def _env(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import DemoArgs
+    from .demo.run import DemoArgs
 
     parser = argparse.ArgumentParser(prog="daftrain", description="Train deep networks in far less memory.")
     sub = parser.add_subparsers(dest="command", required=True)

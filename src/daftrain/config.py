@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_BITS: tuple[int, ...] = (1, 2, 4, 8)
-"""Bit-widths a float activation can be quantized to; ``None`` keeps it exact."""
+from .errors import ArgumentTypeError, InvalidArgumentError
+from .layout import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS
 
 AUTO_BITS = "auto"
 """``CompressionConfig(bits=AUTO_BITS)`` picks bits per tensor from its importance."""
 
 MIN_AVG_BITS, MAX_AVG_BITS = 1.0, 32.0
-
-MIN_GROUP_SIZE = 32
-MAX_GROUP_SIZE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -75,52 +72,52 @@ class CompressionConfig:
         if self.bits is not None and self.bits != AUTO_BITS and (
             isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"bits must be one of {SUPPORTED_BITS}, {AUTO_BITS!r} or None (keep exact), got {self.bits!r}"
             )
         self._check_auto()
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
-            raise TypeError(f"group_size must be an int, got {type(self.group_size).__name__}")
+            raise ArgumentTypeError(f"group_size must be an int, got {type(self.group_size).__name__}")
         if not (MIN_GROUP_SIZE <= self.group_size <= MAX_GROUP_SIZE) or self.group_size % 32:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"group_size must be a multiple of 32 in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}], "
                 f"got {self.group_size}"
             )
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
-            raise ValueError(f"min_numel must be a non-negative int, got {self.min_numel!r}")
+            raise InvalidArgumentError(f"min_numel must be a non-negative int, got {self.min_numel!r}")
         if not isinstance(self.asynchronous, bool):
-            raise TypeError(f"asynchronous must be a bool, got {type(self.asynchronous).__name__}")
+            raise ArgumentTypeError(f"asynchronous must be a bool, got {type(self.asynchronous).__name__}")
         if not isinstance(self.decode_buffers, bool):
-            raise TypeError(f"decode_buffers must be a bool, got {type(self.decode_buffers).__name__}")
+            raise ArgumentTypeError(f"decode_buffers must be a bool, got {type(self.decode_buffers).__name__}")
         if not isinstance(self.pack_bool, bool):
-            raise TypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
+            raise ArgumentTypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
-            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+            raise InvalidArgumentError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
 
     def _check_auto(self) -> None:
         auto = self.bits == AUTO_BITS
         if not auto and (self.avg_bits is not None or self.budget_bytes is not None):
-            raise ValueError(f"avg_bits and budget_bytes only apply with bits={AUTO_BITS!r}, got bits={self.bits!r}")
+            raise InvalidArgumentError(f"avg_bits and budget_bytes only apply with bits={AUTO_BITS!r}, got bits={self.bits!r}")
         if self.avg_bits is not None and self.budget_bytes is not None:
-            raise ValueError("give the budget as avg_bits or as budget_bytes, not both")
+            raise InvalidArgumentError("give the budget as avg_bits or as budget_bytes, not both")
         if self.avg_bits is not None and (
             isinstance(self.avg_bits, bool) or not isinstance(self.avg_bits, int | float)
             or not MIN_AVG_BITS <= self.avg_bits <= MAX_AVG_BITS
         ):
-            raise ValueError(f"avg_bits must be a number in [{MIN_AVG_BITS}, {MAX_AVG_BITS}], got {self.avg_bits!r}")
+            raise InvalidArgumentError(f"avg_bits must be a number in [{MIN_AVG_BITS}, {MAX_AVG_BITS}], got {self.avg_bits!r}")
         if self.budget_bytes is not None and (
             isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
         ):
-            raise ValueError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
+            raise InvalidArgumentError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
         if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
-            raise ValueError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")
+            raise InvalidArgumentError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")
         if (
             isinstance(self.variance_warning, bool) or not isinstance(self.variance_warning, int | float)
             or not self.variance_warning > 0
         ):
-            raise ValueError(f"variance_warning must be a positive number, got {self.variance_warning!r}")
+            raise InvalidArgumentError(f"variance_warning must be a positive number, got {self.variance_warning!r}")
 
     @property
     def auto(self) -> bool:

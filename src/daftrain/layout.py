@@ -49,7 +49,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS
+from .errors import InvalidArgumentError
+
+SUPPORTED_BITS: tuple[int, ...] = (1, 2, 4, 8)
+"""Bit-widths a float activation can be quantized to."""
+
+MIN_GROUP_SIZE = 32
+MAX_GROUP_SIZE = 1 << 16
+"""Group sizes are multiples of 32 in [MIN_GROUP_SIZE, MAX_GROUP_SIZE]: each group's codes fill whole 32-bit words."""
 
 MAGIC = b"DAFT"
 VERSION = 1
@@ -70,7 +77,7 @@ _CRC = struct.Struct("<I")
 MASK32 = 0xFFFFFFFF
 
 
-class LayoutError(ValueError):
+class LayoutError(InvalidArgumentError):
     """A packed buffer that does not follow the unified layout (bad header, size or checksum)."""
 
 
@@ -86,7 +93,9 @@ class PackedLayout:
         if self.bits not in SUPPORTED_BITS:
             raise LayoutError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if not (MIN_GROUP_SIZE <= self.group_size <= MAX_GROUP_SIZE) or self.group_size % 32:
-            raise LayoutError(f"group_size must be a multiple of 32 in [32, 65536], got {self.group_size}")
+            raise LayoutError(
+                f"group_size must be a multiple of 32 in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}], got {self.group_size}"
+            )
         if self.numel < 0:
             raise LayoutError(f"numel must be >= 0, got {self.numel}")
 

@@ -18,8 +18,12 @@ import numba
 import pytest
 import torch
 
-from daftrain import ops  # noqa: F401  (defines the custom ops)
-from daftrain.kernels import cpu, reference, registry
+from daftrain.kernels import (
+    cpu,
+    ops,
+    reference,
+    registry,
+)
 
 INF, NAN = math.inf, math.nan
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

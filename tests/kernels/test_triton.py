@@ -48,8 +48,10 @@ pytestmark = [
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from daftrain import ops  # noqa: E402,F401  (defines the custom ops)
-from daftrain.kernels import reference  # noqa: E402
+from daftrain.kernels import (
+    ops,  # noqa: F401  (defines the custom ops)
+    reference,
+)
 
 INF, NAN = math.inf, math.nan
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -41,7 +41,6 @@ workqueue layer, then calls are serialised), ``_madvise`` (libc handle). Nothing
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -55,6 +54,7 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..layout import PackedLayout
 from . import reference
 from .reduction import ReductionSelector
@@ -1068,7 +1068,7 @@ def _raw(x: torch.Tensor) -> np.ndarray:
         return x.view(torch.int16).numpy()
     if x.dtype == torch.float16:
         return x.view(torch.int16).numpy().view(np.uint16)
-    raise TypeError(f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}")
+    raise ArgumentTypeError(f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}")
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -1170,7 +1170,7 @@ def unpack_dequantize_into(
     numel = out.numel()
     layout = PackedLayout(bits, group_size, numel)  # the kernel trusts these sizes: check them
     if not (out.is_contiguous() and out.dim() == 1 and out.device.type == "cpu"):
-        raise ValueError("out must be a contiguous 1-D CPU tensor")
+        raise InvalidArgumentError("out must be a contiguous 1-D CPU tensor")
     if (
         codes.dtype != torch.uint8
         or codes.numel() != layout.codes_nbytes
@@ -1179,7 +1179,7 @@ def unpack_dequantize_into(
         or scale.dtype != torch.bfloat16
         or scale.numel() != layout.num_groups
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"codes/lo/scale do not match {layout}: got {codes.dtype} [{codes.numel()}], "
             f"{lo.dtype} [{lo.numel()}], {scale.dtype} [{scale.numel()}]"
         )
@@ -1195,7 +1195,7 @@ def unpack_dequantize_into(
     elif out.dtype == torch.float16:
         out_np = out.view(torch.int16).numpy().view(np.uint16)
     else:
-        raise TypeError(f"cannot dequantize to {out.dtype}")
+        raise ArgumentTypeError(f"cannot dequantize to {out.dtype}")
     with _Guard(numel) as nt:
         _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt, streams(out))
 

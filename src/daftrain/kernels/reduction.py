@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["Choice", "ReductionSelector", "SizeClass"]
 
 Strategy = Callable[[torch.Tensor, int], torch.Tensor]
@@ -97,9 +99,9 @@ class ReductionSelector:
         margin: float = 0.15,
     ) -> None:
         if not strategies:
-            raise ValueError("a ReductionSelector needs at least one strategy")
+            raise InvalidArgumentError("a ReductionSelector needs at least one strategy")
         if forced is not None and forced not in strategies:
-            raise ValueError(f"unknown strategy {forced!r}; have {sorted(strategies)}")
+            raise InvalidArgumentError(f"unknown strategy {forced!r}; have {sorted(strategies)}")
         self.device = device
         self.strategies = dict(strategies)
         self.default = next(iter(self.strategies))

@@ -67,8 +67,7 @@ def _guarded(backend: str, name: str, fn: Callable[..., Any]) -> Callable[..., A
     and use the reference."""
     import torch
 
-    from .. import ops
-    from . import reference
+    from . import ops, reference
 
     ref = getattr(reference, name)
     check = ops.ARGUMENT_CHECKS[name]
@@ -182,7 +181,7 @@ def load_fast_kernels(*, warmup: bool = False) -> KernelStatus:
     """Register the fast kernels (idempotent). ``warmup`` also compiles (or loads from numba's cache)
     the CPU kernels now instead of at their first call, so a compile failure shows here."""
     global _status
-    from .. import ops  # noqa: F401  (defines the custom ops)
+    from . import ops  # noqa: F401  (defines the custom ops)
 
     with _lock:
         if _status is not None and not warmup:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import ArgumentTypeError
 from . import reference
 from .reduction import ReductionSelector
 
@@ -374,7 +375,7 @@ def _input(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return x.view(torch.int16), 1
     if x.dtype == torch.float16:
         return x, 2
-    raise TypeError(f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}")
+    raise ArgumentTypeError(f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}")
 
 
 def _block(group_size: int, cap: int = 1024) -> int:

@@ -1,0 +1,85 @@
+"""Measuring how much gradient variance each class of saved tensors really adds (``compress.calibrate``).
+
+# NOTE [ Calibration ]
+# The analytic importance estimate (``importance.py``, ``NOTE [ Importance estimate ]``) counts a
+# tensor's noise where it first lands. That is right for a contraction whose other operand is a
+# weight (the noise lands in that weight's gradient), but noise that lands in an *activation*
+# gradient (a softmax's or GELU's input, the other operand of ``q @ k^T``) then flows through every
+# layer below, and the estimate misses that by orders of magnitude. On a 4-layer character GPT-2,
+# measured against the variance each class of tensors really adds at 2 bits, the estimate was 3-23x
+# too high for the inputs of weight contractions and 7-1000x too low for the rest, and the error
+# grows as training goes on (softmax outputs: about right at step 150, 400x too low at step 400).
+# GACT measures every tensor with three extra forward+backward passes; daftrain measures each *class*
+# of slots (same saving op, producer and size: one per layer kind, shared across depth) with one
+# extra *backward* pass, on a forward the user has already run:
+#   1. ``calibrate(loss)`` runs ``torch.autograd.grad(loss, params, retain_graph=True)`` once as it
+#      is (the base) and once per class with zero-mean noise added to that class's records on the way
+#      out of the unpack hook: uniform, of the group's 2-bit step (its range / 3), none on exact zeros
+#      (the layout keeps those), like rounding noise; a fixed seed per record, so two consumers of one
+#      record see the same values. (Re-quantizing instead would add nothing to a record already at
+#      1 bit: its values sit on the 1-bit grid.) The decodes are otherwise what the step's own
+#      backward will see, so the difference from the base is the added noise's effect alone, and its
+#      squared norm is the gradient variance that noise adds (one draw; it sums over every trainable
+#      parameter, so it concentrates);
+#   2. the squared norm of the added noise itself is measured as it is drawn;
+#   3. the class's calibration is ``measured / sum_i(s_i * noise_i)``: the ratio of true to analytic
+#      variance per unit of noise. The allocation then uses ``s_i * calibration * energy(bits)``:
+#      the analytic estimate keeps the depth-to-depth differences within a class, the calibration
+#      fixes the scale between classes. A class not measured gets the geometric median.
+# Cost: one backward per class plus one, and no extra memory but one set of parameter gradients;
+# ``benchmarks/bench_importance_overhead.py`` measures it. The passes leave ``.grad``, the RNG, the
+# step counter and the records untouched: the step's own ``loss.backward()`` is what it would have been.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import record_seed
+
+__all__ = ["CalibrationPass", "squared_distance"]
+
+
+class CalibrationPass:
+    """One extra backward pass: the records at ``indices`` (forward positions) get zero-mean noise as they
+    are unpacked; ``noise`` collects its squared norm, per record."""
+
+    def __init__(self, indices: dict[int, int], group_size: int, base_seed: int, step: int) -> None:
+        self.indices = indices  # forward position -> numel it must have (a mismatch is left alone)
+        self.group_size = group_size
+        self.base_seed = base_seed
+        self.step = step
+        self.noise: dict[int, float] = {}
+
+    def perturb(self, index: int | None, flat: torch.Tensor) -> torch.Tensor:
+        if index is None or self.indices.get(index) != flat.numel() or not flat.is_floating_point():
+            return flat
+        values = flat.detach().float()
+        n, group = values.numel(), self.group_size
+        mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
+        step = (mx - mn) / 3  # the 2-bit step of each group
+        gen = torch.Generator(device=values.device).manual_seed(record_seed(self.base_seed, self.step, index))
+        uniform = torch.rand((step.numel(), group), generator=gen, device=values.device) - 0.5
+        noise = (uniform * step[:, None]).view(-1)[:n] * (values != 0)
+        if not bool(torch.isfinite(noise).all()):
+            return flat
+        out = (values + noise).to(flat.dtype)
+        if index not in self.noise:  # a record two ops saved is drawn the same way for both: count it once
+            self.noise[index] = squared_distance([out], [flat])
+        return out
+
+
+def squared_distance(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    """``sum_i ||a_i - b_i||^2`` in float64 (``None`` counts as zeros)."""
+    total = []
+    for x, y in zip(a, b, strict=True):
+        if x is None and y is None:
+            continue
+        if x is None:
+            x = torch.zeros_like(y)
+        if y is None:
+            y = torch.zeros_like(x)
+        total.append(float(torch.linalg.vector_norm(x.detach().double() - y.detach().double()) ** 2))
+    return math.fsum(total)

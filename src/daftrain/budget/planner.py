@@ -1,0 +1,253 @@
+"""The Sage planner: a cost model from one measured step, and the fastest plan that fits a budget.
+
+A plan fixes three knobs for one training step:
+
+* ``num_micro_batches`` (gradient accumulation over equal slices of the batch),
+* which segments (blocks of the model) run under non-reentrant ``torch.utils.checkpoint``,
+* ``bits``: how saved activations outside checkpointed segments are stored (``daftrain.compress``
+  at 8/4/2 bits, or ``None`` for exact).
+
+NOTE [ The cost model ]
+All quantities are measured on small slices of the first batch (``budgeted_step.py`` probes), then
+extrapolated linearly in the micro-batch size ``m``:
+
+1. Memory. ``peak = persistent + alpha * act(m)`` where ``persistent`` is what the process holds
+   at the start of the step (RSS, plus gradients and optimizer state not allocated yet) and
+   ``act(m) = work_fixed + m * (outside[b] + sum_{i not ckpt} saved_i[b] + sum_{i ckpt} input_i
+   + max_{i ckpt} saved_i[exact] + work[b])``: saved activations outside segments, inside
+   un-checkpointed segments (at the chosen bits), the inputs checkpoint keeps, the one segment that
+   is recomputed (exact) during its backward, and the measured transient working set of
+   forward/backward beyond what is saved. The optimizer step peaks separately:
+   ``persistent + optimizer_transient``.
+2. Time. ``T = k * fixed_s[b] + B * (per_sample_s[b] + sum_{i ckpt} (forward_i - compress_i[b]))``:
+   per-micro-batch overhead, per-sample forward+backward at those bits, one extra forward for every
+   checkpointed segment, minus the compression work that checkpointed segments no longer do.
+3. ``alpha`` (>= 1) corrects the activation term after each step from the measured peak, so the
+   model only becomes more conservative when reality disagrees with it.
+
+The search is exhaustive over bits and over checkpoint sets ordered by Sage's criterion (bytes freed
+per second of recompute, greedy prefixes); for each, the largest micro-batch that fits follows in
+closed form since memory is linear in ``m``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from .budgets import BudgetTooSmallError
+from .memory import format_bytes
+
+__all__ = ["Plan", "PlannerConfig", "Profile", "SegmentProfile", "plan_step"]
+
+Bits = int | None
+_ALLOWED_BITS = (None, 8, 4, 2, 1)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner may choose, and how much slack it keeps.
+
+    Example::
+
+        PlannerConfig(bits=(None,), checkpoint=True)   # exact activations only
+    """
+
+    bits: tuple[Bits, ...] = (None, 8, 4, 2)
+    """Activation precisions to choose from; ``None`` keeps saved activations exact. Compression is
+    lossy (stochastic rounding, unbiased): pass ``(None,)`` to forbid it."""
+    checkpoint: bool = True
+    """Allow checkpointing segments."""
+    safety: float = 0.9
+    """Plans use at most this fraction of the headroom (budget minus what the process holds)."""
+    prefer_exact_within: float = 0.05
+    """Among plans at most this much slower than the fastest, take the one with the most bits."""
+    probe_fraction: float = 0.25
+    """Probing measures slices of the first batch of at most this fraction of the batch, and of the
+    headroom (by the per-sample memory measured on smaller slices)."""
+    compression_reserve: int = 250_000_000
+    """Bytes the compression kernels may add to the process the first time they run (numba JIT code
+    on CPU, about 190 MB measured). Compressed plans are probed only when the headroom holds this much
+    besides the probe."""
+    max_alpha: float = 4.0
+    """Upper bound on the measured correction of the activation-memory model."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bits, tuple) or not self.bits:
+            raise InvalidArgumentError(f"bits must be a non-empty tuple, e.g. (None, 8, 4, 2), got {self.bits!r}")
+        for b in self.bits:
+            if b not in _ALLOWED_BITS or isinstance(b, bool):
+                raise InvalidArgumentError(f"bits entries must be None, 8, 4, 2 or 1, got {b!r}")
+        if not isinstance(self.checkpoint, bool):
+            raise ArgumentTypeError(f"checkpoint must be a bool, got {type(self.checkpoint).__name__}")
+        if not 0 < self.safety <= 1:
+            raise InvalidArgumentError(f"safety must be in (0, 1], got {self.safety!r}")
+        if not 0 <= self.prefer_exact_within < 1:
+            raise InvalidArgumentError(f"prefer_exact_within must be in [0, 1), got {self.prefer_exact_within!r}")
+        if not 0 < self.probe_fraction <= 1:
+            raise InvalidArgumentError(f"probe_fraction must be in (0, 1], got {self.probe_fraction!r}")
+        if isinstance(self.compression_reserve, bool) or not isinstance(self.compression_reserve, int) or \
+                self.compression_reserve < 0:
+            raise InvalidArgumentError(f"compression_reserve must be a non-negative int, got {self.compression_reserve!r}")
+        if not self.max_alpha >= 1:
+            raise InvalidArgumentError(f"max_alpha must be >= 1, got {self.max_alpha!r}")
+
+
+@dataclass(frozen=True)
+class SegmentProfile:
+    """One checkpointable block, measured per sample."""
+
+    name: str
+    saved: dict[Bits, float]
+    """Bytes saved for backward inside the block, per sample, at each precision."""
+    input_bytes: float
+    """Bytes per sample of the block's tensor inputs (what checkpoint keeps)."""
+    forward_s: float
+    """Forward time per sample (the cost of recomputing it)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the planner knows about one step, from measurement (see NOTE [ The cost model ])."""
+
+    batch_size: int
+    segments: tuple[SegmentProfile, ...]
+    outside: dict[Bits, float]
+    """Saved bytes per sample outside every segment (stem, head, loss), at each precision."""
+    work_per_sample: dict[Bits, float]
+    """Transient bytes per sample beyond the saved ones (activation gradients, temporaries)."""
+    work_fixed: float
+    """Transient bytes independent of the micro-batch size."""
+    per_sample_s: dict[Bits, float]
+    """Forward + backward seconds per sample, nothing checkpointed."""
+    fixed_s: dict[Bits, float]
+    """Seconds per micro-batch independent of its size."""
+    optimizer_transient: float
+    """Bytes above ``persistent`` that ``optimizer.step`` needs."""
+
+    @property
+    def bits_options(self) -> tuple[Bits, ...]:
+        return tuple(self.per_sample_s)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step's plan; ``print(plan)`` shows it as a table."""
+
+    budget_bytes: int
+    persistent_bytes: int
+    batch_size: int
+    micro_batch_size: int
+    num_micro_batches: int
+    checkpointed: tuple[str, ...]
+    bits: Bits
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    alpha: float
+    segments: tuple[SegmentProfile, ...] = field(repr=False, default=())
+    predicted_activation_bytes: int = 0
+    """The accumulation phase's share of the peak (activations and transients, alpha included)."""
+
+    def __str__(self) -> str:
+        bits = "exact" if self.bits is None else f"{self.bits}-bit"
+        head = (
+            f"Plan: batch {self.batch_size} = {self.num_micro_batches} x micro-batch <= {self.micro_batch_size}, "
+            f"activations {bits}, {len(self.checkpointed)}/{len(self.segments)} segments checkpointed\n"
+            f"  budget {format_bytes(self.budget_bytes)}, held {format_bytes(self.persistent_bytes)}, "
+            f"predicted peak {format_bytes(self.predicted_peak_bytes)} (alpha {self.alpha:.2f}), "
+            f"predicted step {self.predicted_step_s:.3f} s\n"
+        )
+        rows = [f"  {'segment':<28} {'saved/sample':>13} {'input/sample':>13} {'fwd ms/sample':>14}  checkpoint"]
+        ck = set(self.checkpointed)
+        for s in self.segments:
+            saved = s.saved.get(self.bits if s.name not in ck else None, s.saved[None])
+            rows.append(f"  {s.name:<28} {format_bytes(saved):>13} {format_bytes(s.input_bytes):>13} "
+                        f"{1e3 * s.forward_s:>14.2f}  {'yes' if s.name in ck else 'no'}")
+        return head + "\n".join(rows)
+
+
+def _bits_rank(b: Bits) -> int:
+    return 64 if b is None else b
+
+
+def _activation_per_sample(profile: Profile, bits: Bits, ckpt: frozenset[str]) -> float:
+    total = profile.outside[bits] + profile.work_per_sample[bits]
+    recompute_peak = 0.0
+    for s in profile.segments:
+        if s.name in ckpt:
+            total += s.input_bytes
+            recompute_peak = max(recompute_peak, s.saved[None])
+        else:
+            total += s.saved[bits]
+    return total + recompute_peak
+
+
+def _step_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int) -> float:
+    per_sample = profile.per_sample_s[bits]
+    if ckpt:
+        raw_total = sum(s.saved[None] for s in profile.segments) + profile.outside[None]
+        overhead = max(0.0, profile.per_sample_s[bits] - profile.per_sample_s.get(None, per_sample))
+        for s in profile.segments:
+            if s.name in ckpt:
+                share = overhead * (s.saved[None] / raw_total if raw_total else 0.0)
+                per_sample += s.forward_s - share
+    return k * profile.fixed_s[bits] + profile.batch_size * per_sample
+
+
+def _checkpoint_orders(profile: Profile, bits: Bits, allow: bool) -> list[frozenset[str]]:
+    """Greedy prefixes by bytes freed per second of recompute (Sage's cost-per-bit criterion)."""
+    sets = [frozenset()]
+    if not allow or not profile.segments:
+        return sets
+    def gain(s: SegmentProfile) -> float:
+        return (s.saved[bits] - s.input_bytes) / max(s.forward_s, 1e-9)
+    order = sorted((s for s in profile.segments if s.saved[bits] > s.input_bytes), key=gain, reverse=True)
+    chosen: list[str] = []
+    for s in order:
+        chosen.append(s.name)
+        sets.append(frozenset(chosen))
+    return sets
+
+
+def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, config: PlannerConfig,
+              alpha: float = 1.0) -> Plan:
+    """The fastest plan whose predicted peak fits ``budget_bytes``.
+
+    Raises:
+        BudgetTooSmallError: not even one sample per micro-batch with every segment checkpointed
+            at the fewest bits fits; the error names the smallest budget that would.
+    """
+    B = profile.batch_size
+    headroom = (budget_bytes - persistent_bytes) * config.safety
+    candidates: list[tuple[float, Bits, frozenset[str], int, int, float]] = []
+    leanest = math.inf
+    for bits in (b for b in profile.bits_options if b in config.bits):
+        for ckpt in _checkpoint_orders(profile, bits, config.checkpoint):
+            per = _activation_per_sample(profile, bits, ckpt) * alpha
+            fixed = profile.work_fixed * alpha
+            need_one = max(fixed + per, profile.optimizer_transient)
+            leanest = min(leanest, need_one)
+            if need_one > headroom:
+                continue
+            m_max = min(B, int((headroom - fixed) // per)) if per > 0 else B
+            k = math.ceil(B / m_max)
+            m = math.ceil(B / k)  # balanced micro-batches: same count, smaller largest slice
+            act = fixed + per * m
+            candidates.append((_step_time(profile, bits, ckpt, k), bits, ckpt, m, k, act))
+    if not candidates:
+        required = persistent_bytes + math.ceil(leanest / config.safety)
+        raise BudgetTooSmallError(
+            budget_bytes, required,
+            f"the process already holds {format_bytes(persistent_bytes)} (model, optimizer state, batch, runtime)",
+        )
+    fastest = min(c[0] for c in candidates)
+    near = [c for c in candidates if c[0] <= fastest * (1 + config.prefer_exact_within)]
+    t, bits, ckpt, m, k, act = max(near, key=lambda c: (_bits_rank(c[1]), -c[0]))
+    order = [s.name for s in profile.segments if s.name in ckpt]
+    return Plan(
+        budget_bytes=int(budget_bytes), persistent_bytes=int(persistent_bytes), batch_size=B, micro_batch_size=m,
+        num_micro_batches=k, checkpointed=tuple(order), bits=bits,
+        predicted_peak_bytes=int(persistent_bytes + max(act, profile.optimizer_transient)), predicted_step_s=t,
+        alpha=alpha, segments=profile.segments, predicted_activation_bytes=int(act),
+    )

@@ -1,0 +1,69 @@
+"""Which saved tensors are parameters: one rule for the compression hooks, the importance tracer and
+the memory counters."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["ParameterRegistry", "is_parameter_like"]
+
+
+class ParameterRegistry:
+    """The storages of a model's parameters and buffers, so that no view or alias of them is compressed.
+
+    Storages are held by ``StorageWeakRef``: a freed storage whose address is reused can never be
+    mistaken for a parameter, and the registry keeps no tensor alive.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._storages: set[StorageWeakRef] = set()
+        if model is not None:
+            for tensor in (*model.parameters(), *model.buffers()):
+                self._storages.add(StorageWeakRef(tensor.untyped_storage()))
+
+    def __len__(self) -> int:
+        return len(self._storages)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return bool(self._storages) and StorageWeakRef(t.untyped_storage()) in self._storages
+
+
+# NOTE [ Recognising parameters ]
+# A saved tensor is treated as a parameter (kept as it is, and left out of the byte counts, since the
+# model holds it anyway) when any of these holds:
+#   1. it is an nn.Parameter, or a view whose ``_base`` is one (``weight.t()`` saved by ``linear``);
+#   2. its storage belongs to a parameter or buffer of the ``model`` given to ``compress``;
+#   3. it is a leaf that requires grad: in a network only parameters are such leaves;
+#   4. it is a cast or view of such a leaf (autocast's ``weight.to(bfloat16).t()``): its grad_fn chain
+#      is only casts and views up to an AccumulateGrad node.
+# A data pointer alone is never used: addresses are reused as soon as a tensor is freed.
+def is_parameter_like(t: torch.Tensor, registry: ParameterRegistry) -> bool:
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        return True
+    if registry.holds(t):
+        return True
+    if t.grad_fn is None:
+        return t.requires_grad
+    return _is_cast_or_view_of_leaf(t.grad_fn)
+
+
+# Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).
+_CAST_AND_VIEW_NODES = frozenset(
+    {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+     "ReshapeAliasBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0"}
+)
+
+
+def _is_cast_or_view_of_leaf(node: object, max_depth: int = 4) -> bool:
+    for _ in range(max_depth):
+        if type(node).__name__ not in _CAST_AND_VIEW_NODES:
+            return False
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]  # type: ignore[attr-defined]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return True
+    return False

@@ -1,0 +1,94 @@
+"""The cost model and plan search on synthetic profiles (no model runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from daftrain.budget.budgets import BudgetTooSmallError
+from daftrain.budget.planner import PlannerConfig, Profile, SegmentProfile, plan_step
+
+MB = 10**6
+
+
+def profile(batch: int = 64, n_seg: int = 4, per_seg: float = 4 * MB, fwd: float = 0.001) -> Profile:
+    bits = (None, 8, 4, 2)
+    ratio = {None: 1.0, 8: 0.27, 4: 0.15, 2: 0.08}
+    segs = tuple(SegmentProfile(f"blocks.{i}", {b: per_seg * ratio[b] for b in bits}, 0.5 * MB, fwd)
+                 for i in range(n_seg))
+    return Profile(
+        batch_size=batch, segments=segs, outside={b: 1 * MB * ratio[b] for b in bits},
+        work_per_sample={b: 1 * MB for b in bits}, work_fixed=2 * MB,
+        per_sample_s={None: 0.010, 8: 0.013, 4: 0.013, 2: 0.012}, fixed_s={b: 0.05 for b in bits},
+        optimizer_transient=10 * MB,
+    )
+
+
+def act(p: Profile, plan) -> float:
+    return plan.predicted_peak_bytes - plan.persistent_bytes
+
+
+def test_ample_budget_runs_full_batch_exact():
+    p = profile()
+    plan = plan_step(p, budget_bytes=10_000 * MB, persistent_bytes=100 * MB, config=PlannerConfig())
+    assert plan.num_micro_batches == 1 and plan.bits is None and plan.checkpointed == ()
+    assert "Plan: batch 64" in str(plan) and "blocks.3" in str(plan)
+
+
+@pytest.mark.parametrize("headroom_mb", [1200, 600, 300, 150, 60, 30])
+def test_plan_fits_headroom_and_covers_batch(headroom_mb):
+    p, cfg = profile(), PlannerConfig()
+    plan = plan_step(p, budget_bytes=(100 + headroom_mb) * MB, persistent_bytes=100 * MB, config=cfg)
+    assert plan.predicted_peak_bytes <= 100 * MB + cfg.safety * headroom_mb * MB
+    assert plan.micro_batch_size * plan.num_micro_batches >= p.batch_size
+    assert (plan.micro_batch_size - 1) * plan.num_micro_batches < p.batch_size  # balanced slices
+
+
+def test_tighter_budget_never_gets_faster():
+    p, times = profile(), []
+    for headroom in (1200, 600, 300, 150, 60, 30):
+        times.append(plan_step(p, budget_bytes=(100 + headroom) * MB, persistent_bytes=100 * MB,
+                               config=PlannerConfig()).predicted_step_s)
+    assert times == sorted(times)
+
+
+def test_compression_or_checkpointing_used_when_tight():
+    p = profile()
+    exact_only = plan_step(p, budget_bytes=160 * MB, persistent_bytes=100 * MB,
+                           config=PlannerConfig(bits=(None,), checkpoint=False))
+    full = plan_step(p, budget_bytes=160 * MB, persistent_bytes=100 * MB, config=PlannerConfig())
+    assert full.micro_batch_size > exact_only.micro_batch_size
+    assert full.bits is not None or full.checkpointed
+    assert full.predicted_step_s < exact_only.predicted_step_s
+
+
+def test_prefers_exact_when_nearly_as_fast():
+    p = profile()
+    cfg = PlannerConfig(prefer_exact_within=0.5)
+    plan = plan_step(p, budget_bytes=10_000 * MB, persistent_bytes=100 * MB, config=cfg)
+    assert plan.bits is None
+
+
+def test_too_small_budget_names_smallest_fitting_budget():
+    p, cfg = profile(), PlannerConfig()
+    with pytest.raises(BudgetTooSmallError) as info:
+        plan_step(p, budget_bytes=105 * MB, persistent_bytes=100 * MB, config=cfg)
+    required = info.value.required_bytes
+    assert required > 105 * MB
+    plan = plan_step(p, budget_bytes=required, persistent_bytes=100 * MB, config=cfg)  # that budget fits
+    with pytest.raises(BudgetTooSmallError):
+        plan_step(p, budget_bytes=required - 2, persistent_bytes=100 * MB, config=cfg)
+
+
+def test_alpha_makes_plans_more_conservative():
+    p = profile()
+    kw = dict(budget_bytes=400 * MB, persistent_bytes=100 * MB, config=PlannerConfig(bits=(None,), checkpoint=False))
+    assert plan_step(p, alpha=2.0, **kw).micro_batch_size < plan_step(p, alpha=1.0, **kw).micro_batch_size
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"bits": ()}, {"bits": (3,)}, {"bits": [2]}, {"safety": 0}, {"safety": 1.5}, {"prefer_exact_within": 1},
+    {"probe_fraction": 0}, {"max_alpha": 0.5}, {"compression_reserve": -1}, {"checkpoint": 1},
+])
+def test_config_validation(kwargs):
+    with pytest.raises((ValueError, TypeError)):
+        PlannerConfig(**kwargs)

@@ -1,0 +1,302 @@
+"""BudgetedStep on tiny models: gradient equivalence of micro-batching, measured peaks under budget,
+re-planning when the budget changes, clear errors, and no trace left by planning."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from daftrain.budget.budgets import BudgetTooSmallError
+from daftrain.budget.memory import current_rss_bytes, reset_peak_rss
+from daftrain.budget.planner import PlannerConfig, plan_step
+from daftrain.budget.step import (
+    BudgetedStep,
+    batchnorm_to_groupnorm,
+    checkpointing,
+    find_segments,
+    split_batch,
+    token_count,
+)
+
+
+@pytest.fixture(autouse=True)
+def trimmed_heap() -> None:
+    """Start every test from a trimmed heap, as ``BudgetedStep``'s meter starts every phase
+    (``reset_peak_rss``): otherwise memory an earlier test freed into glibc's arenas is in the RSS these
+    tests read but not in the baseline the step measures, and the two disagree by that much."""
+    reset_peak_rss()
+
+
+def mlp(width: int = 64, depth: int = 4, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)],
+                         nn.Linear(width, 10))
+
+
+def ce(model: nn.Module, batch) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def forced_plan(step: BudgetedStep, batch, micro: int, ckpt: bool, bits=None) -> None:
+    """Run one step of ``step`` with a fixed plan (micro-batch size, all segments checkpointed or none)."""
+    from daftrain.budget.planner import Plan
+
+    B = batch[0].shape[0]
+    k = -(-B // micro)
+    plan = Plan(budget_bytes=0, persistent_bytes=0, batch_size=B, micro_batch_size=-(-B // k), num_micro_batches=k,
+                checkpointed=tuple(step.segments) if ckpt else (), bits=bits, predicted_peak_bytes=0,
+                predicted_step_s=0.0, alpha=1.0)
+    return step._accumulate(batch, plan)
+
+
+@pytest.mark.parametrize(("micro", "ckpt"), [(7, False), (4, True), (1, False), (32, True)])
+def test_micro_batching_matches_full_batch_gradient(micro, ckpt):
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 64, dtype=torch.float64), torch.randint(0, 10, (32,))
+    ref = mlp().double()
+    F.cross_entropy(ref(x), y).backward()
+    model = mlp().double()
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB", tune_allocator=False)
+    loss = forced_plan(step, (x, y), micro, ckpt)
+    assert loss == pytest.approx(F.cross_entropy(ref(x), y).item(), rel=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_token_mean_loss_weighted_by_tokens():
+    """Per-token mean with ignored labels: micro-batches weighted by their counted tokens."""
+    torch.manual_seed(2)
+    emb = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50)).double()
+    ids = torch.randint(0, 50, (6, 9))
+    labels = ids.clone()
+    labels[0, 3:] = -100  # uneven numbers of counted tokens per sequence
+    labels[4, 1:7] = -100
+
+    def lm_loss(model, b):
+        logits = model(b["input_ids"])[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, 50), b["labels"][:, 1:].reshape(-1), ignore_index=-100)
+
+    ref = copy.deepcopy(emb)
+    lm_loss(ref, {"input_ids": ids, "labels": labels}).backward()
+    step = BudgetedStep(emb, lm_loss, torch.optim.SGD(emb.parameters(), lr=0.1), budget="100GB",
+                        count=token_count("labels"), tune_allocator=False)
+    from daftrain.budget.planner import Plan
+
+    plan = Plan(0, 0, 6, 2, 3, (), None, 0, 0.0, 1.0)
+    step._accumulate({"input_ids": ids, "labels": labels}, plan)
+    for p, q in zip(emb.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_full_step_trains_like_plain_sgd():
+    """A budgeted step (planned, micro-batched) then optimizer.step equals plain full-batch SGD."""
+    torch.manual_seed(3)
+    x, y = torch.randn(64, 64, dtype=torch.float64), torch.randint(0, 10, (64,))
+    ref, model = mlp().double(), mlp().double()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.cross_entropy(ref(x), y).backward()
+    opt_ref.step()
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB",
+                        config=PlannerConfig(bits=(None,)))
+    step((x, y))
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+        assert p.grad is None
+
+
+def test_checkpointing_restores_forward_and_batchnorm_statistics():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+                          nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    segs = find_segments(model)
+    assert list(segs) == ["0", "1"]
+    with checkpointing(segs, ["0", "1"]):
+        assert "forward" in segs["0"].__dict__
+        out = model(x)
+    assert "forward" not in segs["0"].__dict__
+    out.sum().backward()  # recomputes both blocks
+    twin(x).sum().backward()
+    for a, b in zip(model.buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(a, b)  # running stats updated once, not twice
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_find_segments_on_nested_models():
+    from daftrain.demo.models.resnet import resnet18
+
+    names = list(find_segments(resnet18(width=4)))
+    assert names == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+
+
+def test_split_batch_structures():
+    x, y = torch.arange(10).view(5, 2), torch.arange(5)
+    parts = split_batch({"a": x, "b": (y, "tag")}, [2, 3])
+    assert parts[1]["a"].shape == (3, 2) and parts[1]["b"][1] == "tag"
+    assert parts[0]["a"].data_ptr() == x.data_ptr()  # views, no copy
+
+
+# -- memory, measured ------------------------------------------------------------------------------------
+
+def big_case(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(8)], nn.Linear(512, 10))
+    x, y = torch.randn(4096, 512), torch.randint(0, 10, (4096,))  # ~8 MB per activation, ~130 MB saved
+    return model, (x, y)
+
+
+def state_bytes(model: nn.Module) -> int:
+    return 3 * sum(p.nbytes for p in model.parameters())  # gradients + Adam's two states
+
+
+@pytest.mark.parametrize("headroom_mb", [30, 60])
+def test_measured_peak_stays_under_budget(headroom_mb):
+    model, batch = big_case()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    budget = current_rss_bytes() + state_bytes(model) + headroom_mb * 10**6
+    step = BudgetedStep(model, ce, opt, budget=budget, config=PlannerConfig(bits=(None,)))
+    for _ in range(3):
+        step(batch)
+    assert step.plan.num_micro_batches > 1  # the plain step (~150 MB of activations) would not fit
+    for rec in step.history:
+        assert rec.peak_bytes <= budget, (rec.peak_bytes, budget, str(rec.plan))
+    assert step.process_peak_bytes <= budget
+
+
+def test_budget_change_replans_and_fits():
+    model, batch = big_case(1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    base = current_rss_bytes() + state_bytes(model)
+    limit = {"now": base + 80 * 10**6}
+    step = BudgetedStep(model, ce, opt, budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)))
+    step(batch)
+    step(batch)
+    wide = step.plan.micro_batch_size
+    limit["now"] = base + 30 * 10**6
+    step(batch)
+    assert step.history[-1].replanned and step.plan.micro_batch_size < wide
+    limit["now"] = base + 80 * 10**6
+    step(batch)
+    assert step.plan.micro_batch_size > step.history[-2].plan.micro_batch_size
+    for rec in step.history:
+        assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes)
+
+
+def test_too_small_budget_raises_naming_the_floor():
+    model, batch = big_case(2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rss = current_rss_bytes()
+    step = BudgetedStep(model, ce, opt, budget=rss - 10**6)
+    with pytest.raises(BudgetTooSmallError) as info:
+        step(batch)
+    assert info.value.required_bytes > rss
+    limit = {"now": "100GB"}
+    step = BudgetedStep(model, ce, opt, budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)))
+    step(batch)
+    held = current_rss_bytes()
+    limit["now"] = held + 1000  # below what any plan needs
+    with pytest.raises(BudgetTooSmallError) as info:
+        step(batch)
+    floor = info.value.required_bytes
+    assert floor > held + 1000 and "Raise the budget to at least" in str(info.value)
+    # the named floor is a budget the planner accepts
+    plan_step(step.profile, budget_bytes=floor + 10**6, persistent_bytes=current_rss_bytes(),
+              config=step.config, alpha=step.alpha)
+
+
+def test_probe_leaves_no_trace():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.2)),
+                          nn.Sequential(nn.Linear(16, 4)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = BudgetedStep(model, lambda m, b: m(b).pow(2).mean(), torch.optim.SGD(model.parameters(), lr=0.0),
+                        budget="100GB", config=PlannerConfig(bits=(None,)))
+    x = torch.randn(64, 16)
+    rng = torch.get_rng_state()
+    step.profile = step._probe(x, 10**11, current_rss_bytes())
+    assert torch.equal(rng, torch.get_rng_state())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_compressed_plan_runs():
+    model, batch = big_case(3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    base = current_rss_bytes() + sum(p.nbytes for p in model.parameters())
+    step = BudgetedStep(model, ce, opt, budget=base + 400 * 10**6,
+                        config=PlannerConfig(bits=(2,), compression_reserve=0, checkpoint=False))
+    loss = step(batch)
+    assert step.plan.bits == 2 and torch.isfinite(torch.tensor(loss))
+    assert set(step.profile.bits_options) == {None, 2}
+    assert step.profile.outside[2] + sum(s.saved[2] for s in step.profile.segments) < \
+        0.5 * (step.profile.outside[None] + sum(s.saved[None] for s in step.profile.segments))
+
+
+def test_batchnorm_warning_and_groupnorm_remedy():
+    from daftrain.demo.models.resnet import resnet18
+
+    model = resnet18(width=4)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.0), budget="100GB",
+                        tune_allocator=False)
+    from daftrain.budget.planner import Plan
+
+    with pytest.warns(UserWarning, match="BatchNorm"):
+        step._warn_batchnorm(Plan(0, 0, 16, 4, 4, (), None, 0, 0.0, 1.0))  # warns once for k > 1
+    gn = batchnorm_to_groupnorm(resnet18(width=4), num_groups=2)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in gn.modules())
+    ref = copy.deepcopy(gn).double()
+    gn = gn.double()
+    F.cross_entropy(ref(x.double()), y).backward()
+    step = BudgetedStep(gn, ce, torch.optim.SGD(gn.parameters(), lr=0.0), budget="100GB", tune_allocator=False)
+    step._accumulate((x.double(), y), Plan(0, 0, 16, 4, 4, ("layer1.0", "layer3.1"), None, 0, 0.0, 1.0))
+    for p, q in zip(gn.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-11)
+
+
+def test_inplace_activations_exact_and_restored():
+    from daftrain.budget.step import inplace_activations
+    from daftrain.demo.models.resnet import resnet18
+
+    torch.manual_seed(6)
+    model = resnet18(width=4).double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (4,))
+    x_copy = x.clone()
+    with inplace_activations(model) as n:
+        assert n == 17  # stem + two per block
+        F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    assert torch.equal(x, x_copy)  # the user's input is never overwritten
+    assert not any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_inplace_refused_where_autograd_needs_the_input():
+    class NeedsInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = nn.Linear(8, 8), nn.ReLU()
+
+        def forward(self, x):
+            h = torch.sigmoid(self.lin(x))  # sigmoid saves its output h ...
+            return self.act(h)              # ... which an in-place ReLU would overwrite
+
+    model = NeedsInput()
+    step = BudgetedStep(model, lambda m, b: m(b).sum(), torch.optim.SGD(model.parameters(), lr=0.0),
+                        budget="100GB", config=PlannerConfig(bits=(None,)))
+    step(torch.randn(16, 8))
+    assert step.inplace is False
+    relu = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    step = BudgetedStep(relu, lambda m, b: m(b).sum(), torch.optim.SGD(relu.parameters(), lr=0.0),
+                        budget="100GB", config=PlannerConfig(bits=(None,)))
+    step(torch.randn(16, 8))
+    assert step.inplace is True
