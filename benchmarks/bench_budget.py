@@ -43,7 +43,7 @@ def _case(name: str):
     import torch
     import torch.nn.functional as F
 
-    from daftrain.budget.step import token_count
+    from daftrain.budget.batching import token_count
     from daftrain.demo.models.resnet import resnet18
     from daftrain.demo.models.transformers_zoo import gpt2_lm
 
@@ -60,19 +60,13 @@ def _case(name: str):
 def child(spec: dict) -> dict:
     import torch
 
+    from daftrain.budget.batching import balanced_sizes, batch_size, split_batch
     from daftrain.budget.memory import current_rss_bytes, peak_rss_bytes
-    from daftrain.budget.step import (
-        BudgetedStep,
-        _balanced_sizes,
-        _samples,
-        batch_size,
-        checkpointing,
-        find_segments,
-        split_batch,
-    )
+    from daftrain.budget.segments import checkpointing, find_segments
+    from daftrain.budget.step import BudgetedStep
 
     model, batch, loss_fn, count = _case(spec["model"])
-    count = count or _samples
+    count = count or batch_size
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     params = sum(p.nbytes for p in model.parameters())
@@ -85,7 +79,7 @@ def child(spec: dict) -> dict:
 
     def manual_step(m: int, ckpt: bool) -> float:
         opt.zero_grad(set_to_none=True)
-        parts = split_batch(batch, _balanced_sizes(B, -(-B // m)))
+        parts = split_batch(batch, balanced_sizes(B, -(-B // m)))
         counts = [float(count(p)) for p in parts]
         total, value = sum(counts), 0.0
         for p, c in zip(parts, counts, strict=True):

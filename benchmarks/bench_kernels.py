@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -189,40 +190,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         x = (torch.relu(x) if args.input == "relu" else x).to(dtype).to(device)
         nbytes = numel * x.element_size()
         dst = torch.empty_like(x)
-        copy = sync(lambda: dst.copy_(x))
+        copy = sync(partial(dst.copy_, x))
         t_copy, best_copy = timed(copy, args.repeats)
         copy_gbps = gbps(nbytes, t_copy)
         G = args.group_size
         for bits in args.bits:
             _, t_ref_q, _, alone_q = paired_and_alone(
-                copy, sync(lambda: reference.quantize_pack(x, bits, G, 1)), args.ref_repeats
+                copy, sync(partial(reference.quantize_pack, x, bits, G, 1)), args.ref_repeats
             )
             copy_q, t_fast_q, best_q, fast_alone_q = paired_and_alone(
-                copy, sync(lambda: torch.ops.daftrain.quantize_pack(x, bits, G, 1)), args.repeats
+                copy, sync(partial(torch.ops.daftrain.quantize_pack, x, bits, G, 1)), args.repeats
             )
             codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, G, 1)
             out = torch.empty_like(x)
             _, t_ref_i, _, alone_i = paired_and_alone(
-                copy, sync(lambda: reference.unpack_dequantize_into(out, codes, lo, scale, bits, G)), args.ref_repeats
+                copy, sync(partial(reference.unpack_dequantize_into, out, codes, lo, scale, bits, G)), args.ref_repeats
             )
-            decode = sync(lambda: torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, G))
+            decode = sync(partial(torch.ops.daftrain.unpack_dequantize_into, out, codes, lo, scale, bits, G))
             copy_i, t_fast_i, best_i, fast_alone_i = paired_and_alone(copy, decode, args.repeats)
             # the write limit of a decode: it reads a few bits per value and writes the whole output
-            fill = sync(lambda: out.fill_(1.0))
+            fill = sync(partial(out.fill_, 1.0))
             fill_i, t_fast_fill, _ = paired(fill, decode, args.repeats)
             # the same write after a copy_, in the cache state the decode is timed in above
             _, cold_fill_i, _ = paired(copy, fill, args.repeats)
             t_memset = store_i = t_fast_store = None
             if device == "cpu":
-                t_memset, _ = timed(lambda: ctypes.memset(out.data_ptr(), 0, nbytes), args.repeats)
+                t_memset, _ = timed(partial(ctypes.memset, out.data_ptr(), 0, nbytes), args.repeats)
                 if dtype == torch.float32:
-                    store_i, t_fast_store, _ = paired(lambda: store(out, threads), decode, args.repeats)
+                    store_i, t_fast_store, _ = paired(partial(store, out, threads), decode, args.repeats)
             _, t_ref_u, _, alone_u = paired_and_alone(
-                copy, sync(lambda: reference.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
+                copy, sync(partial(reference.unpack_dequantize, codes, lo, scale, bits, G, numel, dtype)),
                 args.ref_repeats,
             )
             copy_u, t_fast_u, best_u, fast_alone_u = paired_and_alone(
-                copy, sync(lambda: torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, G, numel, dtype)),
+                copy, sync(partial(torch.ops.daftrain.unpack_dequantize, codes, lo, scale, bits, G, numel, dtype)),
                 args.repeats,
             )
             for op, t_ref, t_ref_alone, t_fast, t_fast_alone, best, t_pair_copy in (
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["pass_copy"] = row["fraction_of_copy"] >= TARGET_COPY_FRACTION
                     row["pass_speedup"] = row["speedup_vs_reference"] >= TARGET_SPEEDUP
                 rows.append(row)
-        t_ref_mm = median_seconds(sync(lambda: reference.group_minmax(x, G)), args.ref_repeats)
+        t_ref_mm = median_seconds(sync(partial(reference.group_minmax, x, G)), args.ref_repeats)
         flat = x.reshape(-1)
         entry: dict[str, Any] = {
             "size_mvalues": size_m,
@@ -281,9 +282,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "strategies": list(backend.STRATEGIES),
         }
         for name, fn in backend.STRATEGIES.items():
-            entry[f"{name}_gbps"] = gbps(nbytes, median_seconds(sync(lambda fn=fn: fn(flat, G)), args.repeats))
+            entry[f"{name}_gbps"] = gbps(nbytes, median_seconds(sync(partial(fn, flat, G)), args.repeats))
         entry["op_gbps"] = gbps(
-            nbytes, median_seconds(sync(lambda: torch.ops.daftrain.group_minmax(x, G)), args.repeats)
+            nbytes, median_seconds(sync(partial(torch.ops.daftrain.group_minmax, x, G)), args.repeats)
         )
         minmax_rows.append(entry)
     return {

@@ -5,15 +5,15 @@ byte sizes are log-normal (sigma ``--sigma``) around a median that changes every
 steps (1 MiB, 2 MiB, 0.5 MiB, then 1 MiB again, cycling; ``--scale`` multiplies them), at 2 or 4 bits.
 ``--workload iid`` draws every size afresh each step; ``--workload layered`` keeps each record's element
 count for a whole phase and only flips bit-widths (see ``workload``). Backward then consumes them
-in reverse order. One variant per step policy plus the baseline, each in its own process so that
+in reverse order. One variant per growth policy plus the baseline, each in its own process so that
 resident memory is comparable:
 
 * ``pool:<policy>``: ``PagePool.store`` in forward; per record in backward ``borrow`` (zero-copy
   views of the pages, the way the hooks decode; a record spread over two chunks is gathered into
   the pool's scratch buffer) or, with ``--backward load``, ``load`` (a fresh gathered copy), then
-  ``release``; ``end_step``. Policies (``--policies``): ``adaptive`` = ``AdaptiveStep()`` (the
-  default: headroom kept between steps), ``tracking`` = ``TrackingStep()`` (the reservation follows
-  each step's peak), ``tracking-dev2`` = ``TrackingStep(deviations=2)``, ``fixed`` = ``FixedStep(100 MiB)``.
+  ``release``; ``end_step``. Policies (``--policies``): ``adaptive`` = ``AdaptiveGrowth()`` (the
+  default: headroom kept between steps), ``tracking`` = ``TrackingGrowth()`` (the reservation follows
+  each step's peak), ``tracking-dev2`` = ``TrackingGrowth(deviations=2)``, ``fixed`` = ``FixedGrowth(100 MiB)``.
 * ``plain``: a fresh ``torch.empty`` per payload tensor + copy in forward (what a packer without a
   pool allocates), kept in a list, read in place in backward and freed at step end.
 
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json
 
 from daftrain.budget.memory import current_rss_bytes, format_bytes
-from daftrain.pool.store import AdaptiveStep, FixedStep, PagePool, PoolConfig, TrackingStep
+from daftrain.pool import AdaptiveGrowth, FixedGrowth, PagePool, PoolConfig, TrackingGrowth
 
 MIB = 1 << 20
 PHASE_MEDIANS_MIB = (1.0, 2.0, 0.5, 1.0)
@@ -130,10 +130,10 @@ def held_bytes(pool: PagePool | None) -> int:
 
 
 POLICIES = {
-    "adaptive": AdaptiveStep,
-    "tracking": TrackingStep,
-    "tracking-dev2": lambda: TrackingStep(deviations=2.0),
-    "fixed": lambda: FixedStep(100 * MIB),
+    "adaptive": AdaptiveGrowth,
+    "tracking": TrackingGrowth,
+    "tracking-dev2": lambda: TrackingGrowth(deviations=2.0),
+    "fixed": lambda: FixedGrowth(100 * MIB),
 }
 
 
@@ -151,7 +151,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     source = make_source(args.seed)
     pool = None
     if args.variant == "pool":
-        pool = PagePool(PoolConfig(page_size=args.page_size, step=POLICIES[args.policy]()))
+        pool = PagePool(PoolConfig(page_size=args.page_size, growth=POLICIES[args.policy]()))
     rss_start = current_rss_bytes()
     fwd, bwd, fwd_cpu, bwd_cpu, rss_trace, step_eff = [], [], [], [], [], []
     occ, eff_held, mapped, grows, shrinks = [], [], [], [], []

@@ -1,8 +1,8 @@
-"""Pool step policies under a byte budget: DAF's fixed 100 MB step vs the adaptive step.
+"""Pool growth policies under a byte cap: DAF's fixed 100 MB steps vs adaptive growth.
 
 The drifting workload of ``bench_pool_fragmentation.py`` (log-normal record sizes whose median moves
-every ``--phase-steps`` steps: 1, 2, 0.5, 1 MiB) runs against a ``PagePool`` with ``--budget-mib``
-of budget, small enough that the 2 MiB phase does not fit. Record ``i`` of a step gets importance
+every ``--phase-steps`` steps: 1, 2, 0.5, 1 MiB) runs against a ``PagePool`` capped at ``--max-mib``
+(``PoolConfig.max_bytes``), small enough that the 2 MiB phase does not fit. Record ``i`` of a step gets importance
 ``i / records`` (the last saved is needed first by backward, so it matters most); 4-bit records carry
 a demote callback. Backward loads every record in reverse order (``load(page_in=False)``: a spilled
 record is read from its file, not paged back in, since it is released right after), releases it, then
@@ -10,19 +10,19 @@ record is read from its file, not paged back in, since it is released right afte
 
 The demote callback is *synthetic*: it keeps the first half of each group's code bytes (exactly the
 size a 4 -> 2-bit re-quantization produces, without its cost: the policies are compared on memory,
-not on kernel time; ``tests/test_pool.py`` demotes with the real kernels).
+not on kernel time; ``tests/pool/test_pool_eviction.py`` demotes with the real kernels).
 
-Policies: ``fixed-100MiB`` = ``FixedStep(100 * 2**20)``, ``adaptive`` = ``AdaptiveStep()`` (defaults),
-``adaptive-dev1`` = ``AdaptiveStep(deviations=1)`` (less headroom, more growth events),
-``tracking`` = ``TrackingStep()`` (the reservation follows each step's peak in small granules and is
-given back down to a floor at every step end), ``tracking-dev2`` = ``TrackingStep(deviations=2)``
+Policies: ``fixed-100MiB`` = ``FixedGrowth(100 * 2**20)``, ``adaptive`` = ``AdaptiveGrowth()`` (defaults),
+``adaptive-dev1`` = ``AdaptiveGrowth(deviations=1)`` (less headroom, more growth events),
+``tracking`` = ``TrackingGrowth()`` (the reservation follows each step's peak in small granules and is
+given back down to a floor at every step end), ``tracking-dev2`` = ``TrackingGrowth(deviations=2)``
 (a lower floor: higher occupancy, more memory mapped per step).
 
 Reported per policy: evictions (demotions + spills), page-ins, grow / shrink events, peak and mean
 reserved bytes, mean occupancy (pages in use / reserved) and payload / reserved at each step's peak,
 bytes mapped per step, time per step (wall and CPU).
 
-    python benchmarks/bench_pool_step_policy.py [--steps 2000] [--budget-mib 64]
+    python benchmarks/bench_pool_step_policy.py [--steps 2000] [--max-mib 64]
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ from bench_pool_fragmentation import MIB, make_source, payload, workload
 from common import write_json
 
 from daftrain.budget.memory import format_bytes
-from daftrain.pool.store import AdaptiveStep, FixedStep, PagePool, PoolConfig, TrackingStep
+from daftrain.pool import AdaptiveGrowth, FixedGrowth, PagePool, PoolConfig, TrackingGrowth
 
 POLICIES = {
-    "fixed-100MiB": lambda: FixedStep(100 * MIB),
-    "adaptive": lambda: AdaptiveStep(),
-    "adaptive-dev1": lambda: AdaptiveStep(deviations=1.0),
-    "tracking": lambda: TrackingStep(),
-    "tracking-dev2": lambda: TrackingStep(deviations=2.0),
+    "fixed-100MiB": lambda: FixedGrowth(100 * MIB),
+    "adaptive": lambda: AdaptiveGrowth(),
+    "adaptive-dev1": lambda: AdaptiveGrowth(deviations=1.0),
+    "tracking": lambda: TrackingGrowth(),
+    "tracking-dev2": lambda: TrackingGrowth(deviations=2.0),
 }
 
 
@@ -62,8 +62,8 @@ def halve_codes(pl: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None
 
 def run_policy(name: str, args: argparse.Namespace, sizes, bits, source) -> dict:
     with tempfile.TemporaryDirectory(prefix="pool-bench-") as spill_dir:
-        cfg = PoolConfig(page_size=args.page_size, budget_bytes=args.budget_mib * MIB,
-                         step=POLICIES[name](), spill_dir=spill_dir)
+        cfg = PoolConfig(page_size=args.page_size, max_bytes=args.max_mib * MIB,
+                         growth=POLICIES[name](), spill_dir=spill_dir)
         pool = PagePool(cfg)
         times, cpu, reserved, effs, occs, mapped = [], [], [], [], [], []
         start = time.perf_counter()
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phase-steps", type=int, default=500)
     p.add_argument("--sigma", type=float, default=0.75)
     p.add_argument("--workload", choices=("iid", "layered"), default="iid")
-    p.add_argument("--budget-mib", type=int, default=64)
+    p.add_argument("--max-mib", type=int, default=64, help="the pool's byte cap (PoolConfig.max_bytes), MiB")
     p.add_argument("--page-size", type=int, default=64 << 10)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of: " + ", ".join(POLICIES))
     p.add_argument("--threads", type=int, default=1)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes, bits = workload(args.steps, args.records, args.phase_steps, args.sigma, args.seed, kind=args.workload)
     source = make_source(args.seed)
     demand = sizes.sum(axis=1)
-    print(f"\n{args.workload} workload, {args.steps} steps x {args.records} records, budget {args.budget_mib} MiB, "
+    print(f"\n{args.workload} workload, {args.steps} steps x {args.records} records, max_bytes {args.max_mib} MiB, "
           f"payload/step mean {format_bytes(demand.mean())}, max {format_bytes(demand.max())}")
     results = {name: run_policy(name, args, sizes, bits, source) for name in names}
     cols = [

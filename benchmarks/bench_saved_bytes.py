@@ -2,7 +2,7 @@
 
 ResNet-18 (CIFAR-style, 3x32x32, batch 128) and GPT-2 small (from a config, seq 256, batch 8, eager
 attention, dropout 0.1). Plain PyTorch's bytes are counted by an independent hook
-(``daftrain.budget.memory.SavedTensorCounter``: unique storages, parameters and buffers left out); daftrain's
+(``daftrain.budget.memory.SavedBytesCounter``: unique storages, parameters and buffers left out); daftrain's
 are what its records hold plus the tensors it keeps exact. Step time is forward + backward, each
 configuration run in turn within every repeat (so machine noise hits all alike), median over repeats.
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import median, timed, write_json
 
 import daftrain
-from daftrain.budget.memory import SavedTensorCounter
+from daftrain.budget.memory import SavedBytesCounter
 from daftrain.demo.models.resnet import resnet18
 from daftrain.demo.models.transformers_zoo import gpt2_lm
 
@@ -51,7 +51,7 @@ def step(model, loss_fn, ctx) -> int:
     with ctx:
         loss = loss_fn()
     loss.backward()
-    return ctx.saved_bytes if isinstance(ctx, SavedTensorCounter) else ctx.stats.stored_bytes
+    return ctx.saved_bytes if isinstance(ctx, SavedBytesCounter) else ctx.stats.stored_bytes
 
 
 def bytes_only(name: str, bits_list: list[int]) -> dict:
@@ -60,7 +60,7 @@ def bytes_only(name: str, bits_list: list[int]) -> dict:
     model.train()
     rows: dict[str, dict] = {}
     for k, b in {"plain": None, **{f"{b}bit": b for b in bits_list}}.items():
-        ctx = SavedTensorCounter(exclude=model.buffers()) if b is None else daftrain.compress(bits=b, model=model)
+        ctx = SavedBytesCounter(exclude=model.buffers()) if b is None else daftrain.compress(bits=b, model=model)
         with ctx:
             loss_fn()
         rows[k] = {"saved_bytes": ctx.saved_bytes if b is None else ctx.stats.stored_bytes}
@@ -79,11 +79,11 @@ def run_case(name: str, repeats: int, bits_list: list[int]) -> dict:
     saved: dict[str, int] = {}
     times: dict[str, list[float]] = {k: [] for k in configs}
     for k in configs:  # warm-up (JIT compiles, allocator) and the byte counts
-        ctx = contexts.get(k) or SavedTensorCounter(exclude=model.buffers())
+        ctx = contexts.get(k) or SavedBytesCounter(exclude=model.buffers())
         saved[k] = step(model, loss_fn, ctx)
     for r in range(repeats):
         for k in configs:
-            ctx = contexts.get(k) or SavedTensorCounter(exclude=model.buffers())
+            ctx = contexts.get(k) or SavedBytesCounter(exclude=model.buffers())
             times[k].append(timed(lambda ctx=ctx: step(model, loss_fn, ctx)))
         print(f"  {name} repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {times[k][-1]:.2f}s" for k in configs),
               flush=True)

@@ -25,7 +25,7 @@ from .errors import ArgumentTypeError, DaftrainError, InvalidArgumentError, Unsu
 from .kernels import load_fast_kernels as _load_fast_kernels
 from .kernels import ops as _ops  # registers the daftrain:: custom ops
 from .layout import LayoutError, PackedLayout
-from .pool import AdaptiveStep, FixedStep, PagePool, PoolBudgetError, PoolConfig, PoolError, TrackingStep
+from .pool import AdaptiveGrowth, FixedGrowth, PagePool, PoolBudgetError, PoolConfig, PoolError, TrackingGrowth
 from .saved import CompressionStats, InPlaceModificationError, compress
 
 __version__ = "0.1.0"
@@ -34,7 +34,7 @@ del _ops
 _load_fast_kernels()  # numba on CPU, Triton on CUDA; the reference where they cannot load (one warning)
 
 __all__ = [
-    "AdaptiveStep",
+    "AdaptiveGrowth",
     "AllocationError",
     "AllocationReport",
     "ArgumentTypeError",
@@ -45,7 +45,7 @@ __all__ = [
     "CompressionConfig",
     "CompressionStats",
     "DaftrainError",
-    "FixedStep",
+    "FixedGrowth",
     "InPlaceModificationError",
     "InvalidArgumentError",
     "LayoutError",
@@ -58,7 +58,7 @@ __all__ = [
     "PoolError",
     "QuantizationVarianceWarning",
     "StateDictError",
-    "TrackingStep",
+    "TrackingGrowth",
     "UnsupportedError",
     "__version__",
     "batchnorm_to_groupnorm",

@@ -4,26 +4,51 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from .errors import InvalidArgumentError
 
 
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One ``--flag`` per field, with the field's attribute docstring as help text."""
+def _field_type(field: dataclasses.Field, check: Callable[[str, object], None]) -> Callable[[str], object]:
+    """argparse ``type=`` for one field: parse the text as the field's type, then ``check(name, value)``;
+    an invalid value becomes an argparse error naming the flag (exit status 2)."""
+    parse = type(field.default)
+
+    def convert(text: str) -> object:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{field.name} must be {'an integer' if parse is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        try:
+            check(field.name, value)
+        except InvalidArgumentError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, check: Callable[[str, object], None]) -> None:
+    """One ``--flag`` per field, with the field's attribute docstring as help text, its value checked by
+    ``check(name, value)`` as it is parsed."""
     import ast
     import inspect
     import textwrap
 
     docs: dict[str, str] = {}
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:], strict=False):
+    for node, nxt in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
     for field in dataclasses.fields(cls):
         parser.add_argument(
-            f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
+            f"--{field.name.replace('_', '-')}", type=_field_type(field, check), default=field.default,
             help=f"{docs.get(field.name, '')} (default: {field.default})",
         )
 
@@ -34,6 +59,18 @@ def _demo(ns: argparse.Namespace) -> int:
     fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(DemoArgs)}
     demo(DemoArgs(**fields), out_json=ns.json)
     return 0
+
+
+def _json_path(text: str) -> str:
+    """argparse ``type=`` of ``--json``: the file must be writable (its directory is created if missing)
+    before any training runs, so a bad path fails now, not after both runs."""
+    from .demo.run import prepare_json_path
+
+    try:
+        prepare_json_path(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _env(ns: argparse.Namespace) -> int:
@@ -61,7 +98,7 @@ def _env(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo.run import DemoArgs
+    from .demo.run import DemoArgs, check_demo_arg
 
     parser = argparse.ArgumentParser(prog="daftrain", description="Train deep networks in far less memory.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a CIFAR-style ResNet-18 on real Fashion-MNIST twice, plain PyTorch and daftrain, each "
         "in a fresh process, and print saved-activation memory, peak RSS, step time, loss and test accuracy.",
     )
-    _add_dataclass_flags(p_demo, DemoArgs)
-    p_demo.add_argument("--json", default=None, help="also write the results to this JSON file")
+    _add_dataclass_flags(p_demo, DemoArgs, check_demo_arg)
+    p_demo.add_argument("--json", default=None, type=_json_path,
+                        help="also write the results to this JSON file (its directory is created if missing)")
     p_demo.set_defaults(func=_demo)
     p_env = sub.add_parser("env", help="versions, threads and which kernels run on this machine")
     p_env.set_defaults(func=_env)

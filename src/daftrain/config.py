@@ -99,19 +99,24 @@ class CompressionConfig:
     def _check_auto(self) -> None:
         auto = self.bits == AUTO_BITS
         if not auto and (self.avg_bits is not None or self.budget_bytes is not None):
-            raise InvalidArgumentError(f"avg_bits and budget_bytes only apply with bits={AUTO_BITS!r}, got bits={self.bits!r}")
+            raise InvalidArgumentError(
+                f"avg_bits and budget_bytes only apply with bits={AUTO_BITS!r}, got bits={self.bits!r}"
+            )
         if self.avg_bits is not None and self.budget_bytes is not None:
             raise InvalidArgumentError("give the budget as avg_bits or as budget_bytes, not both")
         if self.avg_bits is not None and (
             isinstance(self.avg_bits, bool) or not isinstance(self.avg_bits, int | float)
             or not MIN_AVG_BITS <= self.avg_bits <= MAX_AVG_BITS
         ):
-            raise InvalidArgumentError(f"avg_bits must be a number in [{MIN_AVG_BITS}, {MAX_AVG_BITS}], got {self.avg_bits!r}")
+            raise InvalidArgumentError(
+                f"avg_bits must be a number in [{MIN_AVG_BITS}, {MAX_AVG_BITS}], got {self.avg_bits!r}"
+            )
         if self.budget_bytes is not None and (
             isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
         ):
             raise InvalidArgumentError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
-        if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
+        interval = self.adapt_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise InvalidArgumentError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")
         if (
             isinstance(self.variance_warning, bool) or not isinstance(self.variance_warning, int | float)

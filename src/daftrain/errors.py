@@ -6,7 +6,9 @@ and derive from the classes here."""
 
 from __future__ import annotations
 
-__all__ = ["ArgumentTypeError", "DaftrainError", "InvalidArgumentError", "UnsupportedError"]
+__all__ = [
+    "ArgumentTypeError", "DaftrainError", "InPlaceModificationError", "InvalidArgumentError", "UnsupportedError",
+]
 
 
 class DaftrainError(Exception):
@@ -23,3 +25,8 @@ class ArgumentTypeError(DaftrainError, TypeError):
 
 class UnsupportedError(DaftrainError, RuntimeError):
     """A call that cannot work in the current state or setting; the message says what to do instead."""
+
+
+class InPlaceModificationError(DaftrainError, RuntimeError):
+    """A tensor saved for backward was modified in place before it was packed or restored; plain
+    PyTorch raises a ``RuntimeError`` with the same wording."""

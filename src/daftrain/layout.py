@@ -21,12 +21,18 @@ with ``L = 2**bits - 1``. The two modes (``z = signbit(scale)``):
   threshold) get the exact mask. At 1 bit there is a single positive level: ``lo`` is then the
   midpoint of the positive range and the group is *not* elementwise unbiased (the mask stays exact).
 
+**Tiny steps**: a step ((max - min) / L, or (max - lo) / (L - 1) in zero-exact mode, in float32) below
+the smallest normal float32, 2**-126, is stored as 0 (keeping the mode's sign): the group then decodes
+to ``lo`` (zero-exact: its zeros to 0). Such groups (values within ``L * 2**-126`` of each other) are
+off by at most their range and not elementwise unbiased; a subnormal step would lose bfloat16's
+precision and overflow ``1 / |scale|`` (``NOTE [ Tiny steps ]`` in ``kernels/reference.py``).
+
 Rounding is stochastic, ``c = clamp(floor(t + u))`` with ``t = (x - lo) * (1 / |scale|)`` evaluated in
 float32 (the reciprocal is correctly rounded; no fused multiply-add), and ``u`` a counter-based
 uniform: ``u = (fmix32((i mod 2**32) XOR seed) >> 8) * 2**-24`` for the value's index ``i`` in the
-tensor, ``fmix32`` being MurmurHash3's finaliser. So ``E[decode(c)] = x`` and the result depends only on
-(x, seed), never on the backend or the thread count. Decoding evaluates ``lo + (c - z) * |scale|`` in
-float32 with two roundings, then casts to the tensor's dtype.
+tensor, ``fmix32`` being MurmurHash3's finaliser. So ``E[decode(c)] = x`` (tiny steps aside) and the
+result depends only on (x, seed), never on the backend or the thread count. Decoding evaluates
+``lo + (c - z) * |scale|`` in float32 with two roundings, then casts to the tensor's dtype.
 
 Worked example (``bits=2``, one group, first four values shown)::
 
@@ -36,15 +42,12 @@ Worked example (``bits=2``, one group, first four values shown)::
     codes    = [0, 3, 1, 2]  (values on the grid round the same way whatever u is)
     byte 0   = 0 | 3 << 2 | 1 << 4 | 2 << 6 = 0b10011100 = 0x9c
 
-``tests/test_layout.py`` pins this example. ``to_bytes`` / ``from_bytes`` serialise one record with a
-checked header (used to spill records to disk and for the golden test vectors).
+``tests/test_layout.py`` pins this example and golden vectors of whole records.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -58,22 +61,8 @@ MIN_GROUP_SIZE = 32
 MAX_GROUP_SIZE = 1 << 16
 """Group sizes are multiples of 32 in [MIN_GROUP_SIZE, MAX_GROUP_SIZE]: each group's codes fill whole 32-bit words."""
 
-MAGIC = b"DAFT"
-VERSION = 1
-
-KIND_QUANTIZED = 1
-KIND_BOOL = 2
-
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.bool: 4,
-}
 QUANTIZABLE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
-_HEADER = struct.Struct("<4sBBBBIQ")  # magic, version, kind, bits, dtype code, group_size, numel
-_CRC = struct.Struct("<I")
 MASK32 = 0xFFFFFFFF
 
 
@@ -148,66 +137,3 @@ def record_seed(base_seed: int, step: int, record: int) -> int:
     h = fmix32(base_seed ^ (base_seed >> 32))
     h = fmix32(h ^ fmix32(step * 0x9E3779B9 + 0x7F4A7C15))
     return fmix32(h ^ fmix32(record * 0x85EBCA77 + 0x165667B1))
-
-
-def _le_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
-def to_bytes(
-    kind: int, dtype: torch.dtype, numel: int, payload: tuple[torch.Tensor, ...], bits: int = 1, group_size: int = 32
-) -> bytes:
-    """Serialise one record: header, payload tensors in order, CRC32 of all that precedes it.
-
-    ``payload`` is ``(lo, scale, codes)`` for ``KIND_QUANTIZED`` and ``(packed,)`` for ``KIND_BOOL``.
-    """
-    header = _HEADER.pack(MAGIC, VERSION, kind, bits, DTYPE_CODES[dtype], group_size, numel)
-    body = header + b"".join(_le_bytes(p) for p in payload)
-    return body + _CRC.pack(zlib.crc32(body))
-
-
-@dataclass(frozen=True)
-class DecodedRecord:
-    kind: int
-    dtype: torch.dtype
-    numel: int
-    bits: int
-    group_size: int
-    payload: tuple[torch.Tensor, ...]
-
-
-def from_bytes(data: bytes) -> DecodedRecord:
-    """Parse what ``to_bytes`` wrote; raises ``LayoutError`` on any corruption."""
-    if len(data) < _HEADER.size + _CRC.size:
-        raise LayoutError(f"packed record too short: {len(data)} bytes")
-    body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
-    if zlib.crc32(body) != crc:
-        raise LayoutError("packed record checksum mismatch: the data is corrupted")
-    magic, version, kind, bits, dtype_code, group_size, numel = _HEADER.unpack(body[: _HEADER.size])
-    if magic != MAGIC:
-        raise LayoutError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise LayoutError(f"unsupported layout version {version} (this build reads {VERSION})")
-    dtypes = {v: k for k, v in DTYPE_CODES.items()}
-    if dtype_code not in dtypes:
-        raise LayoutError(f"unknown dtype code {dtype_code}")
-    dtype = dtypes[dtype_code]
-    raw = bytearray(body[_HEADER.size :])
-    if kind == KIND_QUANTIZED:
-        layout = PackedLayout(bits, group_size, numel)
-        sizes = (layout.num_groups * 4, layout.num_groups * 2, layout.codes_nbytes)
-        dtypes_out = (torch.float32, torch.bfloat16, torch.uint8)
-    elif kind == KIND_BOOL:
-        sizes, dtypes_out = (bool_nbytes(numel),), (torch.uint8,)
-    else:
-        raise LayoutError(f"unknown record kind {kind}")
-    if len(raw) != sum(sizes):
-        raise LayoutError(f"payload is {len(raw)} bytes, the header implies {sum(sizes)}")
-    payload, offset = [], 0
-    for size, dt in zip(sizes, dtypes_out, strict=True):
-        chunk = torch.frombuffer(raw, dtype=torch.uint8, count=size, offset=offset).clone()
-        payload.append(chunk.view(dt))
-        offset += size
-    if kind == KIND_QUANTIZED:
-        payload[2] = payload[2].view(layout.num_groups, layout.bytes_per_group)
-    return DecodedRecord(kind, dtype, numel, bits, group_size, tuple(payload))

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["ParameterRegistry", "is_parameter_like"]
+__all__ = ["ParameterRegistry", "is_parameter_like", "is_parameter_or_view"]
 
 
 class ParameterRegistry:
@@ -40,13 +40,18 @@ class ParameterRegistry:
 #      is only casts and views up to an AccumulateGrad node.
 # A data pointer alone is never used: addresses are reused as soon as a tensor is freed.
 def is_parameter_like(t: torch.Tensor, registry: ParameterRegistry) -> bool:
-    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+    if is_parameter_or_view(t):
         return True
     if registry.holds(t):
         return True
     if t.grad_fn is None:
         return t.requires_grad
     return _is_cast_or_view_of_leaf(t.grad_fn)
+
+
+def is_parameter_or_view(t: torch.Tensor) -> bool:
+    """Rule 1 of NOTE [ Recognising parameters ]: an ``nn.Parameter``, or a view whose ``_base`` is one."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
 # Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).

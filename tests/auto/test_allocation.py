@@ -61,7 +61,7 @@ def test_greedy_is_optimal_at_every_lagrangian_breakpoint():
         items = random_items(rng, rng.randint(2, 4))
         for lam in [0.0, *(10 ** rng.uniform(-6, 6) for _ in range(6))]:
             picks = [min(range(len(c)), key=lambda k, c=c: (c[k].variance + lam * c[k].nbytes, k)) for c in items]
-            budget = sum(c[p].nbytes for c, p in zip(items, picks))
+            budget = sum(c[p].nbytes for c, p in zip(items, picks, strict=True))
             solution = solve(items, budget)
             assert solution.nbytes <= budget
             assert solution.variance == pytest.approx(brute_force(items, budget), rel=1e-12, abs=1e-12)
@@ -107,12 +107,12 @@ def test_solution_is_deterministic_and_ties_break_on_index():
 
 def test_a_budget_below_one_bit_everywhere_is_refused():
     items = [choices_for(8192, 4, 256, NoiseProfile(1.0, 0.0), 1.0)]
-    with pytest.raises(AllocationError, match="below the .* bytes the saved tensors take at their fewest bits"):
+    with pytest.raises(AllocationError, match=r"below the .* bytes the saved tensors take at their fewest bits"):
         solve(items, items[0][0].nbytes - 1)
 
 
 def test_a_large_budget_keeps_everything_exact():
     items = random_items(random.Random(2), 3)
     solution = solve(items, 10**12)
-    assert all(c[p].bits is None for c, p in zip(items, solution.picks))
+    assert all(c[p].bits is None for c, p in zip(items, solution.picks, strict=True))
     assert solution.variance == 0.0

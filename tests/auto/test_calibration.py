@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import daftrain
-from daftrain.auto.importance import StateDictError
+from daftrain.auto import StateDictError
 
 pytestmark = pytest.mark.filterwarnings("ignore::daftrain.QuantizationVarianceWarning")
 
@@ -133,7 +133,7 @@ def test_calibration_changes_the_allocation_and_survives_a_state_round_trip():
     assert {s.key: s.calibration for s in resumed.report().slots} == {s.key: s.calibration for s in ctx.report().slots}
     bad = dict(state, calibration={k: -1.0 for k in state["calibration"]})
     bad.pop("checksum")
-    from daftrain.auto.importance import _checksum
+    from daftrain.auto.state import checksum as _checksum
 
     bad["checksum"] = _checksum(bad)
     fresh = context(model)

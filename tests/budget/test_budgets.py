@@ -81,3 +81,35 @@ def test_too_small_error_names_required_budget():
     err = BudgetTooSmallError(100_000_000, 345_678_901)
     assert err.required_bytes == 345_678_901
     assert "345678901 bytes" in str(err) and "345.7 MB" in str(err)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4.1GB", 4_100_000_000), ("4.1 MB", 4_100_000), ("2.01MB", 2_010_000), ("64.1kB", 64_100),
+    ("547.5 MB", 547_500_000),
+])
+def test_parse_bytes_reads_decimals_exactly(text, expected):
+    """Floats read "4.1GB" as 4099999999 bytes: one byte short of a budget an error message named."""
+    assert parse_bytes(text) == expected
+
+
+def test_too_small_error_shows_a_figure_that_fits():
+    """The figure in the message is rounded up, so the budget written as shown is enough."""
+    err = BudgetTooSmallError(100_000_000, 547_430_000)
+    assert "547.5 MB" in str(err) and "547.4 MB" not in str(err)
+    assert parse_bytes("547.5 MB") >= err.required_bytes
+
+
+@pytest.mark.parametrize(("bad", "what"), [
+    ("12 parsecs", "use B, kB, MB"), ("-5MB", "write e.g. '600MB'"), (-1, "pass bytes >= 0"),
+    (float("nan"), "pass bytes or e.g. '600MB'"),
+    ([1], "pass bytes or a string like '600MB'"), ("MB", "write e.g. '600MB'"),
+])
+def test_parse_bytes_errors_say_what_to_pass(bad, what):
+    with pytest.raises(BudgetError, match="memory size") as info:
+        parse_bytes(bad)
+    assert what in str(info.value)
+
+
+def test_system_budget_fraction_error_names_it():
+    with pytest.raises(BudgetError, match=r"Budget.system fraction must be in \(0, 1\], e.g. 0.9"):
+        Budget.system(1.5)

@@ -6,6 +6,7 @@ import pytest
 
 from daftrain.budget.budgets import BudgetTooSmallError
 from daftrain.budget.planner import PlannerConfig, Profile, SegmentProfile, plan_step
+from daftrain.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 
 MB = 10**6
 
@@ -74,7 +75,7 @@ def test_too_small_budget_names_smallest_fitting_budget():
         plan_step(p, budget_bytes=105 * MB, persistent_bytes=100 * MB, config=cfg)
     required = info.value.required_bytes
     assert required > 105 * MB
-    plan = plan_step(p, budget_bytes=required, persistent_bytes=100 * MB, config=cfg)  # that budget fits
+    plan_step(p, budget_bytes=required, persistent_bytes=100 * MB, config=cfg)  # that budget fits
     with pytest.raises(BudgetTooSmallError):
         plan_step(p, budget_bytes=required - 2, persistent_bytes=100 * MB, config=cfg)
 
@@ -91,4 +92,51 @@ def test_alpha_makes_plans_more_conservative():
 ])
 def test_config_validation(kwargs):
     with pytest.raises((ValueError, TypeError)):
+        PlannerConfig(**kwargs)
+
+
+def test_required_budget_plans_across_profiles_and_margins():
+    """``budget = err.required_bytes`` plans for any safety and alpha, and one byte less does not."""
+    for safety in (0.9, 0.7, 0.33, 1.0):
+        for alpha in (1.0, 1.37):
+            for per_seg in (1 * MB, 3.3 * MB, 7.77 * MB):
+                p, cfg = profile(per_seg=per_seg), PlannerConfig(safety=safety)
+                with pytest.raises(BudgetTooSmallError) as info:
+                    plan_step(p, budget_bytes=101 * MB, persistent_bytes=100 * MB + 7, config=cfg, alpha=alpha)
+                required = info.value.required_bytes
+                plan = plan_step(p, budget_bytes=required, persistent_bytes=100 * MB + 7, config=cfg, alpha=alpha)
+                assert plan.predicted_peak_bytes <= 100 * MB + 7 + safety * (required - 100 * MB - 7)
+                with pytest.raises(BudgetTooSmallError):
+                    plan_step(p, budget_bytes=required - 1, persistent_bytes=100 * MB + 7, config=cfg, alpha=alpha)
+
+
+def test_profile_of_an_empty_batch_is_refused():
+    """A 0-sample batch used to end in a bare ZeroDivisionError."""
+    from dataclasses import replace
+
+    with pytest.raises(InvalidArgumentError, match=r"batch_size is 0.*at least one sample"):
+        plan_step(replace(profile(), batch_size=0), budget_bytes=10_000 * MB, persistent_bytes=100 * MB,
+                  config=PlannerConfig())
+
+
+def test_bits_without_measurements_name_the_config():
+    """Only compressed bits allowed, but compression was never probed: no plan, and no OverflowError."""
+    exact_only = profile()
+    keep = (None,)
+    exact_only = Profile(
+        batch_size=exact_only.batch_size,
+        segments=tuple(SegmentProfile(s.name, {None: s.saved[None]}, s.input_bytes, s.forward_s)
+                       for s in exact_only.segments),
+        outside={None: exact_only.outside[None]}, work_per_sample={None: 1 * MB}, work_fixed=2 * MB,
+        per_sample_s={b: exact_only.per_sample_s[b] for b in keep}, fixed_s={None: 0.05},
+        optimizer_transient=10 * MB,
+    )
+    with pytest.raises(UnsupportedError, match=r"PlannerConfig.bits allows \(2,\).*only for exact.*allow None"):
+        plan_step(exact_only, budget_bytes=105 * MB, persistent_bytes=100 * MB, config=PlannerConfig(bits=(2,)))
+
+
+@pytest.mark.parametrize("kwargs", [{"safety": "0.9"}, {"probe_fraction": None}, {"max_alpha": "4"}])
+def test_config_type_errors_are_daftrain_errors(kwargs):
+    """A string where a number belongs used to raise a bare TypeError from the comparison."""
+    with pytest.raises(ArgumentTypeError, match=f"PlannerConfig.{next(iter(kwargs))} must be a number"):
         PlannerConfig(**kwargs)

@@ -1,5 +1,5 @@
 """BudgetedStep on tiny models: gradient equivalence of micro-batching, measured peaks under budget,
-re-planning when the budget changes, clear errors, and no trace left by planning."""
+re-planning when the budget changes, and clear errors."""
 
 from __future__ import annotations
 
@@ -10,17 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import daftrain.budget.step as step_module
+from daftrain.budget.batching import token_count
 from daftrain.budget.budgets import BudgetTooSmallError
 from daftrain.budget.memory import current_rss_bytes, reset_peak_rss
 from daftrain.budget.planner import PlannerConfig, plan_step
-from daftrain.budget.step import (
-    BudgetedStep,
-    batchnorm_to_groupnorm,
-    checkpointing,
-    find_segments,
-    split_batch,
-    token_count,
-)
+from daftrain.budget.segments import batchnorm_to_groupnorm
+from daftrain.budget.step import BudgetedStep
+from daftrain.errors import ArgumentTypeError, InvalidArgumentError
 
 
 @pytest.fixture(autouse=True)
@@ -108,40 +105,6 @@ def test_full_step_trains_like_plain_sgd():
         assert p.grad is None
 
 
-def test_checkpointing_restores_forward_and_batchnorm_statistics():
-    torch.manual_seed(4)
-    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
-                          nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()))
-    twin = copy.deepcopy(model)
-    x = torch.randn(4, 3, 8, 8)
-    segs = find_segments(model)
-    assert list(segs) == ["0", "1"]
-    with checkpointing(segs, ["0", "1"]):
-        assert "forward" in segs["0"].__dict__
-        out = model(x)
-    assert "forward" not in segs["0"].__dict__
-    out.sum().backward()  # recomputes both blocks
-    twin(x).sum().backward()
-    for a, b in zip(model.buffers(), twin.buffers(), strict=True):
-        torch.testing.assert_close(a, b)  # running stats updated once, not twice
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad)
-
-
-def test_find_segments_on_nested_models():
-    from daftrain.demo.models.resnet import resnet18
-
-    names = list(find_segments(resnet18(width=4)))
-    assert names == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
-
-
-def test_split_batch_structures():
-    x, y = torch.arange(10).view(5, 2), torch.arange(5)
-    parts = split_batch({"a": x, "b": (y, "tag")}, [2, 3])
-    assert parts[1]["a"].shape == (3, 2) and parts[1]["b"][1] == "tag"
-    assert parts[0]["a"].data_ptr() == x.data_ptr()  # views, no copy
-
-
 # -- memory, measured ------------------------------------------------------------------------------------
 
 def big_case(seed: int = 0):
@@ -210,22 +173,6 @@ def test_too_small_budget_raises_naming_the_floor():
               config=step.config, alpha=step.alpha)
 
 
-def test_probe_leaves_no_trace():
-    torch.manual_seed(5)
-    model = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.2)),
-                          nn.Sequential(nn.Linear(16, 4)))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    step = BudgetedStep(model, lambda m, b: m(b).pow(2).mean(), torch.optim.SGD(model.parameters(), lr=0.0),
-                        budget="100GB", config=PlannerConfig(bits=(None,)))
-    x = torch.randn(64, 16)
-    rng = torch.get_rng_state()
-    step.profile = step._probe(x, 10**11, current_rss_bytes())
-    assert torch.equal(rng, torch.get_rng_state())
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert all(p.grad is None for p in model.parameters())
-
-
 def test_compressed_plan_runs():
     model, batch = big_case(3)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -261,25 +208,6 @@ def test_batchnorm_warning_and_groupnorm_remedy():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-11)
 
 
-def test_inplace_activations_exact_and_restored():
-    from daftrain.budget.step import inplace_activations
-    from daftrain.demo.models.resnet import resnet18
-
-    torch.manual_seed(6)
-    model = resnet18(width=4).double()
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (4,))
-    x_copy = x.clone()
-    with inplace_activations(model) as n:
-        assert n == 17  # stem + two per block
-        F.cross_entropy(model(x), y).backward()
-    F.cross_entropy(ref(x), y).backward()
-    assert torch.equal(x, x_copy)  # the user's input is never overwritten
-    assert not any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
-
-
 def test_inplace_refused_where_autograd_needs_the_input():
     class NeedsInput(nn.Module):
         def __init__(self):
@@ -300,3 +228,67 @@ def test_inplace_refused_where_autograd_needs_the_input():
                         budget="100GB", config=PlannerConfig(bits=(None,)))
     step(torch.randn(16, 8))
     assert step.inplace is True
+
+
+# -- errors ----------------------------------------------------------------------------------------------
+
+def test_zero_sample_batch_names_the_batch():
+    model = mlp()
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB", tune_allocator=False)
+    with pytest.raises(InvalidArgumentError, match=r"0 samples.*skip empty batches"):
+        step((torch.randn(0, 64), torch.randint(0, 10, (0,))))
+    assert step.profile is None and all(p.grad is None for p in model.parameters())
+
+
+class FixedMeter:
+    """A meter that always reads the same memory, so that what the step holds is the same every call."""
+
+    resettable = False
+
+    def __init__(self, held: int) -> None:
+        self.held = held
+
+    def start(self) -> int:
+        return self.held
+
+    def peak(self) -> int:
+        return self.held
+
+    def lifetime_peak(self) -> int:
+        return self.held
+
+
+@pytest.mark.parametrize("profiled_first", [False, True])
+def test_budget_of_exactly_the_named_floor_runs(monkeypatch, profiled_first):
+    """``budget = err.required_bytes`` plans on the same model, also when the process held more than
+    the budget before anything was measured (the floor named then used to be a lower bound)."""
+    held = 400 * 10**6
+    monkeypatch.setattr(step_module, "meter_for", lambda device: FixedMeter(held))
+    model, batch = mlp(), (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    limit = {"now": "100GB" if profiled_first else held // 2}
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=1e-3), budget=lambda: limit["now"],
+                        config=PlannerConfig(bits=(None,)), tune_allocator=False)
+    if profiled_first:
+        step(batch)
+        limit["now"] = held + 1000
+    with pytest.raises(BudgetTooSmallError) as info:
+        step(batch)
+    floor = info.value.required_bytes
+    assert floor > held
+    limit["now"] = floor
+    step(batch)
+    assert step.plan.predicted_peak_bytes <= floor
+    limit["now"] = floor - 1
+    with pytest.raises(BudgetTooSmallError):
+        step(batch)
+
+
+def test_constructor_errors_name_the_argument():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InvalidArgumentError, match="reduction must be 'mean' or 'sum'"):
+        BudgetedStep(model, ce, opt, budget="1GB", reduction="max")
+    with pytest.raises(ArgumentTypeError, match="config must be a PlannerConfig"):
+        BudgetedStep(model, ce, opt, budget="1GB", config={"bits": (None,)})
+    with pytest.raises(ArgumentTypeError, match="compression must be a CompressionConfig"):
+        BudgetedStep(model, ce, opt, budget="1GB", compression=2)

@@ -413,7 +413,7 @@ def test_compile_failure_at_run_time_falls_back(monkeypatch: pytest.MonkeyPatch)
     def broken(x, group_size):  # type: ignore[no-untyped-def]
         raise TypingError("simulated compile failure")
 
-    kernel = registry._guarded("cpu", "group_minmax", broken)
+    kernel = registry._guarded(registry.CPU, ops.group_minmax, broken)
     x = torch.randn(100)
     with pytest.warns(RuntimeWarning, match="failed to compile.*reference"):
         out = kernel(x, 32)

@@ -26,7 +26,7 @@ def _per_value(t: torch.Tensor, group_size: int, numel: int) -> torch.Tensor:
 def test_round_trip_error_is_within_one_step(bits, numel):
     torch.manual_seed(bits * 7 + numel)
     x = torch.randn(numel) * 3 + 0.5
-    out, lo, scale = _round_trip(x, bits)
+    out, _, scale = _round_trip(x, bits)
     step = _per_value(scale.abs(), 256, numel)
     # One quantization step, plus float32 rounding of the decode (a few ulps of the group's range).
     tol = step * (1 + 1e-5) + 1e-6 * x.abs().max()
@@ -86,7 +86,7 @@ def test_relu_outputs_keep_an_exact_zero_mask(bits, dtype):
 
 def test_one_bit_relu_groups():
     x = torch.tensor([0.0, 1.0, 3.0, 0.0] * 64)
-    out, lo, scale = _round_trip(x, 1)
+    out, _, scale = _round_trip(x, 1)
     assert torch.equal(out > 0, x > 0)
     assert torch.signbit(scale).all()
     assert torch.equal(out[x > 0], torch.full_like(out[x > 0], 2.0))  # the midpoint of [1, 3]
@@ -115,7 +115,7 @@ def test_constant_and_zero_groups_are_exact():
 def test_non_finite_values_show_in_group_params():
     x = torch.randn(1024)
     x[5], x[600], x[900] = float("nan"), float("inf"), -float("inf")
-    codes, lo, scale = Q.quantize_pack(x, 2, 256, 0)
+    _, lo, scale = Q.quantize_pack(x, 2, 256, 0)
     finite = torch.isfinite(lo) & torch.isfinite(scale.float())
     assert finite.tolist() == [False, True, False, False]
     # Finite values whose range overflows float32 also give a non-finite scale.
@@ -193,3 +193,76 @@ def test_unpack_into_bumps_the_version_of_out(monkeypatch: pytest.MonkeyPatch) -
         Q.unpack_dequantize_into(out, codes, lo, scale, 2, 256)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.backward()
+
+
+def test_the_op_table_is_what_every_backend_registers():
+    """``ops.OPS`` is the one list of ops: the registry registers a CPU kernel for each (the ops reach
+    numba, not the reference), and the CPU backend offers exactly these."""
+    from daftrain.kernels import cpu, ops, registry
+    from daftrain.kernels.reduction import ReductionSelector
+
+    assert set(ops.OPS) == {"group_minmax", "quantize_pack", "unpack_dequantize", "unpack_dequantize_into",
+                            "pack_bool", "unpack_bool"}
+    assert registry.load_fast_kernels().cpu == "numba"
+    assert set(cpu.make_kernels(ReductionSelector("cpu", cpu.STRATEGIES))) == set(ops.OPS)
+    for name, op in ops.OPS.items():
+        assert op is getattr(ops, name) and op.name == name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"daftrain::{name}", "CPU"), name
+
+
+def _count(monkeypatch, cls, method):  # type: ignore[no-untyped-def]
+    calls = []
+    original = getattr(cls, method)
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cls, method, counting)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["fast", "reference"])
+def test_arguments_are_checked_once_per_call(monkeypatch, backend):
+    """The op's check runs once per call at the op boundary, and the kernels do not validate again
+    (one ``PackedLayout`` check per call, where the numba wrappers used to make their own)."""
+    from daftrain.kernels import ops, registry
+    from daftrain.layout import PackedLayout
+
+    registry.load_fast_kernels()
+    if backend == "reference":
+        monkeypatch.setattr(registry._status, "cpu", "reference")
+    x = torch.randn(1000)
+    codes, lo, scale = Q.quantize_pack(x, 2, 256, 5)
+    out = torch.empty(1000)
+    checks = {name: _count(monkeypatch, op, "check") for name, op in ops.OPS.items()}
+    for name, call in {
+        "quantize_pack": lambda: Q.quantize_pack(x, 2, 256, 5),
+        "group_minmax": lambda: Q.group_minmax(x, 256),
+        "unpack_dequantize_into": lambda: Q.unpack_dequantize_into(out, codes, lo, scale, 2, 256),
+    }.items():
+        layouts = _count(monkeypatch, PackedLayout, "__post_init__")
+        call()
+        assert len(checks[name]) == 1, name
+        if backend == "fast":
+            assert len(layouts) == 1, (name, len(layouts))
+        checks[name].clear()
+
+
+def test_argument_errors_derive_from_daftrain_errors():
+    from daftrain.errors import ArgumentTypeError, DaftrainError, InvalidArgumentError
+
+    x = torch.randn(100)
+    codes, lo, scale = Q.quantize_pack(x, 2, 256, 0)
+    with pytest.raises(ArgumentTypeError, match="quantizes float32"):
+        Q.quantize_pack(x.double(), 2, 256, 0)
+    with pytest.raises(InvalidArgumentError, match="codes must be uint8"):
+        Q.unpack_dequantize(codes, lo, scale, 4, 256, 100, torch.float32)
+    with pytest.raises(InvalidArgumentError, match="contiguous 1-D"):
+        Q.unpack_dequantize_into(torch.empty(100, 2)[:, 0], codes, lo, scale, 2, 256)
+    with pytest.raises(InvalidArgumentError, match="packed must be"):
+        Q.unpack_bool(torch.zeros(3, dtype=torch.uint8), 100)
+    with pytest.raises(DaftrainError, match="bool tensor"):
+        Q.pack_bool(x)
+    with pytest.raises(DaftrainError, match="group_size"):
+        Q.group_minmax(x, 48)

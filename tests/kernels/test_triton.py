@@ -48,7 +48,7 @@ pytestmark = [
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from daftrain.kernels import (
+from daftrain.kernels import (  # noqa: E402
     ops,  # noqa: F401  (defines the custom ops)
     reference,
 )
@@ -210,3 +210,26 @@ def test_registered_cuda_ops_match_reference() -> None:
                 into = torch.empty_like(dec)
                 torch.ops.daftrain.unpack_dequantize_into(into, *got, bits, group_size)
                 assert_same(into, dec, "cuda decode into")
+
+
+def tiny_range_groups(levels: int) -> torch.Tensor:
+    """Groups of 32 whose step is a float32 subnormal, or right at the smallest normal (``NOTE [ Tiny
+    steps ]`` in ``kernels/reference.py``; ``test_tiny_ranges.py`` has the full set)."""
+    gen = torch.Generator().manual_seed(levels)
+    groups = [
+        torch.tensor([1, 2] * 16, dtype=torch.int32).view(torch.float32),  # range 2**-149
+        torch.randn(32, generator=gen) * 1e-40,
+        torch.linspace(0, 1, 32) * 2.0**-140 + 2.0**-130,
+        torch.relu(torch.randn(32, generator=gen)) * 1e-39,  # zero-exact, subnormal positives
+        torch.where(torch.arange(32) % 3 == 0, 0.0, 1e-45),
+    ]
+    for scale in (1 - 2.0**-20, 1.0, 1 + 2.0**-20):  # step just below, at, just above 2**-126
+        half = levels * 2.0**-126 * scale / 2
+        groups.append(torch.tensor([-half, half, 0.0, half / 3] * 8))
+    return torch.cat(groups)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_tiny_ranges(tk, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    for bits in (1, 2, 4, 8):
+        check(tk, tiny_range_groups((1 << bits) - 1).to(dtype), bits, 32, seed=5)

@@ -79,7 +79,7 @@ def model_case(request):
 
 
 def test_exact_mode_is_bit_identical(model_case):
-    name, model, loss_fn, ref = model_case
+    _, model, loss_fn, ref = model_case
     state = {k: v.clone() for k, v in model.state_dict().items()}
     got = _grads(model, loss_fn, daftrain.compress(bits=None, model=model))
     model.load_state_dict(state)  # BatchNorm running stats moved; put them back for the next test

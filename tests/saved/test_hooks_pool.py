@@ -73,7 +73,7 @@ def test_tight_budget_demotes_then_spills_and_backward_still_gets_valid_tensors(
     exact = _grads(model, daftrain.compress(bits=None), *batch)
     ref8 = _grads(model, daftrain.compress(bits=8, seed=3), *batch)
     # 8-bit records of this model take ~290 KiB of pages; allow 48 KiB so most must be evicted.
-    with PagePool(PoolConfig(page_size=4 * KIB, budget_bytes=48 * KIB)) as pool:
+    with PagePool(PoolConfig(page_size=4 * KIB, max_bytes=48 * KIB)) as pool:
         ctx = daftrain.compress(bits=8, seed=3, pool=pool)
         got = _grads(model, ctx, *batch)
         s = pool.stats()
@@ -88,7 +88,7 @@ def test_tight_budget_demotes_then_spills_and_backward_still_gets_valid_tensors(
 def test_demotion_is_least_important_first(batch) -> None:
     """Records are ordered by forward position: the first saved is demoted first."""
     model = _model()
-    with PagePool(PoolConfig(page_size=4 * KIB, budget_bytes=160 * KIB, spill=False)) as pool:
+    with PagePool(PoolConfig(page_size=4 * KIB, max_bytes=160 * KIB, spill=False)) as pool:
         ctx = daftrain.compress(bits=8, seed=3, pool=pool)
         model.zero_grad(set_to_none=True)
         with ctx:
@@ -103,9 +103,9 @@ def test_demotion_is_least_important_first(batch) -> None:
 
 def test_budget_that_cannot_fit_raises_a_clear_error(batch) -> None:
     model = _model()
-    with PagePool(PoolConfig(page_size=4 * KIB, budget_bytes=8 * KIB, spill=False)) as pool:
+    with PagePool(PoolConfig(page_size=4 * KIB, max_bytes=8 * KIB, spill=False)) as pool:
         ctx = daftrain.compress(bits=2, pool=pool)
-        with pytest.raises(PoolBudgetError, match=r"budget allows 8192 bytes"):
+        with pytest.raises(PoolBudgetError, match=r"max_bytes allows 8192 bytes"):
             with ctx:
                 model(batch[0])
         ctx.close()

@@ -1,7 +1,12 @@
-"""Bits by importance (``bits="auto"``): which op saved what, the estimated gradient variance each
-tensor's quantization adds, the allocation of bits under a byte target, calibration, report and state."""
+"""Bits by importance (``bits="auto"``): which op saved what (``tracing.py``), the estimated gradient
+variance each tensor's quantization adds, the allocation of bits under a byte target (``allocation.py``),
+the bit policies a ``compress`` context consults (``policy.py``), calibration, report and state."""
 
 from .allocation import AllocationError
-from .importance import AllocationReport, AutoBits, QuantizationVarianceWarning, StateDictError
+from .policy import Assignment, AutoBits, BitPolicy, FixedBits, make_bit_policy
+from .report import AllocationReport
+from .state import StateDictError
+from .variance import QuantizationVarianceWarning
 
-__all__ = ["AllocationError", "AllocationReport", "AutoBits", "QuantizationVarianceWarning", "StateDictError"]
+__all__ = ["AllocationError", "AllocationReport", "Assignment", "AutoBits", "BitPolicy", "FixedBits",
+           "QuantizationVarianceWarning", "StateDictError", "make_bit_policy"]

@@ -1,32 +1,10 @@
 """Bit allocation: each saved tensor's bit-width under a byte budget, minimising estimated variance.
 
-Every tensor ``i`` (a *slot*, see ``importance.py``) has a few choices ``(bits, bytes, variance)``:
-bits 1, 2, 4, 8 in the unified layout, or kept exact. The solver picks one choice per tensor to
-minimise ``sum_i variance_i`` subject to ``sum_i bytes_i <= budget``. Bytes are those of the real
-layout (``layout.py``: per group ``bits * G / 8`` bytes of codes + float32 lo + bfloat16 scale).
-
-# NOTE [ Greedy allocation and when it is optimal ]
-# The problem is a multiple-choice knapsack. The solver is the classic marginal-gain greedy over
-# each tensor's *lower convex hull* of (bytes, variance) points:
-#   1. per tensor, drop dominated choices and those above the hull (they are never the best at any
-#      price per byte); the hull's slopes then decrease in magnitude, i.e. diminishing returns;
-#   2. start every tensor at its cheapest choice, then repeatedly take the upgrade (next hull point of
-#      one tensor) with the largest variance reduction per byte, from a heap; an upgrade that does not
-#      fit the remaining bytes ends that tensor's upgrades (its later hull points cost even more);
-#      ties break on the tensor's index, so the result is deterministic.
-# Claim (exact optimality at breakpoints). Until the first upgrade that does not fit, every tensor sits
-# at the hull point that minimises ``variance + lam * bytes`` for the last accepted price ``lam`` (hull
-# convexity). Summing over tensors, no assignment of *any* choices (hull or not) with at most the same
-# total bytes has a smaller total variance. So when the greedy uses the budget exactly, or stops only
-# because the heap is empty, its answer is optimal.
-# Claim (not optimal in general). When an upgrade does not fit, the greedy skips it and keeps adding
-# smaller upgrades; the result can then be beaten. Example, budget slack 11 bytes: A's upgrade costs 10
-# bytes for -100 (10 per byte), B's 9 for -85, C's 2 for -19.9; the greedy takes A (-100) and stops,
-# while B + C gives -104.9. The loss is bounded: the greedy objective is at most the optimum plus the
-# variance reduction of the first upgrade it had to skip (the solution before that skip is optimal for
-# its own bytes, and the optimum for the full budget is at most one fractional upgrade better, by the
-# LP relaxation). For activation tensors each upgrade is a small share of the total, so the gap is
-# small; ``tests/test_allocation.py`` checks both claims against brute force.
+Every tensor ``i`` (a *slot*, see ``NOTE [ Slots ]`` in ``report.py``) has a few choices
+``(bits, bytes, variance)``: bits 1, 2, 4, 8 in the unified layout, or kept exact. The solver picks one
+choice per tensor to minimise ``sum_i variance_i`` subject to ``sum_i bytes_i <= budget``. Bytes are
+those of the real layout (``layout.py``: per group ``bits * G / 8`` bytes of codes + float32 lo +
+bfloat16 scale); see ``NOTE [ Greedy allocation and when it is optimal ]`` at ``solve``.
 """
 
 from __future__ import annotations
@@ -99,7 +77,7 @@ def budget_for_avg_bits(numels: Sequence[int], avg_bits: float, group_size: int)
     for numel in numels:
         groups = math.ceil(numel / group_size)
         total += groups * (avg_bits * group_size / 8 + _LO_SCALE_BYTES)
-    return int(math.floor(total + 1e-6))
+    return math.floor(total + 1e-6)
 
 
 def choices_for(numel: int, itemsize: int, group_size: int, noise: NoiseProfile, sensitivity: float,
@@ -153,6 +131,28 @@ class Solution:
     answer can exceed the optimum, see ``NOTE [ Greedy allocation and when it is optimal ]``."""
 
 
+# NOTE [ Greedy allocation and when it is optimal ]
+# The problem is a multiple-choice knapsack. The solver is the classic marginal-gain greedy over
+# each tensor's *lower convex hull* of (bytes, variance) points:
+#   1. per tensor, drop dominated choices and those above the hull (they are never the best at any
+#      price per byte); the hull's slopes then decrease in magnitude, i.e. diminishing returns;
+#   2. start every tensor at its cheapest choice, then repeatedly take the upgrade (next hull point of
+#      one tensor) with the largest variance reduction per byte, from a heap; an upgrade that does not
+#      fit the remaining bytes ends that tensor's upgrades (its later hull points cost even more);
+#      ties break on the tensor's index, so the result is deterministic.
+# Claim (exact optimality at breakpoints). Until the first upgrade that does not fit, every tensor sits
+# at the hull point that minimises ``variance + lam * bytes`` for the last accepted price ``lam`` (hull
+# convexity). Summing over tensors, no assignment of *any* choices (hull or not) with at most the same
+# total bytes has a smaller total variance. So when the greedy uses the budget exactly, or stops only
+# because the heap is empty, its answer is optimal.
+# Claim (not optimal in general). When an upgrade does not fit, the greedy skips it and keeps adding
+# smaller upgrades; the result can then be beaten. Example, budget slack 11 bytes: A's upgrade costs 10
+# bytes for -100 (10 per byte), B's 9 for -85, C's 2 for -19.9; the greedy takes A (-100) and stops,
+# while B + C gives -104.9. The loss is bounded: the greedy objective is at most the optimum plus the
+# variance reduction of the first upgrade it had to skip (the solution before that skip is optimal for
+# its own bytes, and the optimum for the full budget is at most one fractional upgrade better, by the
+# LP relaxation). For activation tensors each upgrade is a small share of the total, so the gap is
+# small; ``tests/auto/test_allocation.py`` checks both claims against brute force.
 def solve(items: Sequence[Sequence[Choice]], budget: int) -> Solution:
     """Pick one choice per item minimising total variance with total bytes <= ``budget``.
 

@@ -1,14 +1,27 @@
-"""Measuring how much gradient variance each class of saved tensors really adds (``compress.calibrate``).
+"""Measuring how much gradient variance each class of saved tensors really adds (``compress.calibrate``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..errors import InvalidArgumentError, UnsupportedError
+from ..layout import record_seed
+from .policy import AutoBits, BitPolicy
+
+__all__ = ["CalibrationPass", "calibrate", "squared_distance"]
 
 # NOTE [ Calibration ]
-# The analytic importance estimate (``importance.py``, ``NOTE [ Importance estimate ]``) counts a
+# The analytic importance estimate (``NOTE [ Importance estimate ]`` in ``tracing.py``) counts a
 # tensor's noise where it first lands. That is right for a contraction whose other operand is a
 # weight (the noise lands in that weight's gradient), but noise that lands in an *activation*
 # gradient (a softmax's or GELU's input, the other operand of ``q @ k^T``) then flows through every
-# layer below, and the estimate misses that by orders of magnitude. On a 4-layer character GPT-2,
-# measured against the variance each class of tensors really adds at 2 bits, the estimate was 3-23x
-# too high for the inputs of weight contractions and 7-1000x too low for the rest, and the error
-# grows as training goes on (softmax outputs: about right at step 150, 400x too low at step 400).
+# layer below, and the estimate misses that by orders of magnitude. Measured against the variance
+# each class of tensors really adds, the estimate is a few times too high for the inputs of weight
+# contractions and up to orders of magnitude too low for the rest, and the error grows as training
+# goes on (``tests/auto/test_calibration.py`` shows it on a small MLP).
 # GACT measures every tensor with three extra forward+backward passes; daftrain measures each *class*
 # of slots (same saving op, producer and size: one per layer kind, shared across depth) with one
 # extra *backward* pass, on a forward the user has already run:
@@ -29,17 +42,7 @@
 # Cost: one backward per class plus one, and no extra memory but one set of parameter gradients;
 # ``benchmarks/bench_importance_overhead.py`` measures it. The passes leave ``.grad``, the RNG, the
 # step counter and the records untouched: the step's own ``loss.backward()`` is what it would have been.
-"""
-
-from __future__ import annotations
-
-import math
-
-import torch
-
-from ..layout import record_seed
-
-__all__ = ["CalibrationPass", "squared_distance"]
+_CALIBRATION_SEED = 0x5EEDCA1B  # calibrate()'s noise draws differ from the records' rounding draws
 
 
 class CalibrationPass:
@@ -54,6 +57,7 @@ class CalibrationPass:
         self.noise: dict[int, float] = {}
 
     def perturb(self, index: int | None, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` with this pass's noise when it is the record at ``index`` of a measured class."""
         if index is None or self.indices.get(index) != flat.numel() or not flat.is_floating_point():
             return flat
         values = flat.detach().float()
@@ -83,3 +87,45 @@ def squared_distance(a: list[torch.Tensor | None], b: list[torch.Tensor | None])
             y = torch.zeros_like(x)
         total.append(float(torch.linalg.vector_norm(x.detach().double() - y.detach().double()) ** 2))
     return math.fsum(total)
+
+
+def calibrate(policy: BitPolicy, loss: torch.Tensor, *, step: int, group_size: int, base_seed: int,
+              install: Callable[[CalibrationPass | None], None]) -> dict[str, float]:
+    """Measure each slot class's correction on ``loss``'s graph and adopt them (``compress.calibrate``;
+    see ``NOTE [ Calibration ]``). ``install(p)`` makes the context's unpack hook pass every decoded
+    record through ``p.perturb`` (``None``: stop); ``base_seed`` is the context's rounding seed."""
+    if not isinstance(policy, AutoBits):
+        raise UnsupportedError("calibrate() corrects bits='auto''s importance estimate; this context has fixed bits")
+    if not policy.params:
+        raise UnsupportedError("calibrate() measures parameter gradients: create the context with compress(model=...)")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+        raise InvalidArgumentError("calibrate() needs the scalar loss of a forward run under this context, "
+                                   "before its backward")
+    targets = policy.calibration_targets()
+    seed = base_seed ^ _CALIBRATION_SEED
+
+    def gradients(indices: dict[int, int]) -> tuple[list[torch.Tensor | None], CalibrationPass]:
+        calibration_pass = CalibrationPass(indices, group_size, seed, step)
+        install(calibration_pass)
+        try:
+            with policy.ignoring_gradients():
+                grads = torch.autograd.grad(loss, policy.params, retain_graph=True, allow_unused=True)
+        finally:
+            install(None)
+        return list(grads), calibration_pass
+
+    base, _ = gradients({})
+    factors: dict[str, float] = {}
+    perturbed = False
+    for cls, members in targets.items():
+        grads, done = gradients({key.index: key.numel for key, _ in members})
+        perturbed = perturbed or bool(done.noise)
+        predicted = math.fsum(s * done.noise.get(key.index, 0.0) for key, s in members)
+        measured = squared_distance(grads, base)
+        if predicted > 0 and measured > 0 and math.isfinite(measured):
+            factors[cls] = measured / predicted
+    if not perturbed:
+        raise UnsupportedError("calibrate() found none of the allocation's saved tensors in this loss's graph: "
+                               "compute the loss under this context, and call calibrate() before loss.backward()")
+    policy.set_calibration(factors)
+    return factors

@@ -15,17 +15,17 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
 import torch
 
 from ..errors import DaftrainError, InvalidArgumentError, UnsupportedError
-from .memory import current_rss_bytes, format_bytes
+from .memory import current_rss_bytes, format_bytes, glibc
 
 __all__ = [
     "Budget",
@@ -45,6 +45,13 @@ class BudgetError(InvalidArgumentError):
 class BudgetTooSmallError(DaftrainError, RuntimeError):
     """No plan fits the budget, not even the leanest one.
 
+    ``required_bytes`` really fits under the same prediction: ``plan_step`` computes it with the
+    margins it checks against (``PlannerConfig.safety``, the model correction ``alpha``, the
+    optimizer step's transient), rounds it up to whole bytes and verifies that a budget of exactly
+    that many bytes plans. The message shows it rounded up too (``547.5 MB``, never down), so the
+    figure as written is a budget that fits. "The same prediction" means the same measured profile
+    and the same memory held at the start of the step: a process that holds more by then needs more.
+
     Attributes:
         budget_bytes: the budget that was asked for.
         required_bytes: the smallest budget the leanest plan is predicted to fit in.
@@ -54,8 +61,9 @@ class BudgetTooSmallError(DaftrainError, RuntimeError):
         self.budget_bytes = int(budget_bytes)
         self.required_bytes = int(required_bytes)
         msg = (
-            f"memory budget {format_bytes(budget_bytes)} is too small: the leanest plan needs about "
-            f"{format_bytes(required_bytes)} ({required_bytes} bytes). Raise the budget to at least that"
+            f"memory budget {format_bytes(budget_bytes)} is too small: the leanest plan needs "
+            f"{format_bytes(required_bytes, round_up=True)} ({required_bytes} bytes). Raise the budget to at least "
+            "that"
         )
         if detail:
             msg += f"; {detail}"
@@ -78,26 +86,31 @@ def parse_bytes(value: str | int | float) -> int:
         BudgetError: unknown unit, negative, non-finite or non-numeric values.
     """
     if isinstance(value, bool):
-        raise BudgetError(f"a memory size must be a number of bytes or a string like '600MB', got {value!r}")
+        raise BudgetError(f"a memory size (budget) must be a number of bytes or a string like '600MB', got {value!r}")
     if isinstance(value, int):
-        n: float = value
+        n: float | Decimal = value
     elif isinstance(value, float):
         if not math.isfinite(value):
-            raise BudgetError(f"a memory size must be finite, got {value!r}")
+            raise BudgetError(f"a memory size (budget) must be finite, got {value!r}; pass bytes or e.g. '600MB'")
         n = value
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match is None:
-            raise BudgetError(f"cannot read {value!r} as a memory size; write e.g. '600MB', '1.5GiB' or '2e9'")
+            raise BudgetError(f"cannot read {value!r} as a memory size (budget); write e.g. '600MB', '1.5GiB' or "
+                              "'2e9'")
         unit = match.group(2).lower()
         if unit not in _UNITS:
-            raise BudgetError(f"unknown unit {match.group(2)!r} in {value!r}; use B, kB, MB, GB, TB, KiB, MiB, "
-                              "GiB or TiB")
-        n = float(match.group(1)) * _UNITS[unit]
+            raise BudgetError(f"unknown unit {match.group(2)!r} in the memory size (budget) {value!r}; use B, kB, "
+                              "MB, GB, TB, KiB, MiB, GiB or TiB")
+        # NOTE [ Exact decimal sizes ]
+        # Decimal, not float: float("547.3") * 10**6 is 547299999.99999994, one byte short of the
+        # budget the text names once truncated to whole bytes.
+        n = Decimal(match.group(1)) * _UNITS[unit]
     else:
-        raise BudgetError(f"a memory size must be a str, int or float, got {type(value).__name__}")
+        raise BudgetError(f"a memory size (budget) must be a str, int or float, got {type(value).__name__}; pass "
+                          "bytes or a string like '600MB'")
     if n < 0:
-        raise BudgetError(f"a memory size cannot be negative, got {value!r}")
+        raise BudgetError(f"a memory size (budget) cannot be negative, got {value!r}; pass bytes >= 0")
     return int(n)
 
 
@@ -131,7 +144,8 @@ class SystemMemory:
         if self.mem_available is not None:
             candidates.append(self.mem_available)
         if not candidates:
-            raise UnsupportedError("no source of free memory could be read (no cgroup v2, /proc/meminfo or psutil)")
+            raise UnsupportedError("no source of free memory could be read (no cgroup v2, /proc/meminfo or psutil): "
+                                   "install psutil, or pass a fixed budget such as Budget('600MB')")
         return min(candidates)
 
 
@@ -244,7 +258,7 @@ class Budget:
         or system memory on integrated GPUs where that figure misleads.
         """
         if not 0 < fraction <= 1:
-            raise BudgetError(f"fraction must be in (0, 1], got {fraction!r}")
+            raise BudgetError(f"Budget.system fraction must be in (0, 1], e.g. 0.9, got {fraction!r}")
         reserve_b = parse_bytes(reserve)
         dev = torch.device(device) if device is not None else None
 
@@ -276,23 +290,22 @@ class Budget:
         return f"Budget({self.description})"
 
 
+# NOTE [ Why RSS budgets need this ]
+# glibc raises its mmap threshold every time a large mmapped block is freed (up to 32 MiB on 64-bit),
+# after which blocks of that size come from the heap and stay resident after ``free``. Activations of
+# a micro-batch are such blocks: without a fixed threshold, RSS after a few steps holds freed
+# activations and fragments, and a process can creep over a budget its live tensors respect. Fixing
+# ``M_MMAP_THRESHOLD`` (which also disables the dynamic adjustment) keeps large tensors in their own
+# mappings, unmapped on free.
 def tighten_allocator(mmap_threshold: int = 1 << 16) -> bool:
     """Make glibc return large freed blocks to the OS at once, so RSS follows live memory.
 
-    NOTE [ Why RSS budgets need this ]
-    glibc raises its mmap threshold every time a large mmapped block is freed (up to 32 MiB on
-    64-bit), after which blocks of that size come from the heap and stay resident after ``free``.
-    Activations of a micro-batch are such blocks: without a fixed threshold, RSS after a few steps
-    holds freed activations and fragments, and a process can creep over a budget its live tensors
-    respect. Fixing ``M_MMAP_THRESHOLD`` (which also disables the dynamic adjustment) keeps large
-    tensors in their own mappings, unmapped on free. It is a process-wide setting, applied by
+    A process-wide setting (see NOTE [ Why RSS budgets need this ]), applied by
     ``BudgetedStep(tune_allocator=True)``; the same can be had with ``MALLOC_MMAP_THRESHOLD_=65536``.
     Returns False where glibc's ``mallopt`` is unavailable (nothing changed).
     """
-    name = ctypes.util.find_library("c") or "libc.so.6"
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(glibc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

@@ -1,29 +1,38 @@
-"""Process memory measurement (Linux, CPU) and an independent saved-tensor counter.
+"""Process memory: RSS and CUDA readings, per-phase peak meters, glibc's allocator, the bytes a step will
+still allocate, and a counter of the bytes autograd saves for backward.
 
-Everything here is stateless at module level: RSS readings come straight from
-``/proc/self/status`` and the counter keeps its state on the instance.
+RSS readings come straight from ``/proc/self/status``; meters and counters keep their state on the
+instance.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+import math
 import resource
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import UnsupportedError
+from ..params import ParameterRegistry, is_parameter_or_view
 
 __all__ = [
-    "SavedTensorCounter",
+    "CudaMeter",
+    "RssMeter",
+    "SavedBytesCounter",
     "current_rss_bytes",
     "format_bytes",
+    "glibc",
+    "meter_for",
+    "missing_grad_bytes",
+    "missing_state_bytes",
     "peak_rss_bytes",
     "reset_peak_rss",
 ]
@@ -31,6 +40,8 @@ __all__ = [
 _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
+
+# -- RSS ---------------------------------------------------------------------------------------------
 
 def _read_status_kb(field: str) -> int | None:
     """Return ``field`` (e.g. ``"VmHWM"``) from /proc/self/status in kB, or None."""
@@ -71,18 +82,25 @@ def current_rss_bytes() -> int:
         import psutil  # optional fallback for non-Linux systems
     except ImportError as exc:  # pragma: no cover - Linux always has /proc
         raise UnsupportedError(
-            "cannot read the current RSS: /proc/self/status is unavailable and psutil is not installed"
+            "cannot read the current RSS: /proc/self/status is unavailable and psutil is not installed; "
+            "install psutil (pip install psutil)"
         ) from exc
     return int(psutil.Process().memory_info().rss)  # pragma: no cover
 
 
+@functools.cache
+def glibc() -> ctypes.CDLL | None:
+    """The C library (for glibc's ``malloc_trim`` and ``mallopt``), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def _malloc_trim() -> bool:
     """Call glibc ``malloc_trim(0)``; return False if glibc is unavailable."""
-    name = ctypes.util.find_library("c") or "libc.so.6"
-    try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    trim = getattr(glibc(), "malloc_trim", None)
+    if trim is None:
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
@@ -112,34 +130,158 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def format_bytes(n: int | float) -> str:
-    """Human-readable size with decimal SI units (1 kB = 1e3 B, 1 MB = 1e6 B): ``"12.3 MB"``."""
+_SI_UNITS = ("kB", "MB", "GB", "TB")
+
+
+def format_bytes(n: int | float, *, round_up: bool = False) -> str:
+    """Human-readable size with decimal SI units (1 kB = 1e3 B, 1 MB = 1e6 B): ``"12.3 MB"``.
+
+    Rounded to the nearest tenth of the unit, or with ``round_up=True`` up (away from zero) to a
+    figure at least as large as ``n``, so that a budget written as the text covers ``n``.
+    """
+    if round_up:
+        return _format_bytes_up(n)
     value = float(n)
     sign = "-" if value < 0 else ""
     value = abs(value)
     if value < 1000:
         return f"{sign}{int(value)} B"
-    for unit in ("kB", "MB", "GB", "TB"):
+    for unit in _SI_UNITS:
         value /= 1000.0
         if value < 999.95 or unit == "TB":
             return f"{sign}{value:.1f} {unit}"
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _is_parameter_or_view(t: torch.Tensor) -> bool:
-    if isinstance(t, nn.Parameter):
-        return True
-    base = t._base
-    return base is not None and isinstance(base, nn.Parameter)
+def _format_bytes_up(n: int | float) -> str:
+    sign = "-" if n < 0 else ""
+    b = math.ceil(abs(n))
+    if b < 1000:
+        return f"{sign}{b} B"
+    for k, unit in enumerate(_SI_UNITS, start=1):
+        tenth = 10 ** (3 * k - 1)  # integer arithmetic: no float rounding down
+        tenths = -(-b // tenth)
+        if tenths <= 9999 or unit == "TB":
+            return f"{sign}{tenths // 10}.{tenths % 10} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
-class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
-    """Count what plain PyTorch saves for backward inside the ``with`` block.
+# -- meters ------------------------------------------------------------------------------------------
+
+# NOTE [ Phase peaks and the process peak ]
+# Reading the peak of one phase (probe, accumulation, optimizer step) needs the high-water mark reset
+# at its start (``/proc/self/clear_refs`` on CPU, ``reset_peak_memory_stats`` on CUDA), which also
+# resets what the process-wide peak reports. A meter therefore reads the mark before every reset and
+# keeps the maximum in ``process_peak``, so no moment of the process is missed.
+class RssMeter:
+    """Per-phase peaks of this process's RSS, and the process-lifetime peak across resets."""
+
+    def __init__(self) -> None:
+        self.process_peak = peak_rss_bytes()
+        self.resettable = True
+
+    def start(self) -> int:
+        """Begin a phase: reset the peak; return the memory held now."""
+        self.process_peak = max(self.process_peak, peak_rss_bytes())
+        self.resettable = reset_peak_rss()
+        return current_rss_bytes()
+
+    def peak(self) -> int:
+        """Peak since the phase began."""
+        p = peak_rss_bytes()
+        self.process_peak = max(self.process_peak, p)
+        return p
+
+    def lifetime_peak(self) -> int:
+        """Peak of the whole process so far."""
+        return max(self.process_peak, peak_rss_bytes())
+
+
+class CudaMeter:
+    """The same for a CUDA device: memory reserved by PyTorch's caching allocator (what the device
+    sees this process hold, less the CUDA context)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.process_peak = torch.cuda.max_memory_reserved(device)
+        self.resettable = True
+
+    def start(self) -> int:
+        """Begin a phase: release cached blocks, reset the peak; return the memory reserved now."""
+        self.process_peak = max(self.process_peak, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_reserved(self.device)
+
+    def peak(self) -> int:
+        """Peak since the phase began."""
+        torch.cuda.synchronize(self.device)
+        p = torch.cuda.max_memory_reserved(self.device)
+        self.process_peak = max(self.process_peak, p)
+        return p
+
+    def lifetime_peak(self) -> int:
+        """Peak of the whole process so far."""
+        return max(self.process_peak, torch.cuda.max_memory_reserved(self.device))
+
+
+def meter_for(device: torch.device) -> RssMeter | CudaMeter:
+    """The meter of the memory a budget on ``device`` counts: device memory on CUDA, RSS otherwise."""
+    return CudaMeter(device) if device.type == "cuda" else RssMeter()
+
+
+# -- what a step will still allocate -----------------------------------------------------------------
+
+_STATE_FACTORS: dict[str, float] = {
+    "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "Adadelta": 2, "ASGD": 2,
+    "Rprop": 2, "LBFGS": 4,
+}
+
+
+def _optimizer_state_factor(opt: torch.optim.Optimizer) -> float:
+    """Optimizer state per parameter byte (Adam: 2, SGD with momentum: 1)."""
+    name = type(opt).__name__
+    group = opt.param_groups[0] if opt.param_groups else {}
+    if name == "SGD":
+        return 1.0 if group.get("momentum", 0) else 0.0
+    if name == "RMSprop":
+        return 1.0 + bool(group.get("momentum", 0)) + bool(group.get("centered", False))
+    if name in ("Adam", "AdamW") and group.get("amsgrad", False):
+        return 3.0
+    return _STATE_FACTORS.get(name, 2.0)  # unknown optimizers: assume two states, like Adam
+
+
+def missing_grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients ``model``'s trainable parameters do not hold yet."""
+    return sum(p.nbytes for p in model.parameters() if p.requires_grad and p.grad is None)
+
+
+def missing_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Gradients and optimizer state a training step will allocate but the process does not hold yet."""
+    factor = _optimizer_state_factor(optimizer)
+    state = sum(p.nbytes for g in optimizer.param_groups for p in g["params"]
+                if p.requires_grad and not optimizer.state.get(p))
+    return missing_grad_bytes(model) + int(factor * state)
+
+
+# -- saved bytes -------------------------------------------------------------------------------------
+
+class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
+    """Count what autograd saves for backward inside the ``with`` block.
 
     Each saved tensor is attributed to its storage; a storage shared by several
     saved tensors (e.g. an input saved by two ops, or views) is counted once.
-    ``nn.Parameter`` objects and views of parameters are left out, as are the
-    storages of any tensors given in ``exclude`` (e.g. ``model.buffers()``).
+    Left out: ``nn.Parameter`` objects and views of them, the storages of
+    ``model``'s parameters and buffers (``ParameterRegistry``), and the storages
+    of the tensors in ``exclude`` (e.g. ``model.buffers()``).
+
+    Args:
+        model: leave out the storages of its parameters and buffers.
+        exclude: further tensors whose storages are left out.
+        dropping: keep nothing: the forward holds no activations (its peak is
+            the working set alone) and cannot be back-propagated. Without it,
+            what plain PyTorch saves is kept as is.
 
     Attributes:
         saved_bytes: sum of ``nbytes`` over the unique counted storages.
@@ -152,7 +294,13 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
     another saved-tensor hook inside this one hides those tensors from it.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+    # NOTE [ Which saved tensors are parameters here ]
+    # Rules 1 and 2 of NOTE [ Recognising parameters ] (params.py), not ``is_parameter_like``: its rules 3
+    # and 4 treat every leaf that requires grad (and casts or views of one) as a parameter, so an input
+    # made with ``requires_grad=True`` would go uncounted although autograd keeps it for backward.
+
+    def __init__(self, *, model: nn.Module | None = None, exclude: Iterable[torch.Tensor] = (),
+                 dropping: bool = False) -> None:
         # NOTE [ Keying by StorageWeakRef ]
         # The key is the StorageImpl pointer wrapped in a weak reference. Holding
         # the weak reference keeps the StorageImpl object itself allocated (only
@@ -160,13 +308,13 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
         # storage while we hold the key: a freed-and-reallocated buffer is never
         # mistaken for one already counted. The weak ref does not keep data alive.
         self._storages: dict[StorageWeakRef, int] = {}
-        self._excluded: set[StorageWeakRef] = {
-            StorageWeakRef(t.untyped_storage()) for t in exclude
-        }
+        self._registry = ParameterRegistry(model)
+        self._excluded = {StorageWeakRef(t.untyped_storage()) for t in exclude}
         self._extra_bytes = 0  # tensors without a storage (e.g. sparse)
+        self.dropping = dropping
         self.num_tensors = 0
         self.num_skipped = 0
-        super().__init__(self._pack, self._unpack)
+        super().__init__(self._pack, self._unpack_dropped if dropping else self._unpack)
 
     @property
     def saved_bytes(self) -> int:
@@ -178,24 +326,7 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
         """Number of unique storages counted."""
         return len(self._storages)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if _is_parameter_or_view(t):
-            self.num_skipped += 1
-            return t.detach()
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            # Sparse / storage-less tensors: count their logical size, no dedup.
-            self.num_tensors += 1
-            self._extra_bytes += t.numel() * t.element_size()
-            return t.detach()
-        ref = StorageWeakRef(storage)
-        if ref in self._excluded:
-            self.num_skipped += 1
-        else:
-            self.num_tensors += 1
-            if ref not in self._storages:
-                self._storages[ref] = storage.nbytes()
+    def _kept(self, t: torch.Tensor) -> torch.Tensor | None:
         # NOTE [ Pack returns t.detach() ]
         # We keep exactly what plain PyTorch keeps: the same storage, no copy.
         # ``detach()`` rather than ``t`` itself because for a saved *output* the
@@ -203,22 +334,44 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
         # reference cycle that is never reclaimed when backward is not run (or
         # retain_graph=True). PyTorch restores grad_fn on unpack, so detaching
         # is lossless (it is what PyTorch itself stores for saved outputs).
-        return t.detach()
+        return None if self.dropping else t.detach()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | None:
+        if is_parameter_or_view(t):
+            self.num_skipped += 1
+            return self._kept(t)
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            # Sparse / storage-less tensors: count their logical size, no dedup.
+            self.num_tensors += 1
+            self._extra_bytes += t.numel() * t.element_size()
+            return self._kept(t)
+        ref = StorageWeakRef(storage)
+        if ref in self._excluded or self._registry.holds(t):
+            self.num_skipped += 1
+        else:
+            self.num_tensors += 1
+            if ref not in self._storages:
+                self._storages[ref] = storage.nbytes()
+        return self._kept(t)
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def __enter__(self) -> SavedTensorCounter:
+    @staticmethod
+    def _unpack_dropped(_: None) -> torch.Tensor:
+        raise UnsupportedError("SavedBytesCounter(dropping=True) kept no saved tensor, so its forward cannot be "
+                               "back-propagated; count with dropping=False to run backward")
+
+    def __enter__(self) -> SavedBytesCounter:
         super().__enter__()
         return self
 
-    def __exit__(self, *args: Any) -> None:
-        super().__exit__(*args)
-
     def __repr__(self) -> str:
         return (
-            f"SavedTensorCounter(saved_bytes={self.saved_bytes} ({format_bytes(self.saved_bytes)}), "
+            f"SavedBytesCounter(saved_bytes={self.saved_bytes} ({format_bytes(self.saved_bytes)}), "
             f"num_tensors={self.num_tensors}, num_storages={self.num_storages}, "
-            f"num_skipped={self.num_skipped})"
+            f"num_skipped={self.num_skipped}, dropping={self.dropping})"
         )

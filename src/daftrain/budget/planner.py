@@ -7,27 +7,9 @@ A plan fixes three knobs for one training step:
 * ``bits``: how saved activations outside checkpointed segments are stored (``daftrain.compress``
   at 8/4/2 bits, or ``None`` for exact).
 
-NOTE [ The cost model ]
-All quantities are measured on small slices of the first batch (``budgeted_step.py`` probes), then
-extrapolated linearly in the micro-batch size ``m``:
-
-1. Memory. ``peak = persistent + alpha * act(m)`` where ``persistent`` is what the process holds
-   at the start of the step (RSS, plus gradients and optimizer state not allocated yet) and
-   ``act(m) = work_fixed + m * (outside[b] + sum_{i not ckpt} saved_i[b] + sum_{i ckpt} input_i
-   + max_{i ckpt} saved_i[exact] + work[b])``: saved activations outside segments, inside
-   un-checkpointed segments (at the chosen bits), the inputs checkpoint keeps, the one segment that
-   is recomputed (exact) during its backward, and the measured transient working set of
-   forward/backward beyond what is saved. The optimizer step peaks separately:
-   ``persistent + optimizer_transient``.
-2. Time. ``T = k * fixed_s[b] + B * (per_sample_s[b] + sum_{i ckpt} (forward_i - compress_i[b]))``:
-   per-micro-batch overhead, per-sample forward+backward at those bits, one extra forward for every
-   checkpointed segment, minus the compression work that checkpointed segments no longer do.
-3. ``alpha`` (>= 1) corrects the activation term after each step from the measured peak, so the
-   model only becomes more conservative when reality disagrees with it.
-
 The search is exhaustive over bits and over checkpoint sets ordered by Sage's criterion (bytes freed
 per second of recompute, greedy prefixes); for each, the largest micro-batch that fits follows in
-closed form since memory is linear in ``m``.
+closed form since memory is linear in ``m`` (NOTE [ The cost model ]).
 """
 
 from __future__ import annotations
@@ -35,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 from .budgets import BudgetTooSmallError
 from .memory import format_bytes
 
@@ -43,6 +25,24 @@ __all__ = ["Plan", "PlannerConfig", "Profile", "SegmentProfile", "plan_step"]
 
 Bits = int | None
 _ALLOWED_BITS = (None, 8, 4, 2, 1)
+
+# NOTE [ The cost model ]
+# Every quantity is per sample or per micro-batch, measured by probing (NOTE [ Measuring the cost
+# model ] in probe.py), and linear in the micro-batch size ``m``:
+# 1. Memory. ``peak = persistent + alpha * act(m)`` where ``persistent`` is what the process holds at
+#    the start of the step (RSS, plus gradients and optimizer state not allocated yet) and
+#    ``act(m) = work_fixed + m * (outside[b] + sum_{i not ckpt} saved_i[b] + sum_{i ckpt} input_i
+#    + max_{i ckpt} saved_i[exact] + work[b])``: saved activations outside segments, inside
+#    un-checkpointed segments (at the chosen bits), the inputs checkpoint keeps, the one segment that
+#    is recomputed (exact) during its backward, and the measured transient working set of
+#    forward/backward beyond what is saved. The optimizer step peaks separately:
+#    ``persistent + optimizer_transient``. A plan fits when both stay within ``persistent + safety *
+#    (budget - persistent)``.
+# 2. Time. ``T = k * fixed_s[b] + B * (per_sample_s[b] + sum_{i ckpt} (forward_i - compress_i[b]))``:
+#    per-micro-batch overhead, per-sample forward+backward at those bits, one extra forward for every
+#    checkpointed segment, minus the compression work that checkpointed segments no longer do.
+# 3. ``alpha`` (>= 1) corrects the activation term after each step from the measured peak, so the
+#    model only becomes more conservative when reality disagrees with it.
 
 
 @dataclass(frozen=True)
@@ -68,30 +68,38 @@ class PlannerConfig:
     headroom (by the per-sample memory measured on smaller slices)."""
     compression_reserve: int = 250_000_000
     """Bytes the compression kernels may add to the process the first time they run (numba JIT code
-    on CPU, about 190 MB measured). Compressed plans are probed only when the headroom holds this much
+    on CPU). Compressed plans are probed only when the headroom holds this much
     besides the probe."""
     max_alpha: float = 4.0
     """Upper bound on the measured correction of the activation-memory model."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, tuple) or not self.bits:
-            raise InvalidArgumentError(f"bits must be a non-empty tuple, e.g. (None, 8, 4, 2), got {self.bits!r}")
+            raise InvalidArgumentError(f"PlannerConfig.bits must be a non-empty tuple, e.g. (None, 8, 4, 2), got "
+                                       f"{self.bits!r}")
         for b in self.bits:
             if b not in _ALLOWED_BITS or isinstance(b, bool):
-                raise InvalidArgumentError(f"bits entries must be None, 8, 4, 2 or 1, got {b!r}")
+                raise InvalidArgumentError(f"PlannerConfig.bits entries must be None, 8, 4, 2 or 1, got {b!r}")
         if not isinstance(self.checkpoint, bool):
-            raise ArgumentTypeError(f"checkpoint must be a bool, got {type(self.checkpoint).__name__}")
+            raise ArgumentTypeError(f"PlannerConfig.checkpoint must be a bool, got {type(self.checkpoint).__name__}")
+        for name in ("safety", "prefer_exact_within", "probe_fraction", "max_alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ArgumentTypeError(f"PlannerConfig.{name} must be a number, got {type(value).__name__}")
         if not 0 < self.safety <= 1:
-            raise InvalidArgumentError(f"safety must be in (0, 1], got {self.safety!r}")
+            raise InvalidArgumentError(f"PlannerConfig.safety must be in (0, 1], e.g. 0.9, got {self.safety!r}")
         if not 0 <= self.prefer_exact_within < 1:
-            raise InvalidArgumentError(f"prefer_exact_within must be in [0, 1), got {self.prefer_exact_within!r}")
+            raise InvalidArgumentError(f"PlannerConfig.prefer_exact_within must be in [0, 1), e.g. 0.05, got "
+                                       f"{self.prefer_exact_within!r}")
         if not 0 < self.probe_fraction <= 1:
-            raise InvalidArgumentError(f"probe_fraction must be in (0, 1], got {self.probe_fraction!r}")
+            raise InvalidArgumentError(f"PlannerConfig.probe_fraction must be in (0, 1], e.g. 0.25, got "
+                                       f"{self.probe_fraction!r}")
         if isinstance(self.compression_reserve, bool) or not isinstance(self.compression_reserve, int) or \
                 self.compression_reserve < 0:
-            raise InvalidArgumentError(f"compression_reserve must be a non-negative int, got {self.compression_reserve!r}")
+            raise InvalidArgumentError(f"PlannerConfig.compression_reserve must be a non-negative int of bytes, got "
+                                       f"{self.compression_reserve!r}")
         if not self.max_alpha >= 1:
-            raise InvalidArgumentError(f"max_alpha must be >= 1, got {self.max_alpha!r}")
+            raise InvalidArgumentError(f"PlannerConfig.max_alpha must be >= 1, e.g. 4.0, got {self.max_alpha!r}")
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,22 @@ class Plan:
         return head + "\n".join(rows)
 
 
+def _headroom(budget_bytes: int, persistent_bytes: int, config: PlannerConfig) -> float:
+    """What plans may use: ``safety`` of the budget above what the process holds."""
+    return (budget_bytes - persistent_bytes) * config.safety
+
+
+def _smallest_budget(need: float, persistent_bytes: int, config: PlannerConfig) -> int:
+    """The smallest whole number of bytes whose headroom holds ``need``, checked with the planner's own
+    float arithmetic (``ceil(need / safety)`` alone can land a byte short of it)."""
+    required = persistent_bytes + math.ceil(need / config.safety)
+    while _headroom(required, persistent_bytes, config) < need:
+        required += 1
+    while required > persistent_bytes and _headroom(required - 1, persistent_bytes, config) >= need:
+        required -= 1
+    return required
+
+
 def _bits_rank(b: Bits) -> int:
     return 64 if b is None else b
 
@@ -216,10 +240,16 @@ def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, con
 
     Raises:
         BudgetTooSmallError: not even one sample per micro-batch with every segment checkpointed
-            at the fewest bits fits; the error names the smallest budget that would.
+            at the fewest bits fits; the error names the smallest budget that would (a budget of
+            exactly ``required_bytes`` plans, with the same profile and ``persistent_bytes``).
+        InvalidArgumentError: a profile of a batch without samples.
+        UnsupportedError: the profile has no measurement at any of ``config.bits``.
     """
     B = profile.batch_size
-    headroom = (budget_bytes - persistent_bytes) * config.safety
+    if B < 1:
+        raise InvalidArgumentError(f"the profile's batch_size is {B}: there is nothing to plan for a batch without "
+                                   "samples; plan (and probe) a batch with at least one sample")
+    headroom = _headroom(budget_bytes, persistent_bytes, config)
     candidates: list[tuple[float, Bits, frozenset[str], int, int, float]] = []
     leanest = math.inf
     for bits in (b for b in profile.bits_options if b in config.bits):
@@ -230,13 +260,21 @@ def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, con
             leanest = min(leanest, need_one)
             if need_one > headroom:
                 continue
-            m_max = min(B, int((headroom - fixed) // per)) if per > 0 else B
+            # need_one fits, so one sample does, whatever the float rounding of the division says
+            m_max = max(1, min(B, int((headroom - fixed) // per))) if per > 0 else B
             k = math.ceil(B / m_max)
             m = math.ceil(B / k)  # balanced micro-batches: same count, smaller largest slice
             act = fixed + per * m
             candidates.append((_step_time(profile, bits, ckpt, k), bits, ckpt, m, k, act))
+    if not candidates and leanest == math.inf:
+        measured = ", ".join("exact" if b is None else f"{b}-bit" for b in profile.bits_options)
+        raise UnsupportedError(
+            f"PlannerConfig.bits allows {config.bits!r}, but the profile has measurements only for {measured} "
+            "(compressed plans are probed on the first step, and only where the headroom holds "
+            "PlannerConfig.compression_reserve besides the probe); allow None in bits, lower compression_reserve, "
+            "or start with a larger budget")
     if not candidates:
-        required = persistent_bytes + math.ceil(leanest / config.safety)
+        required = _smallest_budget(leanest, persistent_bytes, config)
         raise BudgetTooSmallError(
             budget_bytes, required,
             f"the process already holds {format_bytes(persistent_bytes)} (model, optimizer state, batch, runtime)",

@@ -40,7 +40,9 @@ FASHION_MNIST_STD = 0.3530
 _IMAGES_MAGIC = 2051  # 0x00000803: unsigned byte, 3 dimensions
 _LABELS_MAGIC = 2049  # 0x00000801: unsigned byte, 1 dimension
 _SPLIT_PREFIX = {"train": "train", "test": "t10k", "t10k": "t10k"}
-_INSTALL_HINT = "install it with `apt-get install dataset-fashion-mnist` (Debian/Ubuntu) or pass root= pointing at the idx files"
+_INSTALL_HINT = (
+    "install it with `apt-get install dataset-fashion-mnist` (Debian/Ubuntu) or pass root= pointing at the idx files"
+)
 _DIGITS_SEED = 0
 _DIGITS_TRAIN_FRACTION = 0.8
 
@@ -152,7 +154,9 @@ def _fashion_mnist(split: str, root: Path, size: int, channels: int, limit: int 
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     if size < 28:
-        raise InvalidArgumentError(f"size must be >= 28 for Fashion-MNIST (images are padded, not cropped), got {size}")
+        raise InvalidArgumentError(
+            f"size must be >= 28 for Fashion-MNIST (images are padded, not cropped), got {size}"
+        )
     before = (size - 28) // 2
     after = size - 28 - before
     # NOTE [ Pad before normalising ]
@@ -184,7 +188,7 @@ def _digits(split: str, size: int, channels: int, limit: int | None, reason: str
     # identical on every call and independent of the global RNG state.
     gen = torch.Generator().manual_seed(_DIGITS_SEED)
     perm = torch.randperm(len(targets), generator=gen)
-    n_train = int(round(_DIGITS_TRAIN_FRACTION * len(targets)))
+    n_train = round(_DIGITS_TRAIN_FRACTION * len(targets))
     idx = perm[:n_train] if _split_prefix(split) == "train" else perm[n_train:]
     train_pixels = pixels[perm[:n_train]]
     mean = float(train_pixels.mean())

@@ -6,25 +6,58 @@ Each method runs in a fresh Python process so that its peak resident memory is i
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..budget.memory import SavedTensorCounter, peak_rss_bytes, reset_peak_rss
+from ..budget.memory import SavedBytesCounter, peak_rss_bytes, reset_peak_rss
 from ..config import CompressionConfig
+from ..errors import InvalidArgumentError
+from ..layout import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS
 from ..saved.hooks import compress
 from .data import image_dataset
 from .models.resnet import resnet18
 
+TEST_IMAGES = 10_000
+"""Images in Fashion-MNIST's test split."""
+
+
+def check_demo_arg(name: str, value: object) -> None:
+    """Raise ``InvalidArgumentError`` naming ``name`` if ``value`` is not a valid ``DemoArgs`` field value."""
+    if name == "lr":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        rule = "a finite number > 0"
+    else:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+        rules = {
+            "steps": (value >= 1, "an integer >= 1"),
+            "batch_size": (value >= 1, "an integer >= 1"),
+            "bits": (value in SUPPORTED_BITS, f"one of {SUPPORTED_BITS}"),
+            "group_size": (MIN_GROUP_SIZE <= value <= MAX_GROUP_SIZE and value % 32 == 0,
+                           f"a multiple of 32 in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}]"),
+            "eval_samples": (1 <= value <= TEST_IMAGES, f"an integer in [1, {TEST_IMAGES}]"),
+            "width": (value >= 1, "an integer >= 1"),
+            "seed": (0 <= value < 2**63, "an integer in [0, 2**63)"),
+            "threads": (value >= 0, "an integer >= 0 (0: torch's default)"),
+        }
+        ok, rule = rules[name]
+    if not ok:
+        raise InvalidArgumentError(f"{name} must be {rule}, got {value!r}")
+
 
 @dataclass(frozen=True)
 class DemoArgs:
+    """The demo's settings, validated on construction (``check_demo_arg``)."""
+
     steps: int = 60
     """Training steps per method."""
     batch_size: int = 64
@@ -43,6 +76,10 @@ class DemoArgs:
     """Seed for the model initialisation and the batch order (the same for both methods)."""
     threads: int = 0
     """Torch threads per run (0: torch's default)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_demo_arg(f.name, getattr(self, f.name))
 
 
 @dataclass(frozen=True)
@@ -74,10 +111,11 @@ def run_method(method: str, args: DemoArgs) -> DemoResult:
     model.train()
     bar = tqdm(range(args.steps), desc=f"{method:>9}", unit="step", file=sys.stderr, dynamic_ncols=True)
     for step in bar:
-        idx = order[step * args.batch_size : (step + 1) * args.batch_size]
+        # A run longer than the training set starts over (another epoch, same order).
+        idx = order[torch.arange(step * args.batch_size, (step + 1) * args.batch_size) % len(order)]
         x, y = train.images[idx], train.labels[idx]
         start = time.perf_counter()
-        ctx = compressor or SavedTensorCounter(exclude=model.buffers())
+        ctx = compressor or SavedBytesCounter(exclude=model.buffers())
         with ctx:
             loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
@@ -129,15 +167,35 @@ def format_table(results: list[DemoResult]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
 
 
+def prepare_json_path(out_json: str | os.PathLike[str]) -> Path:
+    """Check that the results can be written to ``out_json`` (creating its directory if missing), before
+    any training runs; raises ``InvalidArgumentError`` naming the path otherwise."""
+    path = Path(out_json)
+    if path.is_dir():
+        raise InvalidArgumentError(f"out_json {str(path)!r} is a directory; pass a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"out_json: cannot create the directory of {str(path)!r} ({exc.strerror or exc}); pass a path in a "
+            "writable directory"
+        ) from None
+    if not os.access(path.parent, os.W_OK):
+        raise InvalidArgumentError(f"out_json: the directory of {str(path)!r} is not writable; pass another path")
+    return path
+
+
 def demo(args: DemoArgs, out_json: str | None = None) -> list[DemoResult]:
-    """Run both methods, each in a fresh process, and print the comparison."""
+    """Run both methods, each in a fresh process, and print the comparison. ``out_json`` is checked (and
+    its directory created) before training."""
+    path = prepare_json_path(out_json) if out_json else None
     print(f"daftrain demo: CIFAR-style ResNet-18 on Fashion-MNIST, {args.steps} steps of batch {args.batch_size}, "
           f"daftrain at {args.bits} bits / group {args.group_size}", flush=True)
     results = [_run_in_subprocess(m, args) for m in ("plain", "daftrain")]
     print(f"data: {results[0].data_source}")
     print(format_table(results))
-    if out_json:
-        with open(out_json, "w") as f:
+    if path is not None:
+        with open(path, "w") as f:
             json.dump({"args": asdict(args), "results": [asdict(r) for r in results]}, f, indent=2)
     return results
 

@@ -1,9 +1,11 @@
-"""daftrain's kernels as ``torch.library`` custom ops.
+"""daftrain's kernels as ``torch.library`` custom ops: the one op table.
 
-Each op is defined once here with its schema and a fake (meta) implementation; the pure PyTorch
-reference in ``kernels/reference.py`` is registered for every device and is the spec. Fast kernels
-register themselves for their device key beside it (``kernels/cpu.py``, ``kernels/triton.py``) and
-must be byte-identical to the reference.
+Each op is defined once here, as an ``Op``: its schema, its argument check, its fake (meta) kernel
+and its pure PyTorch reference (``kernels/reference.py``, the spec), which is registered for every
+device. ``OPS`` lists them by name; the fast kernels (``kernels/cpu.py``, ``kernels/triton.py``)
+register beside the reference for their device key through ``kernels/registry.py``, which iterates
+``OPS``, and must be byte-identical to the reference. The check runs once per call, at the op
+boundary (``Op.at_boundary``), whichever kernel the dispatcher picks; the kernels trust it.
 """
 
 from __future__ import annotations
@@ -14,70 +16,89 @@ from typing import Any
 
 import torch
 
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
 from . import reference
 
 __all__ = [
-    "ARGUMENT_CHECKS", "group_minmax", "pack_bool", "quantize_pack", "unpack_bool", "unpack_dequantize",
-    "unpack_dequantize_into",
+    "OPS", "KernelArgumentError", "KernelDtypeError", "Op", "group_minmax", "pack_bool", "quantize_pack",
+    "unpack_bool", "unpack_dequantize", "unpack_dequantize_into",
 ]
+
+
+class KernelArgumentError(InvalidArgumentError, RuntimeError):
+    """An op argument of the wrong shape, size or device; the message names it. (Also a
+    ``RuntimeError``, what ``torch._check`` raised for these before.)"""
+
+
+class KernelDtypeError(ArgumentTypeError, RuntimeError):
+    """An op argument of a dtype the op cannot take; the message names it and the dtypes it takes."""
+
 
 # NOTE [ Op registration ]
 # The ops are defined on a ``torch.library.Library`` from schema strings, not with
 # ``torch.library.custom_op``: a call then goes from PyTorch's C++ dispatcher straight to one Python
-# kernel. custom_op adds Python autograd and ADInplaceOrView layers to every call: 11-16 us in a tight
-# loop, and 65-110 us for a decode of 4 Mi values (after a kernel that streamed 16 MB the interpreter's
-# own working set is out of cache), a quarter of that decode's time. The reference is each op's
-# ``CompositeExplicitAutograd`` kernel (every device), the fast kernels register per device key beside
-# it, and ``register_fake`` gives the meta kernel. Without custom_op's ADInplaceOrView layer nothing
-# bumps the version counter of a mutated argument: the reference writes with PyTorch ops, which bump it,
-# and the registry bumps it after a fast kernel wrote through a raw pointer (``mutated_positions``).
-# ``torch.library.opcheck`` checks the schema, fake kernel and mutation.
+# kernel, where custom_op adds Python autograd and ADInplaceOrView layers to every call (their cost is
+# in docs/kernels.md). The reference is each op's ``CompositeExplicitAutograd`` kernel (every device),
+# the fast kernels register per device key beside it, and ``register_fake`` gives the meta kernel.
+# Without custom_op's ADInplaceOrView layer nothing bumps the version counter of a mutated argument:
+# the reference writes with PyTorch ops, which bump it, and the registry bumps it after a fast kernel
+# wrote through a raw pointer (``Op.mutated``). ``torch.library.opcheck`` checks the schema, fake
+# kernel and mutation.
 _LIB = torch.library.Library("daftrain", "DEF")
 
+class Op:
+    """A ``daftrain::`` operator: calling it dispatches through ``torch.ops.daftrain``.
 
-class _Op:
-    """A ``daftrain::`` operator defined by ``schema``; calling it dispatches through ``torch.ops``."""
+    ``check(*args)`` validates the op's arguments (raises a ``DaftrainError``), ``fake`` computes the
+    output metadata, ``reference`` is the spec. Defining one registers it and adds it to ``OPS``.
+    """
 
-    def __init__(self, schema: str, reference_kernel: Callable[..., Any]) -> None:
+    def __init__(self, schema: str, *, check: Callable[..., None], fake: Callable[..., Any],
+                 reference: Callable[..., Any]) -> None:
         self.name = schema.split("(", 1)[0]
+        self.check = check
+        self.reference = reference
         _LIB.define(schema)
-        _LIB.impl(self.name, reference_kernel, "CompositeExplicitAutograd")
+        _LIB.impl(self.name, self.at_boundary(reference), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"daftrain::{self.name}", self.at_boundary(fake), lib=_LIB)
         self.default = getattr(torch.ops.daftrain, self.name).default
-        functools.update_wrapper(self, reference_kernel)
+        arguments = self.default._schema.arguments
+        self.mutated = tuple(i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
+        """Positions of the arguments the op writes into: its schema's ``Tensor(a!)``."""
+        functools.update_wrapper(self, reference)
+        OPS[self.name] = self
+
+    def at_boundary(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
+        """``kernel`` preceded by this op's argument check: how every kernel of the op is registered."""
+
+        @functools.wraps(kernel)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            self.check(*args, **kwargs)
+            return kernel(*args, **kwargs)
+
+        return checked
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.default(*args, **kwargs)
 
-    def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        torch.library.register_fake(f"daftrain::{self.name}", fn, lib=_LIB)
-        return fn
+
+OPS: dict[str, Op] = {}
+"""Every ``daftrain::`` op by name, in definition order."""
 
 
-def _op(schema: str) -> Callable[[Callable[..., Any]], _Op]:
-    return lambda reference_kernel: _Op(schema, reference_kernel)
-
-
-def mutated_positions(name: str) -> tuple[int, ...]:
-    """Positions of the arguments op ``name`` writes into: its schema's ``Tensor(a!)``."""
-    arguments = getattr(torch.ops.daftrain, name).default._schema.arguments
-    return tuple(i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
+def _require(cond: Any, message: Callable[[], str], error: type[Exception] = KernelArgumentError) -> None:
+    torch._check_with(error, cond, message)
 
 
 def _check_float(x: torch.Tensor) -> None:
-    torch._check(
-        x.dtype in QUANTIZABLE_DTYPES,
-        lambda: f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}",
-    )
-
-
-def _check_group(group_size: int) -> None:
-    PackedLayout(8, group_size, 0)  # raises LayoutError (a ValueError) for a bad group size
+    _require(x.dtype in QUANTIZABLE_DTYPES,
+             lambda: f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}", KernelDtypeError)
 
 
 def _check_group_minmax(x: torch.Tensor, group_size: int) -> None:
     _check_float(x)
-    _check_group(group_size)
+    PackedLayout(8, group_size, 0)  # raises LayoutError (a ValueError) for a bad group size
 
 
 def _check_quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> None:
@@ -85,46 +106,55 @@ def _check_quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int)
     PackedLayout(bits, group_size, x.numel())
 
 
+def _check_unpack(
+    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
+    dtype: torch.dtype,
+) -> None:
+    layout = PackedLayout(bits, group_size, numel)
+    _require(dtype in QUANTIZABLE_DTYPES, lambda: f"cannot dequantize to {dtype}", KernelDtypeError)
+    _require(
+        codes.dtype == torch.uint8 and tuple(codes.shape) == (layout.num_groups, layout.bytes_per_group),
+        lambda: f"codes must be uint8 {(layout.num_groups, layout.bytes_per_group)}, got {codes.dtype} "
+        f"{tuple(codes.shape)}",
+    )
+    _require(
+        lo.dtype == torch.float32 and tuple(lo.shape) == (layout.num_groups,),
+        lambda: f"lo must be float32 [{layout.num_groups}], got {lo.dtype} {tuple(lo.shape)}",
+    )
+    _require(
+        scale.dtype == torch.bfloat16 and tuple(scale.shape) == (layout.num_groups,),
+        lambda: f"scale must be bfloat16 [{layout.num_groups}], got {scale.dtype} {tuple(scale.shape)}",
+    )
+
+
+def _check_unpack_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+) -> None:
+    _require(
+        out.dim() == 1 and out.is_contiguous() and out.device == codes.device,
+        lambda: f"out must be a contiguous 1-D tensor on {codes.device}, got {out.dim()}-D on {out.device}",
+    )
+    _check_unpack(codes, lo, scale, bits, group_size, out.numel(), out.dtype)
+
+
 def _check_pack_bool(x: torch.Tensor) -> None:
-    torch._check(x.dtype == torch.bool, lambda: f"pack_bool takes a bool tensor, got {x.dtype}")
+    _require(x.dtype == torch.bool, lambda: f"pack_bool takes a bool tensor, got {x.dtype}", KernelDtypeError)
 
 
 def _check_unpack_bool(packed: torch.Tensor, numel: int) -> None:
-    torch._check(
+    _require(
         numel >= 0 and packed.dtype == torch.uint8 and packed.numel() == bool_nbytes(numel),
         lambda: f"packed must be uint8 [{bool_nbytes(numel)}], got {packed.dtype} [{packed.numel()}]",
     )
 
 
-@_op("group_minmax(Tensor x, int group_size) -> Tensor")
-def group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Per-group ``[min, max, min positive]`` of flat ``x`` as float32 [num_groups, 3]."""
-    _check_group_minmax(x, group_size)
-    return reference.group_minmax(x, group_size)
-
-
-@group_minmax.register_fake
-def _(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    _check_float(x)
+def _fake_group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.new_empty(-(-x.numel() // group_size), 3, dtype=torch.float32)
 
 
-@_op("quantize_pack(Tensor x, int bits, int group_size, int seed) -> (Tensor, Tensor, Tensor)")
-def quantize_pack(
+def _fake_quantize_pack(
     x: torch.Tensor, bits: int, group_size: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize flat ``x`` per group with stochastic rounding and bit-pack it.
-
-    Returns ``(codes uint8 [num_groups, group_size*bits/8], lo float32 [num_groups],
-    scale bfloat16 [num_groups])`` in the unified layout (``layout.py``).
-    """
-    _check_quantize_pack(x, bits, group_size, seed)
-    return reference.quantize_pack(x, bits, group_size, seed)
-
-
-@quantize_pack.register_fake
-def _(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_float(x)
     layout = PackedLayout(bits, group_size, x.numel())
     return (
         x.new_empty(layout.num_groups, layout.bytes_per_group, dtype=torch.uint8),
@@ -133,107 +163,58 @@ def _(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Ten
     )
 
 
-@_op("unpack_dequantize(Tensor codes, Tensor lo, Tensor scale, int bits, int group_size, int numel, "
-     "ScalarType dtype) -> Tensor")
-def unpack_dequantize(
-    codes: torch.Tensor,
-    lo: torch.Tensor,
-    scale: torch.Tensor,
-    bits: int,
-    group_size: int,
-    numel: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Decode what ``quantize_pack`` wrote into a flat tensor of ``numel`` values of ``dtype``."""
-    _check_unpack(codes, lo, scale, bits, group_size, numel, dtype)
-    return reference.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype)
-
-
-@unpack_dequantize.register_fake
-def _(codes, lo, scale, bits, group_size, numel, dtype):  # type: ignore[no-untyped-def]
-    _check_unpack(codes, lo, scale, bits, group_size, numel, dtype)
+def _fake_unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype):  # type: ignore[no-untyped-def]
     return codes.new_empty(numel, dtype=dtype)
 
 
-@_op("unpack_dequantize_into(Tensor(a!) out, Tensor codes, Tensor lo, Tensor scale, int bits, int group_size) -> ()")
-def unpack_dequantize_into(
-    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
-) -> None:
-    """``unpack_dequantize`` into the preallocated contiguous 1-D ``out`` (its numel and dtype say what
-    to decode): backward reuses its decode buffers instead of faulting in fresh memory every time."""
-    _check_unpack_into(out, codes, lo, scale, bits, group_size)
-    reference.unpack_dequantize_into(out, codes, lo, scale, bits, group_size)  # its writes bump out's version
+def _fake_unpack_dequantize_into(out, codes, lo, scale, bits, group_size):  # type: ignore[no-untyped-def]
+    return None
 
 
-@unpack_dequantize_into.register_fake
-def _(out, codes, lo, scale, bits, group_size):  # type: ignore[no-untyped-def]
-    _check_unpack_into(out, codes, lo, scale, bits, group_size)
-
-
-def _check_unpack_into(
-    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
-) -> None:
-    torch._check(
-        out.dim() == 1 and out.is_contiguous() and out.device == codes.device,
-        lambda: f"out must be a contiguous 1-D tensor on {codes.device}, got {out.dim()}-D on {out.device}",
-    )
-    _check_unpack(codes, lo, scale, bits, group_size, out.numel(), out.dtype)
-
-
-def _check_unpack(
-    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
-    dtype: torch.dtype,
-) -> None:
-    layout = PackedLayout(bits, group_size, numel)
-    torch._check(dtype in QUANTIZABLE_DTYPES, lambda: f"cannot dequantize to {dtype}")
-    torch._check(
-        codes.dtype == torch.uint8 and tuple(codes.shape) == (layout.num_groups, layout.bytes_per_group),
-        lambda: f"codes must be uint8 {(layout.num_groups, layout.bytes_per_group)}, got {codes.dtype} "
-        f"{tuple(codes.shape)}",
-    )
-    torch._check(
-        lo.dtype == torch.float32 and tuple(lo.shape) == (layout.num_groups,),
-        lambda: f"lo must be float32 [{layout.num_groups}], got {lo.dtype} {tuple(lo.shape)}",
-    )
-    torch._check(
-        scale.dtype == torch.bfloat16 and tuple(scale.shape) == (layout.num_groups,),
-        lambda: f"scale must be bfloat16 [{layout.num_groups}], got {scale.dtype} {tuple(scale.shape)}",
-    )
-
-
-@_op("pack_bool(Tensor x) -> Tensor")
-def pack_bool(x: torch.Tensor) -> torch.Tensor:
-    """Flat bool tensor -> uint8 [ceil(n/8)], 1 bit per value, LSB first."""
-    _check_pack_bool(x)
-    return reference.pack_bool(x)
-
-
-@pack_bool.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _fake_pack_bool(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(bool_nbytes(x.numel()), dtype=torch.uint8)
 
 
-@_op("unpack_bool(Tensor packed, int numel) -> Tensor")
-def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of ``pack_bool``."""
-    _check_unpack_bool(packed, numel)
-    return reference.unpack_bool(packed, numel)
-
-
-@unpack_bool.register_fake
-def _(packed: torch.Tensor, numel: int) -> torch.Tensor:
+def _fake_unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return packed.new_empty(numel, dtype=torch.bool)
 
 
-# NOTE [ Argument checks run before every kernel ]
-# A kernel registered for a device key replaces the op's Python body above, and the fast kernels
-# trust their sizes (no bounds checks). So the registry (``kernels/registry.py``) calls these same
-# checks, with the op's own arguments, before any fast kernel runs: one definition, every backend.
-ARGUMENT_CHECKS = {
-    "group_minmax": _check_group_minmax,
-    "quantize_pack": _check_quantize_pack,
-    "unpack_dequantize": _check_unpack,
-    "unpack_dequantize_into": _check_unpack_into,
-    "pack_bool": _check_pack_bool,
-    "unpack_bool": _check_unpack_bool,
-}
+group_minmax = Op(
+    "group_minmax(Tensor x, int group_size) -> Tensor",
+    check=_check_group_minmax, fake=_fake_group_minmax, reference=reference.group_minmax,
+)
+"""Per-group ``[min, max, min positive]`` of flat ``x`` as float32 [num_groups, 3]."""
+
+quantize_pack = Op(
+    "quantize_pack(Tensor x, int bits, int group_size, int seed) -> (Tensor, Tensor, Tensor)",
+    check=_check_quantize_pack, fake=_fake_quantize_pack, reference=reference.quantize_pack,
+)
+"""Quantize flat ``x`` per group with stochastic rounding and bit-pack it: ``(codes uint8
+[num_groups, group_size*bits/8], lo float32 [num_groups], scale bfloat16 [num_groups])`` in the
+unified layout (``layout.py``)."""
+
+unpack_dequantize = Op(
+    "unpack_dequantize(Tensor codes, Tensor lo, Tensor scale, int bits, int group_size, int numel, "
+    "ScalarType dtype) -> Tensor",
+    check=_check_unpack, fake=_fake_unpack_dequantize, reference=reference.unpack_dequantize,
+)
+"""Decode what ``quantize_pack`` wrote into a flat tensor of ``numel`` values of ``dtype``."""
+
+unpack_dequantize_into = Op(
+    "unpack_dequantize_into(Tensor(a!) out, Tensor codes, Tensor lo, Tensor scale, int bits, int group_size) -> ()",
+    check=_check_unpack_into, fake=_fake_unpack_dequantize_into, reference=reference.unpack_dequantize_into,
+)
+"""``unpack_dequantize`` into the preallocated contiguous 1-D ``out`` (its numel and dtype say what to
+decode): backward reuses its decode buffers instead of faulting in fresh memory every time."""
+
+pack_bool = Op(
+    "pack_bool(Tensor x) -> Tensor",
+    check=_check_pack_bool, fake=_fake_pack_bool, reference=reference.pack_bool,
+)
+"""Flat bool tensor -> uint8 [ceil(n/8)], 1 bit per value, LSB first."""
+
+unpack_bool = Op(
+    "unpack_bool(Tensor packed, int numel) -> Tensor",
+    check=_check_unpack_bool, fake=_fake_unpack_bool, reference=reference.unpack_bool,
+)
+"""Inverse of ``pack_bool``."""

@@ -15,6 +15,7 @@ from ..layout import MASK32, PackedLayout
 
 _CHUNK_VALUES = 1 << 20
 _INF = float("inf")
+_MIN_NORMAL = torch.finfo(torch.float32).tiny  # 2**-126
 
 
 def _chunks(num_groups: int, group_size: int) -> Iterator[tuple[int, int]]:
@@ -65,7 +66,9 @@ def _bf16_round_up(v: torch.Tensor) -> torch.Tensor:
 
 
 def group_params(stats: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lo float32, scale bfloat16)`` per group from ``group_minmax`` stats (see ``layout.py``)."""
+    """``(lo float32, scale bfloat16)`` per group from ``group_minmax`` stats (see ``layout.py``).
+
+    A step below the smallest normal float32 is stored as 0 (``NOTE [ Tiny steps ]``)."""
     levels = (1 << bits) - 1
     mn, mx, min_pos = stats[:, 0], stats[:, 1], stats[:, 2]
     zero_exact = (mn == 0) & (mx > 0)
@@ -77,9 +80,22 @@ def group_params(stats: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
         step_zero = torch.zeros_like(mx)
     lo = torch.where(zero_exact, lo_zero, mn)
     step = torch.where(zero_exact, step_zero, (mx - mn) / levels)
+    step = torch.where((step > 0) & (step < _MIN_NORMAL), 0.0, step)
     scale = _bf16_round_up(step)
     scale = torch.where(zero_exact, -scale, scale)
     return lo.contiguous(), scale.contiguous()
+
+
+# NOTE [ Tiny steps ]
+# A group whose step ((max - min) / L, or (max - min positive) / (L - 1) in zero-exact mode) is a
+# float32 subnormal cannot use it: bfloat16 keeps fewer than 8 significant bits below 2**-126 (the
+# rounded-up step may exceed the group's whole range many times over), and ``1 / step`` overflows to
+# inf below 2**-128, so every code saturates and, in zero-exact mode, ``0 * inf`` sends the smallest
+# positive value to code 0, i.e. to 0. Such a step is stored as 0 instead: the group becomes a
+# constant group (plain: every value decodes to the min; zero-exact: every positive value to the
+# smallest positive one, zeros stay 0). The error stays below the group's range (< L * 2**-126) and
+# masks stay exact, at the price of a bias below L * 2**-126 for these groups only. Every group with a
+# normal step keeps its bytes.
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:

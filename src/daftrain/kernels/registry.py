@@ -18,6 +18,7 @@ backend (documented module-level state; everything else is explicit objects).
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 import warnings
@@ -25,10 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DISABLE_ENV", "KernelStatus", "kernel_report", "load_fast_kernels"]
+import torch
+
+from . import ops
+
+__all__ = ["BACKENDS", "CPU", "CUDA", "DISABLE_ENV", "Backend", "KernelStatus", "kernel_report", "load_fast_kernels"]
 
 DISABLE_ENV = "DAFTRAIN_DISABLE_FAST_KERNELS"
-_OPS = ("group_minmax", "quantize_pack", "unpack_dequantize", "unpack_dequantize_into", "pack_bool", "unpack_bool")
 
 
 @dataclass
@@ -48,6 +52,72 @@ class KernelStatus:
         return {"cpu": self.cpu, "cuda": self.cuda, "errors": dict(self.errors), "disabled": self.disabled}
 
 
+def _describe_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _numba_compile_errors() -> tuple[type[BaseException], ...]:
+    from numba.core.errors import NumbaError
+
+    return (NumbaError,)
+
+
+def _triton_compile_errors() -> tuple[type[BaseException], ...]:
+    """Compile errors, ptxas failures, kernels needing more resources than the GPU has."""
+    try:
+        from triton.errors import TritonError
+
+        return (TritonError,)
+    except Exception:  # pragma: no cover - depends on the triton version
+        try:
+            from triton.compiler.errors import CompilationError
+
+            return (CompilationError,)
+        except Exception:
+            return ()
+
+
+def _cuda_missing() -> str | None:
+    """Why the Triton backend has nothing to do here ("": no CUDA device), or None when it can load."""
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # triton not installed: not a failure, the reference serves CUDA
+        return f"triton not importable ({_describe_error(exc)})"
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One fast backend: its name (the ``KernelStatus`` value once loaded), the device key it registers
+    for (also its ``KernelStatus`` field), the module of this package that holds its kernels
+    (``STRATEGIES``, ``make_kernels(selector)``) and how to set up its ``ReductionSelector``."""
+
+    name: str
+    key: str
+    module: str
+    label: str
+    """Names the backend in warnings."""
+    parallelism: str
+    """The module's function giving the parallel units the selector's size classes count."""
+    compile_errors: Callable[[], tuple[type[BaseException], ...]]
+    missing: Callable[[], str | None] = lambda: None
+    """Why the backend cannot run on this machine (not a failure: status "unavailable"), or None."""
+    sync: Callable[[], None] | None = None
+    warmup: bool = False
+    """Whether ``load_fast_kernels(warmup=True)`` calls the module's ``warmup()``."""
+
+    def load(self) -> Any:
+        return importlib.import_module(f".{self.module}", __package__)
+
+
+CPU = Backend("numba", "cpu", "cpu", "numba CPU kernels", "threads", _numba_compile_errors, warmup=True)
+CUDA = Backend("triton", "cuda", "triton", "Triton CUDA kernels", "parallelism", _triton_compile_errors,
+               missing=_cuda_missing, sync=torch.cuda.synchronize)
+BACKENDS = (CPU, CUDA)
+
 _lock = threading.Lock()
 _status: KernelStatus | None = None
 _selectors: dict[str, Any] = {}
@@ -57,39 +127,11 @@ def _disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _describe_error(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
-def _guarded(backend: str, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a backend kernel: validate the arguments; on a JIT compile failure at run time, warn once
-    and use the reference."""
-    import torch
-
-    from . import ops, reference
-
-    ref = getattr(reference, name)
-    check = ops.ARGUMENT_CHECKS[name]
-    compile_errors: tuple[type[BaseException], ...] = ()
-    if backend == "cpu":
-        from numba.core.errors import NumbaError
-
-        compile_errors = (NumbaError,)
-    else:
-        try:  # compile errors, ptxas failures, kernels needing more resources than the GPU has
-            from triton.errors import TritonError
-
-            compile_errors = (TritonError,)
-        except Exception:  # pragma: no cover - depends on the triton version
-            try:
-                from triton.compiler.errors import CompilationError
-
-                compile_errors = (CompilationError,)
-            except Exception:
-                compile_errors = ()
-
-    mutated = ops.mutated_positions(name)
+def _guarded(backend: Backend, op: ops.Op, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a backend kernel (its arguments already checked at the op boundary): bump the version of
+    what it wrote; on a JIT compile failure at run time, warn once and use the reference."""
+    ref, name, mutated = op.reference, op.name, op.mutated
+    compile_errors = backend.compile_errors()
 
     def write_and_bump(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
@@ -101,19 +143,18 @@ def _guarded(backend: str, name: str, fn: Callable[..., Any]) -> Callable[..., A
 
     @functools.wraps(fn)
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        check(*args, **kwargs)
         status = _status
-        if status is not None and getattr(status, backend) == "reference":
+        if status is not None and getattr(status, backend.key) == "reference":
             return ref(*args, **kwargs)
         try:
             return run(*args, **kwargs)
         except compile_errors as exc:
             with _lock:
-                if status is not None and getattr(status, backend) != "reference":
-                    setattr(status, backend, "reference")
-                    status.errors[backend] = _describe_error(exc)
+                if status is not None and getattr(status, backend.key) != "reference":
+                    setattr(status, backend.key, "reference")
+                    status.errors[backend.key] = _describe_error(exc)
                     warnings.warn(
-                        f"daftrain: the fast {backend} kernel {name} failed to compile "
+                        f"daftrain: the fast {backend.key} kernel {name} failed to compile "
                         f"({_describe_error(exc)}); the pure PyTorch reference kernels run instead",
                         RuntimeWarning,
                         stacklevel=2,
@@ -123,57 +164,31 @@ def _guarded(backend: str, name: str, fn: Callable[..., Any]) -> Callable[..., A
     return kernel
 
 
-def _register_cpu(status: KernelStatus) -> str | None:
-    try:
-        import torch
-
-        from . import cpu
-        from .reduction import ReductionSelector
-
-        selector = _selectors.get("cpu") or ReductionSelector("cpu", cpu.STRATEGIES, threads=cpu.threads)
-        kernels = cpu.make_kernels(selector)
-        for name in _OPS:
-            torch.library.register_kernel(f"daftrain::{name}", "cpu", _guarded("cpu", name, kernels[name]))
-    except Exception as exc:
-        status.cpu = "reference"
-        status.errors["cpu"] = _describe_error(exc)
-        return f"numba CPU kernels ({_describe_error(exc)})"
-    _selectors["cpu"] = selector
-    status.cpu = "numba"
-    return None
-
-
-def _register_cuda(status: KernelStatus) -> str | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        status.cuda = "unavailable"
+def _register(backend: Backend, status: KernelStatus) -> str | None:
+    """Register ``backend``'s kernels for its device key; returns what failed (for the warning) or None."""
+    missing = backend.missing()
+    if missing is not None:
+        setattr(status, backend.key, "unavailable")
+        if missing:
+            status.errors[backend.key] = missing
         return None
     try:
-        import triton  # noqa: F401
-    except Exception as exc:  # triton not installed: not a failure, the reference serves CUDA
-        status.cuda = "unavailable"
-        status.errors["cuda"] = f"triton not importable ({_describe_error(exc)})"
-        return None
-    try:
-        from . import triton as triton_kernels
         from .reduction import ReductionSelector
 
-        selector = _selectors.get("cuda") or ReductionSelector(
-            "cuda",
-            triton_kernels.STRATEGIES,
-            threads=triton_kernels.parallelism,
-            sync=torch.cuda.synchronize,
+        module = backend.load()
+        selector = _selectors.get(backend.key) or ReductionSelector(
+            backend.key, module.STRATEGIES, threads=getattr(module, backend.parallelism), sync=backend.sync
         )
-        kernels = triton_kernels.make_kernels(selector)
-        for name in _OPS:
-            torch.library.register_kernel(f"daftrain::{name}", "cuda", _guarded("cuda", name, kernels[name]))
+        kernels = module.make_kernels(selector)
+        for op in ops.OPS.values():
+            kernel = op.at_boundary(_guarded(backend, op, kernels[op.name]))
+            torch.library.register_kernel(f"daftrain::{op.name}", backend.key, kernel)
     except Exception as exc:
-        status.cuda = "reference"
-        status.errors["cuda"] = _describe_error(exc)
-        return f"Triton CUDA kernels ({_describe_error(exc)})"
-    _selectors["cuda"] = selector
-    status.cuda = "triton"
+        setattr(status, backend.key, "reference")
+        status.errors[backend.key] = _describe_error(exc)
+        return f"{backend.label} ({_describe_error(exc)})"
+    _selectors[backend.key] = selector
+    setattr(status, backend.key, backend.name)
     return None
 
 
@@ -181,8 +196,6 @@ def load_fast_kernels(*, warmup: bool = False) -> KernelStatus:
     """Register the fast kernels (idempotent). ``warmup`` also compiles (or loads from numba's cache)
     the CPU kernels now instead of at their first call, so a compile failure shows here."""
     global _status
-    from . import ops  # noqa: F401  (defines the custom ops)
-
     with _lock:
         if _status is not None and not warmup:
             return _status
@@ -193,20 +206,20 @@ def load_fast_kernels(*, warmup: bool = False) -> KernelStatus:
                 status.disabled = True
                 _status = status
                 return status
-            failures = [f for f in (_register_cpu(status), _register_cuda(status)) if f]
+            failures = [f for f in (_register(b, status) for b in BACKENDS) if f]
             _status = status
         else:
             status = _status
             failures = []
-        if warmup and status.cpu == "numba":
+        for backend in BACKENDS:
+            if not (warmup and backend.warmup and getattr(status, backend.key) == backend.name):
+                continue
             try:
-                from . import cpu
-
-                cpu.warmup()
+                backend.load().warmup()
             except Exception as exc:
-                status.cpu = "reference"
-                status.errors["cpu"] = _describe_error(exc)
-                failures.append(f"numba CPU kernels ({_describe_error(exc)})")
+                setattr(status, backend.key, "reference")
+                status.errors[backend.key] = _describe_error(exc)
+                failures.append(f"{backend.label} ({_describe_error(exc)})")
         if failures:
             warnings.warn(
                 "daftrain: could not load "
@@ -220,8 +233,6 @@ def load_fast_kernels(*, warmup: bool = False) -> KernelStatus:
 
 def kernel_report() -> dict[str, Any]:
     """Which backends are loaded, numba version/threads, triton status, reduction choices."""
-    import torch
-
     report: dict[str, Any] = {"status": (_status or KernelStatus(cpu="not loaded", cuda="not loaded")).as_dict()}
     try:
         import numba

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import ArgumentTypeError
-from . import reference
+from . import ops, reference
 from .reduction import ReductionSelector
 
 __all__ = [
@@ -111,6 +110,13 @@ def _bf16_round_up(step):
 
 
 @triton.jit
+def _flush_tiny(step):
+    """A positive subnormal step -> 0 (``NOTE [ Tiny steps ]`` in ``reference.py``), compared on bits."""
+    b = step.to(tl.int32, bitcast=True)
+    return tl.where((b > 0) & (b < 0x00800000), 0.0, step)
+
+
+@triton.jit
 def _params(mn_b, mx_b, mp_b, BITS: tl.constexpr):
     """Stats bits -> (lo float32 bits, scale bfloat16 bits in an int32), as ``reference.group_params``."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -119,13 +125,13 @@ def _params(mn_b, mx_b, mp_b, BITS: tl.constexpr):
     mp = mp_b.to(tl.float32, bitcast=True)
     zero_exact = (mn == 0.0) & (mx > 0.0)
     if LEVELS >= 2:
-        step_z = tl.math.div_rn(mx - mp, tl.full([], LEVELS - 1, tl.float32))
+        step_z = _flush_tiny(tl.math.div_rn(mx - mp, tl.full([], LEVELS - 1, tl.float32)))
         scale_z = tl.where(mp_b == 0x7F800000, 0x7FC0, _bf16_round_up(step_z) | 0x8000)
         lo_z = mp_b
     else:
         lo_z = ((mp + mx) * 0.5).to(tl.int32, bitcast=True)
         scale_z = tl.full([], 0x8000, tl.int32)
-    step_p = tl.math.div_rn(mx - mn, tl.full([], LEVELS, tl.float32))
+    step_p = _flush_tiny(tl.math.div_rn(mx - mn, tl.full([], LEVELS, tl.float32)))
     all_inf = (mn_b == mx_b) & ((mn_b & 0x7FFFFFFF) == 0x7F800000)
     scale_p = tl.where(mn != mn, 0x7FC0, tl.where(all_inf, 0xFFC0, _bf16_round_up(step_p)))
     lo = tl.where(zero_exact, lo_z, mn_b)
@@ -368,14 +374,13 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1).contiguous()
 
 
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' KIND / OUT
+
+
 def _input(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    if x.dtype == torch.float32:
-        return x.view(torch.int32), 0
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16), 1
-    if x.dtype == torch.float16:
-        return x, 2
-    raise ArgumentTypeError(f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}")
+    """A float tensor as the kernels load it (``_load_bits``) and its KIND."""
+    kind = _KIND[x.dtype]
+    return (x.view(torch.int32) if kind == 0 else x.view(torch.int16) if kind == 1 else x), kind
 
 
 def _block(group_size: int, cap: int = 1024) -> int:
@@ -441,7 +446,8 @@ STRATEGIES = {PER_GROUP: minmax_per_group, TWO_LEVEL: minmax_two_level}
 
 
 def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
-    """The five op kernels, ``group_minmax`` / ``quantize_pack`` scheduled by ``selector``."""
+    """The op kernels by op name, ``group_minmax`` / ``quantize_pack`` scheduled by ``selector``;
+    they trust their arguments (``NOTE [ What the kernels trust ]`` in ``cpu.py``)."""
 
     def group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
         flat = _flat(x)
@@ -476,23 +482,18 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
             )
         return codes, lo, scale
 
-    return {
-        "group_minmax": group_minmax,
-        "quantize_pack": quantize_pack,
-        "unpack_dequantize": unpack_dequantize,
-        "unpack_dequantize_into": unpack_dequantize_into,
-        "pack_bool": pack_bool,
-        "unpack_bool": unpack_bool,
-    }
+    return {fn.__name__: fn for fn in (group_minmax, quantize_pack, unpack_dequantize, unpack_dequantize_into,
+                                       pack_bool, unpack_bool)}
 
 
 def unpack_dequantize_into(
     out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
 ) -> None:
+    """Decode into a preallocated contiguous 1-D ``out`` (its dtype and numel say what to decode)."""
     numel = out.numel()
     if numel == 0:
         return
-    kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[out.dtype]
+    kind = _KIND[out.dtype]
     out_bits = out.view(torch.int32) if kind == 0 else out.view(torch.int16)
     block = 1024
     _dequantize_kernel[(triton.cdiv(numel, block),)](
@@ -536,6 +537,8 @@ def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
 def quantize_pack_with(
     strategy: str, x: torch.Tensor, bits: int, group_size: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_pack`` with a forced schedule, for tests and benchmarks."""
+    """``quantize_pack`` with a forced schedule, for tests and benchmarks; it bypasses the op, so it
+    runs the op's check itself."""
+    ops.quantize_pack.check(x, bits, group_size, seed)
     forced = ReductionSelector(x.device.type, STRATEGIES, forced=strategy)
     return make_kernels(forced)["quantize_pack"](x, bits, group_size, seed)

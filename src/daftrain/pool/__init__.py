@@ -1,21 +1,12 @@
 """The importance-aware paged memory pool that packed records can live in."""
 
-from .store import (
-    AdaptiveStep,
-    Demand,
-    FixedStep,
-    PagePool,
-    PoolBudgetError,
-    PoolConfig,
-    PooledRecord,
-    PoolError,
-    PoolStats,
-    RecordState,
-    StepPolicy,
-    TrackingStep,
-)
+from .config import PoolConfig, PoolStats, RecordState
+from .errors import PoolBudgetError, PoolError
+from .growth import AdaptiveGrowth, Demand, FixedGrowth, GrowthPolicy, TrackingGrowth
+from .record import PooledRecord
+from .store import PagePool
 
 __all__ = [
-    "AdaptiveStep", "Demand", "FixedStep", "PagePool", "PoolBudgetError", "PoolConfig", "PoolError", "PoolStats",
-    "PooledRecord", "RecordState", "StepPolicy", "TrackingStep",
+    "AdaptiveGrowth", "Demand", "FixedGrowth", "GrowthPolicy", "PagePool", "PoolBudgetError", "PoolConfig",
+    "PoolError", "PoolStats", "PooledRecord", "RecordState", "TrackingGrowth",
 ]

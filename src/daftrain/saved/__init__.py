@@ -1,8 +1,8 @@
 """The saved-tensor pipeline: ``compress`` decides what each tensor autograd saves gets, packs it into a
 record (in memory or in pool pages) and restores it in backward."""
 
+from ..errors import InPlaceModificationError
 from .hooks import compress
-from .packer import InPlaceModificationError
 from .stats import CompressionStats
 
 __all__ = ["CompressionStats", "InPlaceModificationError", "compress"]

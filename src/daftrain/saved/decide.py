@@ -23,7 +23,7 @@ class Treatment(enum.Enum):
 class Decision:
     treatment: Treatment
     reason: str
-    """Why a tensor is kept: parameter, layout, tiny, integer, bool, dtype, exact, constant."""
+    """Why a tensor is kept: parameter, layout, empty, tiny, integer, bool, dtype, exact, constant."""
     min_bits: int = 1
     """The fewest bits this tensor may be quantized to (see NOTE [ Nonlinear backward ])."""
 
@@ -60,6 +60,8 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
         return Decision(Treatment.KEEP, "layout")
     if is_parameter_like(t, registry):
         return Decision(Treatment.KEEP, "parameter")
+    if t.numel() == 0:
+        return Decision(Treatment.KEEP, "empty")
     if t.numel() < config.min_numel:
         return Decision(Treatment.KEEP, "tiny")
     if t.dtype == torch.bool:

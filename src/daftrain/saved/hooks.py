@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import threading
 import weakref
 from types import TracebackType
@@ -14,27 +13,26 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..auto.calibration import CalibrationPass, squared_distance
-from ..auto.importance import AllocationReport, AutoBits
+from ..auto.calibration import CalibrationPass, calibrate
+from ..auto.policy import Assignment, make_bit_policy
+from ..auto.report import AllocationReport
 from ..config import CompressionConfig
-from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
+from ..errors import ArgumentTypeError
 from ..layout import record_seed
 from ..params import ParameterRegistry
-from ..pool.store import PagePool
+from ..pool import PagePool
 from .decide import Decision, Treatment, decide
 from .decode_buffers import DecodeBuffers
 from .packer import AsyncPacker
 from .records import (
-    BoolRecord,
     ExactRecord,
-    PagedBoolRecord,
-    PagedQuantizedRecord,
+    KeptTensor,
     PendingRecord,
-    QuantizedRecord,
     Record,
     SavedHandle,
+    compact_expanded,
     encode,
-    into_pool,
+    is_expanded,
 )
 from .stats import CompressionStats
 
@@ -93,7 +91,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         model: optional; its parameters and buffers (and any view of them) are then never compressed,
             recognised by storage. Without it parameters are still recognised, see ``policy.py``.
         pool: optional ``PagePool``; packed records then live in its pages (no allocation per
-            record in steady state) and, under its byte budget, the least important are demoted to
+            record in steady state) and, under its byte cap (``max_bytes``), the least important are demoted to
             fewer bits or spilled to disk. Entering the context marks a step boundary for the pool.
 
     Example::
@@ -116,6 +114,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if not isinstance(config, CompressionConfig):
             raise ArgumentTypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
         self.config = dataclasses.replace(config, **overrides) if overrides else config
+        if model is not None and not isinstance(model, nn.Module):
+            raise ArgumentTypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         self.registry = ParameterRegistry(model)
         if pool is not None and not isinstance(pool, PagePool):
             raise ArgumentTypeError(f"pool must be a PagePool or None, got {type(pool).__name__}")
@@ -132,13 +132,28 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._num_records = 0
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
-        self._bit_policy = AutoBits(self.config, model) if self.config.auto else None
+        self._bit_policy = make_bit_policy(self.config, model)
         self._decode_buffers = DecodeBuffers() if self.config.decode_buffers else None
-        # bits="auto": each quantized record's forward position (its slot index), for the saves that share
-        # it and for calibrate(); entries go with their records.
+        # Each quantized record's forward position (its slot index), for the saves that share it and for
+        # calibrate(); entries go with their records.
         self._record_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._calibration_pass: CalibrationPass | None = None
-        super().__init__(self._pack, self._unpack)
+        # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
+
+    # NOTE [ No reference cycle ]
+    # ``saved_tensors_hooks.__init__`` stores the two hooks on the object. Stored bound methods of the
+    # object itself would make every context a reference cycle, freed only by a full cyclic garbage
+    # collection, with its decode buffers and records: a new ``compress`` per step (``with
+    # daftrain.compress(bits=2):`` written in the loop) would grow memory step after step. The hooks
+    # are bound afresh on each ``__enter__`` instead: the graph's saved tensors hold them (and so this
+    # object) until backward frees them, and nothing else does.
+    @property
+    def pack_hook(self) -> Any:
+        return self._pack
+
+    @property
+    def unpack_hook(self) -> Any:
+        return self._unpack
 
     def __enter__(self) -> compress:  # type: ignore[override]
         self.step += 1
@@ -153,8 +168,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._raw_storages, self._kept_storages = set(), set()
         self._num_records = 0
         super().__enter__()
-        if self._bit_policy is not None:
-            self._bit_policy.enter(self.step)
+        self._bit_policy.enter(self.step)
         return self
 
     @property
@@ -167,15 +181,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self._bit_policy is not None:
-            self._bit_policy.exit()
+        self._bit_policy.exit()
         super().__exit__(exc_type, exc, tb)
         # The dedup table only matters within one forward pass; drop its keys (and their weak refs).
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
 
     # -- the hooks ---------------------------------------------------------------------------------
-    def _pack(self, t: torch.Tensor) -> torch.Tensor | SavedHandle:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | KeptTensor | SavedHandle:
         stats = self._stats
         stats.tensors_seen += 1
         stats.by_dtype[str(t.dtype).removeprefix("torch.")] += 1
@@ -189,6 +202,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             stats.raw_bytes += t.untyped_storage().nbytes()
         if decision.treatment is Treatment.KEEP:
             return self._keep(t, storage, decision)
+        source, expand_to = t, None
+        if is_expanded(t):  # NOTE [ Expanded views ] in records.py
+            t, expand_to = compact_expanded(t), t.shape
         dense = is_dense(t)
         key: _Key = (storage, t.dtype, t._version, t.storage_offset(), t.numel())
         if not dense:
@@ -201,21 +217,24 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 self._shared[record] = _SharedDecode()
             else:
                 shared.uses += 1
-            index = self._record_index.get(record) if self._bit_policy is not None else None
-            if index is not None:
-                self._bit_policy.note_saved_again(self.step, index, t)
+            index = self._record_index.get(record)
+            if index is not None:  # a quantized record: the policy notes which op saves it again
+                self._bit_policy.assign(self.step, index, t, t, decision.min_bits, saved_again=True)
         else:
             flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
             index = self._num_records
             record = self._make_record(flat, decision, t)
-            if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
+            if decision.treatment is Treatment.QUANTIZE:
                 self._record_index[record] = index
             self._records[key] = record
-        return SavedHandle(record, t.shape, t.stride(), dense)
+        return SavedHandle(record, t, dense, source, expand_to)
 
-    def _unpack(self, packed: torch.Tensor | SavedHandle) -> torch.Tensor:
+    def _unpack(self, packed: torch.Tensor | KeptTensor | SavedHandle) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, KeptTensor):
+            return packed.restore()
+        packed.check_version()
         if self._calibration_pass is not None:
             flat = packed.record.decode()
             index = self._record_index.get(packed.record)
@@ -233,41 +252,38 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         return packed.restore(flat)
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _keep(self, t: torch.Tensor, storage: StorageWeakRef, decision: Decision) -> torch.Tensor:
+    def _keep(self, t: torch.Tensor, storage: StorageWeakRef, decision: Decision) -> KeptTensor:
         self._stats.kept += 1
         self._stats.kept_reasons[decision.reason] += 1
         if storage not in self._kept_storages:
             self._kept_storages.add(storage)
             self._stats.kept_bytes += t.untyped_storage().nbytes()
-        # NOTE: detach(), not t: for a saved *output*, t's grad_fn owns the saved variable, and
-        # returning t itself would form a reference cycle that is never freed. Unpacking restores
-        # the grad_fn, and no data is copied.
-        return t.detach()
+        # NOTE [ Kept tensors are detached ]
+        # detach(), not t: for a saved *output*, t's grad_fn owns the saved variable, and returning t
+        # itself would form a reference cycle that is never freed. Unpacking restores the grad_fn, and
+        # no data is copied. The detached tensor shares t's version counter, so an in-place
+        # modification after the save is still detected (``KeptTensor.restore``).
+        return KeptTensor(t.detach(), t._version)
 
     def _make_record(self, flat: torch.Tensor, decision: Decision,
                      source: torch.Tensor | None = None) -> Record | PendingRecord:
         kind = _KINDS[decision.treatment]
-        bits = self.config.bits if isinstance(self.config.bits, int) else 1
-        if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
-            bits = self._bit_policy.bits_for(self.step, self._num_records, source, flat, decision.min_bits)
-            if bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
-                self._num_records += 1
-                exact = ExactRecord(flat, "auto")
-                self._account(self._stats, exact)
-                return exact
-        if kind == "quantize":
-            bits = max(bits, decision.min_bits)
         index = self._num_records
-        seed = record_seed(self._base_seed, self.step, index)
+        if decision.treatment is Treatment.QUANTIZE:
+            assignment = self._bit_policy.assign(self.step, index, source, flat, decision.min_bits)
+        else:  # bool masks and constants: stored exactly (encode ignores the bits), pooled by forward position
+            assignment = Assignment(1, float(index))
         self._num_records += 1
-        job = functools.partial(encode, kind=kind, bits=bits, group_size=self.config.group_size, seed=seed)
-        if self.pool is not None:
-            importance = None
-            if self._bit_policy is not None and decision.treatment is Treatment.QUANTIZE:
-                importance = self._bit_policy.importance_of(index, flat)
-            if importance is None:
-                importance = float(index)
-            job = functools.partial(_encode_into_pool, job, pool=self.pool, importance=importance, seed=seed)
+        if assignment.bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
+            exact = ExactRecord(flat, "auto")
+            self._account(self._stats, exact)
+            return exact
+        seed = record_seed(self._base_seed, self.step, index)
+        job = functools.partial(encode, kind=kind, bits=assignment.bits, group_size=self.config.group_size,
+                                seed=seed)
+        if self.pool is not None:  # NOTE [ Importance of a record in the pool ] in auto/policy.py
+            job = functools.partial(_encode_into_pool, job, pool=self.pool, importance=assignment.importance,
+                                    seed=seed)
         if self._packer is None:
             record = job(flat)
             self._account(self._stats, record)
@@ -284,15 +300,15 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 stats.kept_reasons[record.reason] += 1
                 stats.kept_bytes += record.nbytes
             else:
-                stats.compressed += isinstance(record, (QuantizedRecord, PagedQuantizedRecord))
-                stats.bool_packed += isinstance(record, (BoolRecord, PagedBoolRecord))
+                stats.compressed += not record.is_bool
+                stats.bool_packed += record.is_bool
                 stats.packed_bytes += record.nbytes
 
     # -- bits="auto" ------------------------------------------------------------------------------
     def report(self) -> AllocationReport | None:
         """``bits="auto"``: each saved tensor's importance and bits; ``str()`` is a table, ``.to_json()``
         JSON. ``None`` until the first step's backward has run, or with fixed bits."""
-        return self._bit_policy.report() if self._bit_policy is not None else None
+        return self._bit_policy.report()
 
     def calibrate(self, loss: torch.Tensor) -> dict[str, float]:
         """``bits="auto"``: measure how much gradient variance each class of saved tensors really adds,
@@ -303,56 +319,21 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         first one, every few hundred steps (each call costs a backward per class). Needs ``model``.
         Returns each measured class's correction factor; ``ctx.report()`` shows them.
         """
-        policy = self._bit_policy
-        if policy is None:
-            raise UnsupportedError("calibrate() corrects bits='auto''s importance estimate; this context has fixed bits")
-        if not policy.params:
-            raise UnsupportedError("calibrate() measures parameter gradients: create the context with compress(model=...)")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
-            raise InvalidArgumentError("calibrate() needs the scalar loss of a forward run under this context, "
-                             "before its backward")
-        targets = policy.calibration_targets()
-        group, seed = self.config.group_size, self._base_seed ^ _CALIBRATION_SEED
+        return calibrate(self._bit_policy, loss, step=self.step, group_size=self.config.group_size,
+                         base_seed=self._base_seed, install=self._install_calibration_pass)
 
-        def gradients(indices: dict[int, int]) -> tuple[list[torch.Tensor | None], CalibrationPass]:
-            calibration_pass = CalibrationPass(indices, group, seed, self.step)
-            self._calibration_pass, policy.calibrating = calibration_pass, True
-            try:
-                grads = torch.autograd.grad(loss, policy.params, retain_graph=True, allow_unused=True)
-            finally:
-                self._calibration_pass, policy.calibrating = None, False
-            return list(grads), calibration_pass
-
-        base, _ = gradients({})
-        factors: dict[str, float] = {}
-        perturbed = False
-        for cls, members in targets.items():
-            grads, done = gradients({key.index: key.numel for key, _ in members})
-            perturbed = perturbed or bool(done.noise)
-            predicted = math.fsum(s * done.noise.get(key.index, 0.0) for key, s in members)
-            measured = squared_distance(grads, base)
-            if predicted > 0 and measured > 0 and math.isfinite(measured):
-                factors[cls] = measured / predicted
-        if not perturbed:
-            raise UnsupportedError("calibrate() found none of the allocation's saved tensors in this loss's graph: "
-                               "compute the loss under this context, and call calibrate() before loss.backward()")
-        policy.set_calibration(factors)
-        return factors
+    def _install_calibration_pass(self, calibration_pass: CalibrationPass | None) -> None:
+        self._calibration_pass = calibration_pass
 
     def state_dict(self) -> dict[str, Any]:
         """The step counter and (``bits="auto"``) the bit allocation and its estimates, as plain Python
         values, so that a resumed run decides the same bits. Call it between steps."""
-        if self._bit_policy is not None:
-            return self._bit_policy.state_dict(self.step)
-        return AutoBits.fixed_state_dict(self.config, self.step)
+        return self._bit_policy.state_dict(self.step)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; a state from another model or config, or a corrupted one, raises
         ``StateDictError`` and changes nothing."""
-        if self._bit_policy is not None:
-            self.step = self._bit_policy.load_state_dict(state)
-        else:
-            self.step = AutoBits.load_fixed_state_dict(self.config, state)
+        self.step = self._bit_policy.load_state_dict(state)
 
     def close(self) -> None:
         """Stop the packer thread (asynchronous mode); the context cannot pack afterwards."""
@@ -360,18 +341,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._packer.close()
 
 
-# NOTE [ Importance of a record in the pool ]
-# With ``bits="auto"`` a quantized record's importance is the gradient variance its slot adds at
-# its allocated bits (``AutoBits.importance_of``): demoting any record scales its variance by the
-# same factor, so the records adding least variance go first. Otherwise (fixed bits, or before the
-# first allocation) the pool orders records by forward position: the earliest saved is the least
-# important. Backward needs it last, so a record demoted or spilled first is also the one with the
-# most time to be paged back in.
 def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, pool: PagePool, importance: float,
                       seed: int) -> Record:
-    return into_pool(job(flat), pool, importance, seed)
+    return job(flat).to_pool(pool, importance, seed)
 
-
-_CALIBRATION_SEED = 0x5EEDCA1B  # calibrate()'s noise draws differ from the records' rounding draws
 
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool"}

@@ -26,13 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..errors import DaftrainError
+from ..errors import InPlaceModificationError
 from .decode_buffers import DecodeBuffers
 from .records import PendingRecord, Record
-
-
-class InPlaceModificationError(DaftrainError, RuntimeError):
-    """A saved tensor was modified in place before the packer read it."""
 
 
 class AsyncPacker:
@@ -66,7 +62,7 @@ class AsyncPacker:
             self._pending_bytes += nbytes
             self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
         future = self._executor.submit(self._job, flat, version, encode)
-        record = PendingRecord(future, self._next_index, nbytes)
+        record = PendingRecord(future, self._next_index)
         self._records[self._next_index] = weakref.ref(record)
         self._next_index += 1
         return record

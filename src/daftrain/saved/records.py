@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import InPlaceModificationError
 from ..layout import PackedLayout
 
 if TYPE_CHECKING:
-    from ..pool.store import PagePool, PooledRecord
+    from ..pool import PagePool, PooledRecord
     from .decode_buffers import DecodeBuffers
 
 
@@ -24,39 +29,96 @@ def _dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits
     return out
 
 
-class QuantizedRecord:
-    """A float region quantized into the unified layout (``layout.py``)."""
-
-    __slots__ = ("__weakref__", "codes", "dtype", "layout", "lo", "scale")
-
-    def __init__(
-        self, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, layout: PackedLayout, dtype: torch.dtype
-    ) -> None:
-        self.codes, self.lo, self.scale, self.layout, self.dtype = codes, lo, scale, layout, dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes
-
-    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        ly = self.layout
-        return _dequantize(self.codes, self.lo, self.scale, ly.bits, ly.group_size, ly.numel, self.dtype, buffers)
+def bits_of(codes: torch.Tensor, group_size: int) -> int:
+    """The bit-width of quantized ``codes`` ([num_groups, group_size * bits / 8] bytes, ``layout.py``)."""
+    return codes.shape[1] * 8 // group_size
 
 
-class BoolRecord:
-    """A bool region stored 1 bit per value."""
+class InMemory:
+    """A record's payload tensors, held as they are."""
 
-    __slots__ = ("__weakref__", "numel", "packed")
+    __slots__ = ("parts",)
 
-    def __init__(self, packed: torch.Tensor, numel: int) -> None:
-        self.packed, self.numel = packed, numel
+    def __init__(self, parts: tuple[torch.Tensor, ...]) -> None:
+        self.parts = parts
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes
+        return sum(p.nbytes for p in self.parts)
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        yield self.parts
+
+
+class Paged:
+    """A record's payload in a ``PagePool``'s pages; the pool may demote or spill it (``PooledRecord``).
+    Its pages return to the pool when the record is freed."""
+
+    __slots__ = ("pooled",)
+
+    def __init__(self, pooled: PooledRecord) -> None:
+        self.pooled = pooled
+
+    @property
+    def nbytes(self) -> int:
+        return self.pooled.nbytes
+
+    def borrow(self) -> contextlib.AbstractContextManager[tuple[torch.Tensor, ...]]:
+        return self.pooled.borrow()
+
+
+Storage = InMemory | Paged
+
+
+class PackedRecord:
+    """One saved region packed in the unified layout (``layout.py``): quantized ``(codes, lo, scale)``
+    or, for bool tensors, a bitmap ``(packed,)``; its bytes in memory or in pool pages (``storage``).
+
+    A paged quantized record may be demoted by the pool to fewer bits: the bit-width is read from the
+    stored codes at each decode, so decoding always matches what the storage holds.
+    """
+
+    __slots__ = ("__weakref__", "dtype", "group_size", "is_bool", "numel", "storage")
+
+    def __init__(self, storage: Storage, *, is_bool: bool, numel: int, dtype: torch.dtype,
+                 group_size: int = 0) -> None:
+        self.storage, self.is_bool, self.numel = storage, is_bool, numel
+        self.dtype, self.group_size = dtype, group_size
+
+    @classmethod
+    def quantized(cls, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, layout: PackedLayout,
+                  dtype: torch.dtype) -> PackedRecord:
+        return cls(InMemory((codes, lo, scale)), is_bool=False, numel=layout.numel, dtype=dtype,
+                   group_size=layout.group_size)
+
+    @classmethod
+    def bitmap(cls, packed: torch.Tensor, numel: int) -> PackedRecord:
+        return cls(InMemory((packed,)), is_bool=True, numel=numel, dtype=torch.bool)
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.nbytes
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        return torch.ops.daftrain.unpack_bool(self.packed, self.numel)
+        with self.storage.borrow() as parts:
+            if self.is_bool:
+                return torch.ops.daftrain.unpack_bool(parts[0], self.numel)
+            codes, lo, scale = parts
+            bits = bits_of(codes, self.group_size)
+            return _dequantize(codes, lo, scale, bits, self.group_size, self.numel, self.dtype, buffers)
+
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> PackedRecord:
+        """The same record with its bytes copied into ``pool``'s pages (NOTE [ Importance of a record in
+        the pool ] in ``hooks.py``); a quantized record can then be demoted by ``demote_payload``."""
+        with self.storage.borrow() as parts:
+            if self.is_bool:
+                pooled = pool.store(parts, importance)
+            else:
+                demote = functools.partial(demote_payload, group_size=self.group_size, numel=self.numel, seed=seed)
+                pooled = pool.store(parts, importance, demote=demote)
+        return PackedRecord(Paged(pooled), is_bool=self.is_bool, numel=self.numel, dtype=self.dtype,
+                            group_size=self.group_size)
 
 
 class ExactRecord:
@@ -74,58 +136,22 @@ class ExactRecord:
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         return self.flat
 
-
-class PagedQuantizedRecord:
-    """A quantized record whose ``(codes, lo, scale)`` live in a ``PagePool``'s pages.
-
-    The pool may demote it to fewer bits (``demote_payload``) or spill it to a file when memory is
-    tight; the bit-width is read back from the stored codes' shape, so decoding always matches what
-    the pool holds. Its pages return to the pool when the record is freed (``PooledRecord.__del__``).
-    """
-
-    __slots__ = ("__weakref__", "dtype", "group_size", "numel", "pooled")
-
-    def __init__(self, pooled: PooledRecord, group_size: int, numel: int, dtype: torch.dtype) -> None:
-        self.pooled, self.group_size, self.numel, self.dtype = pooled, group_size, numel, dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.pooled.nbytes
-
-    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        with self.pooled.borrow() as (codes, lo, scale):
-            bits = codes.shape[1] * 8 // self.group_size
-            return _dequantize(codes, lo, scale, bits, self.group_size, self.numel, self.dtype, buffers)
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> ExactRecord:
+        return self  # exact records stay where they are
 
 
-class PagedBoolRecord:
-    """A bool record whose packed bits live in a ``PagePool``'s pages (never demoted: it is exact)."""
-
-    __slots__ = ("__weakref__", "numel", "pooled")
-
-    def __init__(self, pooled: PooledRecord, numel: int) -> None:
-        self.pooled, self.numel = pooled, numel
-
-    @property
-    def nbytes(self) -> int:
-        return self.pooled.nbytes
-
-    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        with self.pooled.borrow() as (packed,):
-            return torch.ops.daftrain.unpack_bool(packed, self.numel)
-
-
-Record = QuantizedRecord | BoolRecord | ExactRecord | PagedQuantizedRecord | PagedBoolRecord
+Record = PackedRecord | ExactRecord
 
 
 def demote_payload(
     payload: tuple[torch.Tensor, ...], *, group_size: int, numel: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(codes, lo, scale)`` at ``bits`` -> the same values re-quantized at ``bits // 2``, or ``None``
-    at 1 bit. Decoding is exact and re-quantizing rounds stochastically again, so a demoted record
-    is still an unbiased estimate of the activation, with the variance of both roundings."""
+    at 1 bit. A pure function of the layout: decoding is exact and re-quantizing rounds stochastically
+    again, so a demoted record is still an unbiased estimate of the activation, with the variance of
+    both roundings."""
     codes, lo, scale = payload
-    bits = codes.shape[1] * 8 // group_size
+    bits = bits_of(codes, group_size)
     if bits <= 1:
         return None
     values = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, torch.float32)
@@ -135,28 +161,13 @@ def demote_payload(
     return new
 
 
-def into_pool(record: Record, pool: PagePool, importance: float, seed: int) -> Record:
-    """Move a freshly packed record's bytes into ``pool`` (exact records stay where they are)."""
-    if isinstance(record, QuantizedRecord):
-        ly = record.layout
-
-        def demote(payload: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-            return demote_payload(payload, group_size=ly.group_size, numel=ly.numel, seed=seed)
-
-        pooled = pool.store((record.codes, record.lo, record.scale), importance, demote=demote)
-        return PagedQuantizedRecord(pooled, ly.group_size, ly.numel, record.dtype)
-    if isinstance(record, BoolRecord):
-        return PagedBoolRecord(pool.store((record.packed,), importance), record.numel)
-    return record
-
-
 def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int) -> Record:
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
     1-bit layout is exact, else keep) or ``"bool"``. Runs on the caller's or the packer's thread."""
     if kind == "bool":
-        return BoolRecord(torch.ops.daftrain.pack_bool(flat), flat.numel())
+        return PackedRecord.bitmap(torch.ops.daftrain.pack_bool(flat), flat.numel())
     if kind == "lossless":
-        # See NOTE [ Constants are stored losslessly or kept ] in policy.py.
+        # See NOTE [ Constants are stored losslessly or kept ] in decide.py.
         mn, mx, min_pos = torch.ops.daftrain.group_minmax(flat, group_size).unbind(1)
         if not bool(((mn == mx) | ((mn == 0) & (min_pos == mx))).all()):
             return ExactRecord(flat, "constant")
@@ -167,16 +178,16 @@ def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int)
     # are never silently replaced. The check reads num_groups values, not the tensor.
     if not bool(torch.isfinite(lo).all() and torch.isfinite(scale).all()):
         return ExactRecord(flat, "nonfinite")
-    return QuantizedRecord(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype)
+    return PackedRecord.quantized(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype)
 
 
 class PendingRecord:
     """A record still being packed on the packer thread; ``result()`` waits for it."""
 
-    __slots__ = ("__weakref__", "future", "index", "raw_nbytes")
+    __slots__ = ("__weakref__", "future", "index")
 
-    def __init__(self, future: Future[Record], index: int, raw_nbytes: int) -> None:
-        self.future, self.index, self.raw_nbytes = future, index, raw_nbytes
+    def __init__(self, future: Future[Record], index: int) -> None:
+        self.future, self.index = future, index
 
     def result(self) -> Record:
         return self.future.result()
@@ -189,22 +200,82 @@ class PendingRecord:
         return self.result().decode(buffers)
 
 
+def check_version(tensor: torch.Tensor, saved_version: int) -> None:
+    """Raise what plain PyTorch raises when a tensor saved for backward was modified in place since."""
+    if tensor._version != saved_version:
+        raise InPlaceModificationError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version "
+            f"{saved_version} instead. Hint: the tensor was modified in place after autograd saved it (under "
+            "daftrain.compress); compute on a clone, or do the in-place operation out of place."
+        )
+
+
+class KeptTensor:
+    """What the pack hook returns for a tensor kept as it is: the tensor (detached: see NOTE [ Kept tensors
+    are detached ]) and its version when saved, so that unpacking detects an in-place modification."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor, self.version = tensor, version
+
+    def restore(self) -> torch.Tensor:
+        # The detached tensor shares the original's version counter.
+        check_version(self.tensor, self.version)
+        return self.tensor
+
+
+# NOTE [ Expanded views ]
+# A saved tensor with a stride of 0 in some dimension of size > 1 (``expand``/``expand_as``, a key/value
+# head broadcast over query heads, a mask broadcast over channels) repeats its elements. It is packed
+# as its compact form (index 0 along each such dimension) and restored as that form expanded back to
+# the saved size: stored at its real size, and restored as a view with the same strides. A view whose
+# other strides make elements overlap (a hand-made ``as_strided``) cannot be written element by
+# element; it is restored as a contiguous tensor with the same values.
+def compact_expanded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its broadcast dimensions (size 1 where ``t`` has stride 0); ``t`` if it has none."""
+    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
+                  for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t[index]
+
+
+def is_expanded(t: torch.Tensor) -> bool:
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
 class SavedHandle:
     """What the pack hook returns for a packed tensor: a record plus the view to rebuild from it.
 
     ``dense`` handles index the record's flat region in memory order (``as_strided``), so one record
     serves every dense view of the same storage span; other views were packed from their contents
-    in logical order and are copied back into a tensor with the original strides.
+    in logical order and are copied back into a tensor with the original strides. ``expand_to`` is the
+    saved size of an expanded view packed in its compact form (NOTE [ Expanded views ]). ``source``
+    (a weak reference) and ``version`` let unpacking detect an in-place modification of the saved
+    tensor, as plain PyTorch does.
     """
 
-    __slots__ = ("dense", "record", "size", "stride")
+    __slots__ = ("dense", "expand_to", "overlapping", "record", "size", "source", "stride", "version")
 
-    def __init__(self, record: Record | PendingRecord, size: torch.Size, stride: tuple[int, ...], dense: bool) -> None:
-        self.record, self.size, self.stride, self.dense = record, size, stride, dense
+    def __init__(self, record: Record | PendingRecord, saved: torch.Tensor, dense: bool,
+                 source: torch.Tensor, expand_to: torch.Size | None = None) -> None:
+        self.record, self.size, self.stride, self.dense = record, saved.shape, saved.stride(), dense
+        self.overlapping = not dense and torch._debug_has_internal_overlap(saved) == 1
+        self.source, self.version, self.expand_to = weakref.ref(source), source._version, expand_to
+
+    def check_version(self) -> None:
+        """Raise if the saved tensor, still alive, was modified in place since it was saved."""
+        source = self.source()
+        if source is not None:
+            check_version(source, self.version)
 
     def restore(self, flat: torch.Tensor) -> torch.Tensor:
         """The saved view, rebuilt from its record's decoded flat region."""
         if self.dense:
-            return flat.as_strided(self.size, self.stride)
-        out = torch.empty_strided(self.size, self.stride, dtype=flat.dtype, device=flat.device)
-        return out.copy_(flat.view(self.size))
+            out = flat.as_strided(self.size, self.stride)
+        elif self.overlapping:
+            out = flat.view(self.size)
+        else:
+            out = torch.empty_strided(self.size, self.stride, dtype=flat.dtype, device=flat.device)
+            out.copy_(flat.view(self.size))
+        return out if self.expand_to is None else out.expand(self.expand_to)

@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from daftrain.budget.memory import SavedTensorCounter  # noqa: E402
+from daftrain.budget.memory import SavedBytesCounter  # noqa: E402
 from daftrain.demo.models.transformers_zoo import (  # noqa: E402
     bert_classifier,
     gpt2_lm,
@@ -90,7 +90,7 @@ def test_seed_reproducible_and_global_rng_untouched() -> None:
     state = torch.random.get_rng_state()
     a, b = _tiny_gpt2(), _tiny_gpt2()
     assert torch.equal(torch.random.get_rng_state(), state)
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
 
 
@@ -136,7 +136,7 @@ def test_eager_attention_saves_more_than_sdpa() -> None:
     saved = {}
     for impl in ("eager", "sdpa"):
         model = _tiny_gpt2(attn_implementation=impl, dropout=0.0)
-        with SavedTensorCounter() as counter:
+        with SavedBytesCounter() as counter:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         saved[impl] = counter.saved_bytes

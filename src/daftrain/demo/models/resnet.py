@@ -72,7 +72,7 @@ class ResNet(nn.Module):
         self.relu = nn.ReLU(inplace=False)
         in_planes = width
         stages: list[nn.Sequential] = []
-        for i, (planes, n) in enumerate(zip(widths, num_blocks)):
+        for i, (planes, n) in enumerate(zip(widths, num_blocks, strict=True)):
             stride = 1 if i == 0 else 2
             blocks: list[nn.Module] = []
             for s in [stride] + [1] * (n - 1):

@@ -1,0 +1,416 @@
+"""The bit policy a ``compress`` context consults once per quantized record: ``FixedBits`` for an integer
+``bits``, ``AutoBits`` for ``bits="auto"``.
+
+``AutoBits`` measures each saved tensor's importance on an *adaptation step* (the first step, every
+``adapt_interval`` steps, and the step after the saved tensors' shapes change; ``tracing.py``), then
+solves the bit allocation (``allocation.py``) that the following steps use (see ``NOTE [ Slots ]`` in
+``report.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from ..config import CompressionConfig
+from ..errors import InvalidArgumentError, UnsupportedError
+from ..layout import SUPPORTED_BITS
+from ..params import ParameterRegistry
+from .allocation import AllocationError, Choice, budget_for_avg_bits, choices_for, solve
+from .report import AllocationReport, SlotAllocation, SlotEstimate, SlotKey
+from .state import (
+    auto_config,
+    auto_state_dict,
+    fixed_state_dict,
+    load_fixed_state,
+    model_fingerprint,
+    parse_auto_state,
+    refuse,
+)
+from .tracing import Observation, SaveTracer, floor_bits, observe
+from .variance import GradProbe, check_variance
+
+__all__ = ["Assignment", "AutoBits", "BitPolicy", "FixedBits", "make_bit_policy"]
+
+
+class Assignment(NamedTuple):
+    """What a bit policy decides for one record."""
+
+    bits: int | None
+    """Bits to quantize it to (the treatment's floor applied); ``None`` keeps it exact."""
+    importance: float
+    """Where the page pool orders it (lower is demoted or spilled first); see
+    ``NOTE [ Importance of a record in the pool ]``."""
+
+
+class BitPolicy(Protocol):
+    """The bits of every quantized record of a ``compress`` context, and their persistence."""
+
+    def enter(self, step: int) -> None:
+        """The forward of ``step`` starts (this thread's)."""
+
+    def exit(self) -> None:
+        """This thread's forward ends."""
+
+    def assign(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int,
+               saved_again: bool = False) -> Assignment:
+        """The record at forward position ``index`` of ``step``: ``flat`` its values, ``source`` the
+        tensor autograd saved, ``min_bits`` the floor its treatment sets (``saved/decide.py``). With
+        ``saved_again`` the record exists already and another op saves it once more (only ``index``
+        and ``source`` are read, and the return value means nothing)."""
+        ...
+
+    def report(self) -> AllocationReport | None:
+        """The allocation in force (``None`` with fixed bits)."""
+        ...
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """Plain Python values from which ``load_state_dict`` restores the same decisions."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> int:
+        """Validate ``state`` completely, then apply it; returns its step. Nothing changes on error."""
+        ...
+
+
+def make_bit_policy(config: CompressionConfig, model: nn.Module | None = None) -> FixedBits | AutoBits:
+    """``AutoBits`` for ``bits="auto"``, else ``FixedBits``."""
+    return AutoBits(config, model) if config.auto else FixedBits(config)
+
+
+# NOTE [ Importance of a record in the pool ]
+# With ``bits="auto"`` a quantized record's importance is the gradient variance its slot adds at its
+# allocated bits: demoting any record scales its variance by the same factor, so the records adding
+# least variance go first. Otherwise (fixed bits, before the first allocation, or a slot the allocation
+# does not know) the pool orders records by forward position, ``float(index)``: the earliest saved is
+# the least important. Backward needs it last, so a record demoted or spilled first is also the one
+# with the most time to be paged back in. (Records that are not quantized, bool masks and constants,
+# are ordered by forward position too; ``saved/hooks.py`` does not consult the policy for them.)
+class FixedBits:
+    """The bit policy of an integer ``bits`` (or ``None``): every quantized record gets ``config.bits``."""
+
+    def __init__(self, config: CompressionConfig) -> None:
+        if config.auto:
+            raise InvalidArgumentError("FixedBits needs an integer CompressionConfig.bits (or None); use AutoBits "
+                                       "for bits='auto'")
+        self.config = config
+        self._bits = config.bits if isinstance(config.bits, int) else None
+
+    def enter(self, step: int) -> None:
+        """Nothing to do: fixed bits trace nothing."""
+
+    def exit(self) -> None:
+        """Nothing to do: fixed bits trace nothing."""
+
+    def assign(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int,
+               saved_again: bool = False) -> Assignment:
+        """``config.bits`` raised to ``min_bits``, importance ``float(index)``."""
+        bits = self._bits
+        return Assignment(None if bits is None else max(bits, min_bits), float(index))
+
+    def report(self) -> None:
+        """Fixed bits allocate nothing."""
+        return None
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The step counter (the rounding seeds follow it)."""
+        return fixed_state_dict(self.config, step)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> int:
+        """Validate a fixed-bits state; returns its step."""
+        return load_fixed_state(self.config, state)
+
+
+class AutoBits:
+    """The bit policy of ``compress(bits="auto")``; see the module docstring and the NOTEs it names.
+
+    Thread-safe: two threads may run their forwards (and backwards) under one context; see
+    ``NOTE [ One tracer per thread ]`` in ``tracing.py``."""
+
+    def __init__(self, config: CompressionConfig, model: nn.Module | None = None) -> None:
+        if not config.auto:
+            raise InvalidArgumentError(f"AutoBits needs CompressionConfig(bits='auto'), got bits={config.bits!r}")
+        self.config = config
+        self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        self._fingerprint = model_fingerprint(model) if model is not None else None
+        if config.budget_bytes is not None:
+            self.avg_bits: float | None = None
+            self._fallback = 1
+        else:
+            self.avg_bits = float(config.avg_bits) if config.avg_bits is not None else 2.0
+            self._fallback = max(b for b in SUPPORTED_BITS if b <= self.avg_bits)
+        self._lock = threading.RLock()
+        self._tracer = SaveTracer(ParameterRegistry(model))
+        self._step = -1
+        self._adapt_step = -1
+        self._next_adapt = 0
+        self._adapting = False
+        self._reestimate = False
+        self._observed: dict[SlotKey, Observation] = {}
+        self._by_index: dict[int, Observation] = {}
+        self._pending = False
+        self._bits: dict[SlotKey, int | None] = {}
+        self._report: AllocationReport | None = None
+        self._probe: GradProbe | None = None
+        self._grad_variance: float | None = None
+        self._slot_variance: tuple[AllocationReport, dict[SlotKey, float]] | None = None
+        self._calibration: dict[str, float] = {}
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The model's trainable parameters (empty without ``model``)."""
+        return self._params
+
+    # -- tracing the saving ops (adaptation steps) ---------------------------------------------------
+    def enter(self, step: int) -> None:
+        """The forward of ``step`` starts: trace it when it may adapt (see ``NOTE [ Importance estimate ]``)."""
+        with self._lock:
+            self._tracer.stop()
+            if step != self._step and self._pending and self._complete():
+                self._finalize()  # what the step's first record would do; its backward is over
+            may_adapt = (self._adapting if step == self._step
+                         else self._pending or self._reestimate or step >= self._next_adapt)
+            if may_adapt:
+                self._tracer.start()
+
+    def exit(self) -> None:
+        """This thread's forward ends: stop tracing it."""
+        self._tracer.stop()
+
+    @contextlib.contextmanager
+    def ignoring_gradients(self) -> Iterator[None]:
+        """Backward passes run inside do not count in the estimate (``compress.calibrate``'s extra passes)."""
+        with self._tracer.ignoring_gradients():
+            yield
+
+    # -- the per-record decision -------------------------------------------------------------------
+    def assign(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int,
+               saved_again: bool = False) -> Assignment:
+        """Bits and pool importance of the record at forward position ``index`` of ``step``; see
+        ``BitPolicy.assign``."""
+        with self._lock:
+            if saved_again:
+                self._note_saved_again(step, index, source)
+                return Assignment(None, float(index))
+            if step != self._step:
+                self._new_step(step)
+            key = SlotKey.of(index, flat)
+            if self._adapting:
+                self._observe(key, source, flat, min_bits)
+            bits = self._bits_for(key)
+            importance = self._importance_of(key)
+        return Assignment(None if bits is None else max(bits, min_bits),
+                          float(index) if importance is None else importance)
+
+    def _note_saved_again(self, step: int, index: int, source: torch.Tensor | None) -> None:
+        if self._adapting and step == self._step and self._tracer.active and source is not None:
+            obs = self._by_index.get(index)
+            if obs is not None:
+                self._tracer.note(obs, source)
+
+    def _bits_for(self, key: SlotKey) -> int | None:
+        if key in self._bits:
+            return self._bits[key]
+        if self._bits and not self._adapting:
+            self._reestimate = True  # shapes changed: see NOTE [ Slots ]
+        return self._fallback
+
+    def _importance_of(self, key: SlotKey) -> float | None:
+        """The estimated gradient variance the slot adds at its allocated bits (``None`` before the first
+        allocation, or for a slot it does not know); see ``NOTE [ Importance of a record in the pool ]``."""
+        report = self._report
+        if report is None:
+            return None
+        if self._slot_variance is None or self._slot_variance[0] is not report:
+            self._slot_variance = (report, {a.key: a.variance for a in report.slots})
+        return self._slot_variance[1].get(key)
+
+    def _new_step(self, step: int) -> None:
+        self._step = step
+        if self._pending:
+            self._finalize()
+        if self._probe is not None:
+            variance = self._probe.next_step()
+            if variance is not None:
+                self._probe = None
+                self._grad_variance = variance
+                if self._report is not None:
+                    self._report = check_variance(self._report, variance, self.config.variance_warning)
+        self._adapting = self._reestimate or step >= self._next_adapt
+        if self._adapting:
+            self._adapt_step = step
+            self._reestimate = False
+            self._observed, self._by_index = {}, {}
+            self._pending = True
+            if self._params and self._probe is None:
+                self._probe = GradProbe(self._params)
+
+    def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int) -> None:
+        obs = observe(key, source, flat, min_bits, self.config.group_size)
+        self._observed[key] = obs
+        self._by_index[key.index] = obs
+        if source is not None:
+            self._tracer.note(obs, source)
+
+    # -- allocation --------------------------------------------------------------------------------
+    def _complete(self) -> bool:
+        """True when the adaptation step's backward has delivered every gradient it will deliver."""
+        hooked = [o for o in self._observed.values() if o.hooked]
+        return bool(hooked) and all(o.grad_sq is not None for o in hooked)
+
+    def _finalize(self) -> None:
+        self._pending = False
+        observed = sorted(self._observed.values(), key=lambda o: o.key)
+        self._observed, self._by_index = {}, {}
+        if not observed:  # nothing to allocate this time (e.g. a pass that quantized nothing)
+            self._next_adapt = self._adapt_step + self.config.adapt_interval
+            return
+        if not any(o.grad_sq is not None for o in observed):
+            self._reestimate = True  # no backward ran after the adaptation step: try again
+            return
+        known = sorted(o.sensitivity for o in observed if o.grad_sq is not None)
+        default = known[len(known) // 2]
+        sens = []
+        for o in observed:
+            if o.grad_sq is not None:
+                sens.append(o.sensitivity)
+            else:  # saved by traced ops whose outputs got no gradient: its noise cannot reach one either
+                sens.append(0.0 if o.traced else default)
+        slots = [SlotEstimate(o.key, o.shape, o.itemsize, "+".join(o.ops), o.producer, o.grad_sq, o.noise, s,
+                              floor_bits(o.ops, o.min_bits, o.noise, o.activation_product))
+                 for o, s in zip(observed, sens, strict=True)]
+        next_adapt = self._adapt_step + self.config.adapt_interval
+        self._bits, self._report = self._solve(slots, self._adapt_step, next_adapt, self._grad_variance)
+        self._next_adapt = next_adapt
+
+    def _budget(self, numels: list[int]) -> int:
+        if self.config.budget_bytes is not None:
+            return self.config.budget_bytes
+        assert self.avg_bits is not None
+        return budget_for_avg_bits(numels, self.avg_bits, self.config.group_size)
+
+    def _solve(self, slots: list[SlotEstimate], estimated_at: int, next_adapt: int,
+               grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
+        """The allocation for ``slots`` under the calibration in force; pure."""
+        group = self.config.group_size
+        unmeasured = self._unmeasured_calibration()
+        factors = [self._calibration.get(e.slot_class, unmeasured) for e in slots]
+
+        def choices(floored: bool) -> list[tuple[Choice, ...]]:
+            return [choices_for(e.key.numel, e.itemsize, group, e.noise, e.sensitivity * f,
+                                min_bits=e.min_bits if floored else 1)
+                    for e, f in zip(slots, factors, strict=True)]
+
+        items = choices(floored=True)
+        budget = self._budget([e.key.numel for e in slots])
+        if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
+            items = choices(floored=False)
+        solution = solve(items, budget)
+        allocated = []
+        for e, f, c, pick in zip(slots, factors, items, solution.picks, strict=True):
+            ch = c[pick]
+            estimate = {field.name: getattr(e, field.name) for field in dataclasses.fields(SlotEstimate)}
+            allocated.append(SlotAllocation(**estimate, calibration=f, bits=ch.bits, nbytes=ch.nbytes,
+                                            variance=ch.variance))
+        report = AllocationReport(estimated_at, next_adapt, budget, solution.nbytes, tuple(allocated),
+                                  solution.variance, grad_variance)
+        return {a.key: a.bits for a in allocated}, report
+
+    # -- calibration (see NOTE [ Calibration ] in calibration.py) -----------------------------------
+    def _unmeasured_calibration(self) -> float:
+        """The correction of a slot class never measured: the geometric median of the measured ones,
+        1.0 before any calibration."""
+        if not self._calibration:
+            return 1.0
+        logs = sorted(math.log(f) for f in self._calibration.values())
+        mid = len(logs) // 2
+        return math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2)
+
+    def calibration_targets(self) -> dict[str, list[tuple[SlotKey, float]]]:
+        """Slots of the allocation in force by class: ``(key, analytic sensitivity)``."""
+        report = self.report()
+        if report is None:
+            raise UnsupportedError("calibrate() needs an allocation first: call it on a step after the first "
+                                   "step's backward (bits='auto' estimates importance on that step)")
+        targets: dict[str, list[tuple[SlotKey, float]]] = {}
+        for a in report.slots:
+            targets.setdefault(a.slot_class, []).append((a.key, a.sensitivity))
+        return targets
+
+    def set_calibration(self, factors: Mapping[str, float]) -> None:
+        """Adopt measured class corrections and re-solve the allocation in force with them."""
+        for cls, f in factors.items():
+            if not (isinstance(f, float) and math.isfinite(f) and f > 0):
+                raise InvalidArgumentError(f"calibration of {cls!r} must be a positive finite float, got {f!r}")
+        with self._lock:
+            self._calibration.update(factors)
+            report = self._report
+            if report is not None:
+                self._bits, self._report = self._solve(list(report.slots), report.estimated_at_step,
+                                                       report.next_adapt_step, self._grad_variance)
+
+    # -- visibility and persistence ----------------------------------------------------------------
+    def report(self) -> AllocationReport | None:
+        """The allocation in force (``None`` before the first adaptation step's backward)."""
+        with self._lock:
+            if self._pending and self._complete():
+                self._finalize()
+            return self._report
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The allocation in force and the estimates it follows from; see ``state.py``."""
+        with self._lock:
+            if self._pending:
+                if not self._complete():
+                    raise UnsupportedError(
+                        "state_dict() was called between the forward and the backward of an adaptation step; "
+                        "call it after loss.backward() so the saved state holds that step's estimate"
+                    )
+                self._finalize()
+            return auto_state_dict(step=step, config=self._config_dict(), fingerprint=self._fingerprint,
+                                   next_adapt=self._next_adapt, reestimate=self._reestimate, report=self._report,
+                                   grad_variance=self._grad_variance, calibration=self._calibration)
+
+    def _config_dict(self) -> dict[str, Any]:
+        return auto_config(self.config, self.avg_bits)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> int:
+        """Validate ``state`` completely (``state.parse_auto_state``), check that its bits follow from its
+        estimates, then apply it; returns its step. Nothing changes on error."""
+        parsed = parse_auto_state(state, config=self._config_dict(), fingerprint=self._fingerprint)
+        with self._lock:
+            keys = {e.key for e, _ in parsed.slots}
+            if self._bits and parsed.slots and set(self._bits) != keys:
+                raise refuse("its slots (saved tensors) differ from the ones this context has seen; "
+                             "it belongs to another model")
+            bits: dict[SlotKey, int | None] = {}
+            report = None
+            current = self._calibration
+            self._calibration = parsed.calibration
+            try:
+                if parsed.slots:
+                    assert parsed.estimated_at is not None
+                    try:
+                        bits, report = self._solve([e for e, _ in parsed.slots], parsed.estimated_at,
+                                                   parsed.next_adapt, parsed.grad_variance)
+                    except AllocationError:
+                        raise refuse("its slots do not fit its budget (corrupted, or saved by another daftrain "
+                                     "version)") from None
+                    if bits != {e.key: b for e, b in parsed.slots}:
+                        raise refuse("its bits do not follow from its importance estimates (corrupted, or "
+                                     "saved by another daftrain version)")
+            except BaseException:
+                self._calibration = current
+                raise
+            self._bits, self._report, self._grad_variance = bits, report, parsed.grad_variance
+            self._next_adapt, self._reestimate = parsed.next_adapt, parsed.reestimate
+            self._step = parsed.step
+            self._pending, self._observed, self._by_index, self._adapting = False, {}, {}, False
+            return parsed.step

@@ -1,0 +1,103 @@
+"""Batches as the budgeted step sees them: their size, slices of them, and what a mean loss counts.
+
+A batch is a tensor, or a tuple/list/dict (nested) holding tensors whose dim 0 is the sample
+dimension; anything else in it (strings, flags) is passed to every slice as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ArgumentTypeError
+
+__all__ = ["CountFn", "balanced_sizes", "batch_size", "head_copy", "split_batch", "token_count"]
+
+CountFn = Callable[[Any], int | torch.Tensor]
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: dim 0 of its first tensor."""
+    t = _first_tensor(batch)
+    if t is None or t.dim() == 0:
+        raise ArgumentTypeError(
+            f"a batch must be a tensor, or a tuple/list/dict holding tensors with a batch dimension (dim 0), got "
+            f"{type(batch).__name__}{' holding only a 0-d tensor' if t is not None else ''}; pass the samples as "
+            "tensors of shape (batch, ...)")
+    return int(t.shape[0])
+
+
+def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
+    """Split every tensor of ``batch`` along dim 0 into slices of ``sizes`` (views, no copy).
+
+    Tuples, lists and dicts are split recursively; anything else is passed to every slice as is.
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return [batch] * len(sizes)
+        return list(torch.split(batch, list(sizes)))
+    if isinstance(batch, Mapping):
+        parts = {k: split_batch(v, sizes) for k, v in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(len(sizes))]
+    if isinstance(batch, (list, tuple)):
+        parts_l = [split_batch(v, sizes) for v in batch]
+        out = [[p[i] for p in parts_l] for i in range(len(sizes))]
+        if hasattr(batch, "_fields"):  # namedtuple
+            return [type(batch)(*o) for o in out]
+        return [type(batch)(o) for o in out]
+    return [batch] * len(sizes)
+
+
+def head_copy(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of ``batch`` as a copy with its own storage (so storage-based byte
+    counts see the slice, not the whole batch it views)."""
+    total = batch_size(batch)
+    part = split_batch(batch, [n, total - n])[0] if n < total else batch
+    return _clone(part)
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, Mapping):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        items = [_clone(v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
+
+
+def balanced_sizes(total: int, k: int) -> list[int]:
+    """``total`` samples in ``k`` slices whose sizes differ by at most one, the larger ones first."""
+    base, extra = divmod(total, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def token_count(labels_key: str | int = "labels", *, ignore_index: int = -100, shift: bool = True) -> CountFn:
+    """A ``count`` for per-token mean losses: non-ignored labels, after the causal shift by one.
+
+    ``labels_key`` indexes the batch (a dict key or a tuple position). With ``shift=True`` the first
+    position of each sequence is not counted (as in Hugging Face causal-LM losses).
+    """
+    def count(batch: Any) -> torch.Tensor:
+        labels = batch[labels_key]
+        if shift:
+            labels = labels[..., 1:]
+        return (labels != ignore_index).sum()
+
+    return count

@@ -1,0 +1,53 @@
+"""Compress the saved activations of every training forward of a module, without touching the loop."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ArgumentTypeError, UnsupportedError
+from ..saved import compress
+
+__all__ = ["compress_forward"]
+
+
+# NOTE [ Compressing a module's forward ]
+# Trainers own the loop, so daftrain cannot put ``with ctx:`` around the forward itself. Wrapping the
+# module's ``forward`` (the instance attribute, so one module is affected, and distributed wrappers
+# such as DDP, which call ``module.forward``, see the wrapped one) enters the context for exactly one
+# forward, which is a step of the context (stats, bit allocation, pool step), and leaves it before the
+# trainer's backward. Forwards that save nothing (evaluation, ``no_grad``) skip the context, so they
+# neither count as steps nor pay for it.
+def compress_forward(module: nn.Module, ctx: compress) -> Callable[[], None]:
+    """Run every training forward of ``module`` under ``ctx``; returns a function that undoes it."""
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(ctx, compress):
+        raise ArgumentTypeError(f"ctx must be a daftrain.compress context, got {type(ctx).__name__}")
+    if getattr(module.forward, "__daftrain_ctx__", None) is not None:
+        raise UnsupportedError("this module's forward is already compressed by daftrain: undo that first "
+                               "(call the function compress_forward returned) or reuse its context")
+    original = module.forward
+    had_instance_attr = "forward" in module.__dict__
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        with ctx:
+            return original(*args, **kwargs)
+
+    forward.__daftrain_ctx__ = ctx  # type: ignore[attr-defined]
+    module.forward = forward  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if had_instance_attr:
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            module.__dict__.pop("forward", None)
+
+    return undo

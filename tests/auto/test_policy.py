@@ -1,0 +1,60 @@
+"""The ``BitPolicy`` API: one ``assign`` per record, for fixed bits and for ``bits="auto"``."""
+
+import pytest
+import torch
+from torch import nn
+
+import daftrain
+from daftrain.auto import Assignment, AutoBits, BitPolicy, FixedBits, StateDictError, make_bit_policy
+from daftrain.config import CompressionConfig
+
+
+def test_make_bit_policy_picks_by_config():
+    assert isinstance(make_bit_policy(CompressionConfig(bits=4)), FixedBits)
+    assert isinstance(make_bit_policy(CompressionConfig(bits=None)), FixedBits)
+    assert isinstance(make_bit_policy(CompressionConfig(bits="auto")), AutoBits)
+    with pytest.raises(ValueError, match="bits='auto'"):
+        AutoBits(CompressionConfig(bits=2))
+    with pytest.raises(ValueError, match="AutoBits"):
+        FixedBits(CompressionConfig(bits="auto"))
+
+
+def test_fixed_bits_assign_report_and_state():
+    policy: BitPolicy = FixedBits(CompressionConfig(bits=2, group_size=64))
+    flat = torch.randn(256)
+    policy.enter(0)
+    assert policy.assign(0, 5, flat, flat, 1) == Assignment(2, 5.0)
+    assert policy.assign(0, 6, flat, flat, 8) == Assignment(8, 6.0)  # the treatment's floor wins
+    policy.exit()
+    assert policy.report() is None
+    state = policy.state_dict(3)
+    assert policy.load_state_dict(state) == 3
+    with pytest.raises(StateDictError, match="saved with"):
+        FixedBits(CompressionConfig(bits=4, group_size=64)).load_state_dict(state)
+
+
+def test_auto_bits_assign_before_and_after_the_first_allocation():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 10))
+    ctx = daftrain.compress(bits="auto", avg_bits=4.0, model=model, seed=3, min_numel=0, adapt_interval=10**6)
+    policy = ctx._bit_policy
+    assert isinstance(policy, AutoBits)
+    flat = torch.randn(32 * 64)
+    # before any allocation: the fallback bits (avg_bits rounded down), importance = forward position
+    assert policy.assign(ctx.step, 0, None, flat, 1) == Assignment(4, 0.0)
+    assert policy.assign(ctx.step, 0, None, flat, 8).bits == 8
+    x = torch.randn(32, 16)
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    report = ctx.report()
+    assert report is not None
+    for slot in report.slots:  # the allocation in force, with the slot's variance as its importance
+        values = torch.randn(slot.key.numel, dtype=getattr(torch, slot.key.dtype))
+        got = policy.assign(ctx.step, slot.key.index, None, values, 1)
+        assert got.bits == slot.bits and got.importance == slot.variance
+    # a slot the allocation does not know: fallback bits, forward position
+    assert policy.assign(ctx.step, 99, None, torch.randn(7), 1) == Assignment(4, 99.0)
+    # a record saved again outside an adaptation step changes nothing
+    policy.assign(ctx.step, 0, flat, flat, 1, saved_again=True)
+    assert ctx.report() is report

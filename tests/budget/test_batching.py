@@ -1,0 +1,55 @@
+"""Batches: their size, slices and copies of them, balanced micro-batches, token counts."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+from daftrain.budget.batching import balanced_sizes, batch_size, head_copy, split_batch, token_count
+from daftrain.errors import ArgumentTypeError
+
+
+def test_split_batch_structures():
+    x, y = torch.arange(10).view(5, 2), torch.arange(5)
+    parts = split_batch({"a": x, "b": (y, "tag")}, [2, 3])
+    assert parts[1]["a"].shape == (3, 2) and parts[1]["b"][1] == "tag"
+    assert parts[0]["a"].data_ptr() == x.data_ptr()  # views, no copy
+
+
+def test_split_batch_keeps_namedtuples_and_scalars():
+    Pair = namedtuple("Pair", "x scale")
+    parts = split_batch(Pair(torch.arange(6), torch.tensor(2.0)), [4, 2])
+    assert isinstance(parts[1], Pair) and parts[1].x.tolist() == [4, 5] and parts[1].scale.item() == 2.0
+
+
+def test_batch_size_reads_the_first_tensor():
+    assert batch_size({"ids": torch.zeros(7, 3), "labels": torch.zeros(7)}) == 7
+    assert batch_size(("tag", [torch.zeros(5, 2)])) == 5
+    assert batch_size(torch.zeros(0, 4)) == 0
+
+
+@pytest.mark.parametrize("bad", [{"tag": "x"}, torch.tensor(3.0), 12])
+def test_batch_size_names_the_batch_and_what_to_pass(bad):
+    with pytest.raises(ArgumentTypeError, match=r"batch .*pass the samples as tensors of shape \(batch, \.\.\.\)"):
+        batch_size(bad)
+
+
+def test_head_copy_owns_its_storage():
+    x = torch.arange(12.0).view(6, 2)
+    head = head_copy((x, "tag"), 2)
+    assert torch.equal(head[0], x[:2]) and head[1] == "tag"
+    assert head[0].untyped_storage().nbytes() == 2 * 2 * 4  # the slice, not the whole batch
+    assert head_copy(x, 10).shape == (6, 2)
+
+
+@pytest.mark.parametrize(("total", "k", "sizes"), [(10, 3, [4, 3, 3]), (8, 4, [2, 2, 2, 2]), (3, 3, [1, 1, 1])])
+def test_balanced_sizes(total, k, sizes):
+    assert balanced_sizes(total, k) == sizes
+
+
+def test_token_count_after_the_shift():
+    labels = torch.tensor([[1, 2, -100, 4], [-100, -100, 3, 3]])
+    assert token_count()({"labels": labels}).item() == 4  # columns 1..3: 2, -100, 4 / -100, 3, 3
+    assert token_count(1, shift=False)((None, labels)).item() == 5
