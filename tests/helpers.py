@@ -21,3 +21,21 @@ def grads_of(module: torch.nn.Module, *extra: torch.Tensor) -> torch.Tensor:
     parts = [p.grad.flatten() for p in module.parameters() if p.grad is not None]
     parts += [t.grad.flatten() for t in extra]
     return torch.cat(parts)
+
+
+def saving_probe(seen: list[tuple[torch.Tensor, ...]]) -> type[torch.autograd.Function]:
+    """An autograd Function that saves its inputs for backward and, in backward, appends what it gets
+    back (``ctx.saved_tensors``, restored through whatever saved-tensor hooks were active) to ``seen``."""
+
+    class SavingProbe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            ctx.save_for_backward(*inputs)
+            return sum(x.sum() for x in inputs)
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
+            seen.append(ctx.saved_tensors)
+            return (None,) * len(ctx.saved_tensors)
+
+    return SavingProbe

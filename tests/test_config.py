@@ -32,14 +32,14 @@ def test_supported_bits(bits):
         ({"seed": -5}, ValueError, "seed"),
         ({"bits": "Auto"}, ValueError, "bits must be one of"),
         ({"bits": 2, "avg_bits": 2.0}, ValueError, "only apply with bits='auto'"),
-        ({"bits": None, "budget_bytes": 1000}, ValueError, "only apply with bits='auto'"),
-        ({"bits": "auto", "avg_bits": 2.0, "budget_bytes": 1000}, ValueError, "not both"),
+        ({"bits": None, "packed_bytes": 1000}, ValueError, "only apply with bits='auto'"),
+        ({"bits": "auto", "avg_bits": 2.0, "packed_bytes": 1000}, ValueError, "not both"),
         ({"bits": "auto", "avg_bits": 0.5}, ValueError, "avg_bits must be a number in"),
         ({"bits": "auto", "avg_bits": 33}, ValueError, "avg_bits must be a number in"),
         ({"bits": "auto", "avg_bits": True}, ValueError, "avg_bits must be a number in"),
         ({"bits": "auto", "avg_bits": "2"}, ValueError, "avg_bits must be a number in"),
-        ({"bits": "auto", "budget_bytes": 0}, ValueError, "budget_bytes must be a positive int"),
-        ({"bits": "auto", "budget_bytes": 10.5}, ValueError, "budget_bytes must be a positive int"),
+        ({"bits": "auto", "packed_bytes": 0}, ValueError, "packed_bytes must be a positive int"),
+        ({"bits": "auto", "packed_bytes": 10.5}, ValueError, "packed_bytes must be a positive int"),
         ({"bits": "auto", "adapt_interval": 0}, ValueError, "adapt_interval"),
         ({"bits": "auto", "variance_warning": 0}, ValueError, "variance_warning"),
     ],
@@ -52,6 +52,6 @@ def test_bad_values_are_rejected_with_a_clear_message(kwargs, error, message):
 def test_auto_bits_config():
     cfg = CompressionConfig(bits="auto", avg_bits=2.5, adapt_interval=50)
     assert cfg.auto and (cfg.avg_bits, cfg.adapt_interval) == (2.5, 50)
-    assert CompressionConfig(bits="auto", budget_bytes=1 << 20).budget_bytes == 1 << 20
+    assert CompressionConfig(bits="auto", packed_bytes=1 << 20).packed_bytes == 1 << 20
     assert CompressionConfig(bits="auto").avg_bits is None  # means 2.0, see importance.py
     assert not CompressionConfig(bits=2).auto

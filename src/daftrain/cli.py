@@ -13,6 +13,10 @@ from collections.abc import Callable, Sequence
 from .errors import InvalidArgumentError
 
 
+class FlagError(InvalidArgumentError, argparse.ArgumentTypeError):
+    """A command-line value daftrain cannot use; argparse prints it as a usage error (exit status 2)."""
+
+
 def _field_type(field: dataclasses.Field, check: Callable[[str, object], None]) -> Callable[[str], object]:
     """argparse ``type=`` for one field: parse the text as the field's type, then ``check(name, value)``;
     an invalid value becomes an argparse error naming the flag (exit status 2)."""
@@ -22,12 +26,12 @@ def _field_type(field: dataclasses.Field, check: Callable[[str, object], None]) 
         try:
             value = parse(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{field.name} must be {'an integer' if parse is int else 'a number'}, "
-                                             f"got {text!r}") from None
+            raise FlagError(f"{field.name} must be {'an integer' if parse is int else 'a number'}, "
+                             f"got {text!r}") from None
         try:
             check(field.name, value)
         except InvalidArgumentError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+            raise FlagError(str(exc)) from None
         return value
 
     convert.__name__ = parse.__name__
@@ -69,7 +73,7 @@ def _json_path(text: str) -> str:
     try:
         prepare_json_path(text)
     except InvalidArgumentError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise FlagError(str(exc)) from None
     return text
 
 

@@ -28,7 +28,7 @@ class CompressionConfig:
     bits: int | str | None = 2
     """Bits per value for float activations: 1, 2, 4 or 8; ``None`` keeps every tensor exact;
     ``"auto"`` picks each tensor's bits (1, 2, 4, 8 or exact) from its importance under the
-    ``avg_bits`` or ``budget_bytes`` budget (see ``importance.py``)."""
+    ``avg_bits`` or ``packed_bytes`` target (see ``auto/policy.py``)."""
 
     group_size: int = 256
     """Values that share one (min, scale) pair. A multiple of 32, so each group's codes fill whole
@@ -55,9 +55,9 @@ class CompressionConfig:
     avg_bits: float | None = None
     """``bits="auto"`` only: the budget as average bits per value over the tensors it allocates, counted
     with the real layout's per-group overhead (``avg_bits=2.0`` costs exactly the bytes of fixed 2-bit).
-    ``None`` with no ``budget_bytes`` means 2.0."""
+    ``None`` with no ``packed_bytes`` means 2.0."""
 
-    budget_bytes: int | None = None
+    packed_bytes: int | None = None
     """``bits="auto"`` only: the budget in bytes of packed records per forward pass, instead of ``avg_bits``."""
 
     adapt_interval: int = 100
@@ -98,12 +98,12 @@ class CompressionConfig:
 
     def _check_auto(self) -> None:
         auto = self.bits == AUTO_BITS
-        if not auto and (self.avg_bits is not None or self.budget_bytes is not None):
+        if not auto and (self.avg_bits is not None or self.packed_bytes is not None):
             raise InvalidArgumentError(
-                f"avg_bits and budget_bytes only apply with bits={AUTO_BITS!r}, got bits={self.bits!r}"
+                f"avg_bits and packed_bytes only apply with bits={AUTO_BITS!r}, got bits={self.bits!r}"
             )
-        if self.avg_bits is not None and self.budget_bytes is not None:
-            raise InvalidArgumentError("give the budget as avg_bits or as budget_bytes, not both")
+        if self.avg_bits is not None and self.packed_bytes is not None:
+            raise InvalidArgumentError("give the target as avg_bits or as packed_bytes, not both")
         if self.avg_bits is not None and (
             isinstance(self.avg_bits, bool) or not isinstance(self.avg_bits, int | float)
             or not MIN_AVG_BITS <= self.avg_bits <= MAX_AVG_BITS
@@ -111,10 +111,10 @@ class CompressionConfig:
             raise InvalidArgumentError(
                 f"avg_bits must be a number in [{MIN_AVG_BITS}, {MAX_AVG_BITS}], got {self.avg_bits!r}"
             )
-        if self.budget_bytes is not None and (
-            isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
+        if self.packed_bytes is not None and (
+            isinstance(self.packed_bytes, bool) or not isinstance(self.packed_bytes, int) or self.packed_bytes <= 0
         ):
-            raise InvalidArgumentError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
+            raise InvalidArgumentError(f"packed_bytes must be a positive int, got {self.packed_bytes!r}")
         interval = self.adapt_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise InvalidArgumentError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")

@@ -63,10 +63,10 @@ def test_allocation_stays_within_the_budget_and_is_visible_as_table_and_json():
     train(model, ctx, 2)
     report = ctx.report()
     assert report is not None and report.slots
-    assert report.used_bytes <= report.budget_bytes
+    assert report.used_bytes <= report.target_bytes
     assert {s.bits for s in report.slots} <= {1, 2, 4, 8, None}
     table = str(report)
-    assert "sensitivity" in table and "budget bytes" in table
+    assert "sensitivity" in table and "target bytes" in table
     assert len(table.splitlines()) == len(report.slots) + 2
     loaded = json.loads(report.to_json())
     assert [s["bits"] for s in loaded["slots"]] == [s.bits for s in report.slots]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import grads_of, sqnr_db
+from helpers import grads_of, saving_probe, sqnr_db
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -231,19 +231,8 @@ def test_shared_record_is_decoded_once_per_backward(monkeypatch: pytest.MonkeyPa
 
 
 def test_views_share_a_record_and_get_their_strides_back():
-    seen = {}
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            ctx.save_for_backward(a, b)
-            return a.sum() + b.sum()
-
-        @staticmethod
-        def backward(ctx, grad):
-            a, b = ctx.saved_tensors
-            seen["a"], seen["b"] = a, b
-            return torch.ones_like(a) * grad, torch.ones_like(b) * grad
+    saved = []
+    Probe = saving_probe(saved)
 
     base = torch.randn(8, 64, 32, requires_grad=True)
     h = base * 2.0
@@ -251,6 +240,7 @@ def test_views_share_a_record_and_get_their_strides_back():
     b = h.view(8 * 64, 32)  # same span
     with daftrain.compress(bits=8) as ctx:
         Probe.apply(a, b).backward()
+    seen = dict(zip("ab", saved[0], strict=True))
     assert ctx.stats.compressed == 1 and ctx.stats.deduplicated == 1
     assert seen["a"].shape == a.shape and seen["a"].stride() == a.stride()
     assert seen["b"].shape == b.shape and seen["b"].stride() == b.stride()
@@ -259,24 +249,15 @@ def test_views_share_a_record_and_get_their_strides_back():
 
 
 def test_channels_last_and_sliced_views_come_back_with_their_layout():
-    seen = {}
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            ctx.save_for_backward(a, b)
-            return a.sum() + b.sum()
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen["a"], seen["b"] = ctx.saved_tensors
-            return None, None
+    saved = []
+    Probe = saving_probe(saved)
 
     h = torch.randn(4, 32, 16, 16, requires_grad=True) * 1.0
     a = h.contiguous(memory_format=torch.channels_last)
     b = h[:, ::2, 3:11]  # a view with gaps: packed from its contents
     with daftrain.compress(bits=8, min_numel=0):
         Probe.apply(a, b).backward()
+    seen = dict(zip("ab", saved[0], strict=True))
     assert seen["a"].stride() == a.stride() and seen["a"].is_contiguous(memory_format=torch.channels_last)
     assert seen["b"].shape == b.shape and seen["b"].stride() == b.stride()
     assert seen["b"].dtype == b.dtype and seen["b"].device == b.device
@@ -285,17 +266,7 @@ def test_channels_last_and_sliced_views_come_back_with_their_layout():
 
 def test_in_place_change_between_saves_is_packed_again():
     seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a):
-            ctx.save_for_backward(a)
-            return a.sum()
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(ctx.saved_tensors[0].clone())
-            return None
+    Probe = saving_probe(seen)
 
     h = torch.randn(64, 128, requires_grad=True) * 1.0
     before = h.detach().clone()
@@ -308,7 +279,7 @@ def test_in_place_change_between_saves_is_packed_again():
     # The second save, made after the modification, restores its own (new) values ...
     s2.backward(retain_graph=True)
     step = (before.max() - before.min()).item() / 255  # 8-bit step bound of the first save
-    assert torch.allclose(seen[0], before * 10, atol=10.1 * step)
+    assert torch.allclose(seen[0][0], before * 10, atol=10.1 * step)
     # ... and the first, modified since it was saved, raises as plain PyTorch does.
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         s1.backward()

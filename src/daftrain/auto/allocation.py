@@ -165,7 +165,7 @@ def solve(items: Sequence[Sequence[Choice]], budget: int) -> Solution:
     if used > budget:
         raise AllocationError(
             f"the budget of {budget} bytes is below the {used} bytes the saved tensors take at their fewest "
-            f"bits ({len(items)} tensors); raise avg_bits/budget_bytes or save fewer activations "
+            f"bits ({len(items)} tensors); raise avg_bits/packed_bytes or save fewer activations "
             "(e.g. with torch.utils.checkpoint)"
         )
     heap: list[tuple[float, int]] = []

@@ -140,7 +140,7 @@ class AutoBits:
         self.config = config
         self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self._fingerprint = model_fingerprint(model) if model is not None else None
-        if config.budget_bytes is not None:
+        if config.packed_bytes is not None:
             self.avg_bits: float | None = None
             self._fallback = 1
         else:
@@ -291,8 +291,8 @@ class AutoBits:
         self._next_adapt = next_adapt
 
     def _budget(self, numels: list[int]) -> int:
-        if self.config.budget_bytes is not None:
-            return self.config.budget_bytes
+        if self.config.packed_bytes is not None:
+            return self.config.packed_bytes
         assert self.avg_bits is not None
         return budget_for_avg_bits(numels, self.avg_bits, self.config.group_size)
 

@@ -21,7 +21,7 @@ __all__ = ["AllocationReport", "SlotAllocation", "SlotEstimate", "SlotKey"]
 # code path saves the same sequence, so slot ``i`` is the same layer's same saved tensor every step. A
 # slot whose ``(numel, dtype)`` differs from the allocation's, or an index past its end, means the
 # shapes changed (another batch size or sequence length): that tensor gets the fallback bits
-# (``avg_bits`` rounded down to a supported width; 1 with ``budget_bytes``) and the next step
+# (``avg_bits`` rounded down to a supported width; 1 with ``target_bytes``) and the next step
 # re-estimates. A ragged last batch therefore costs two re-estimations per epoch; drop it to avoid them.
 @dataclass(frozen=True, order=True)
 class SlotKey:
@@ -80,7 +80,7 @@ class AllocationReport:
 
     estimated_at_step: int
     next_adapt_step: int
-    budget_bytes: int
+    target_bytes: int
     used_bytes: int
     slots: tuple[SlotAllocation, ...]
     quant_variance: float
@@ -104,7 +104,7 @@ class AllocationReport:
         """Plain Python values, one entry per slot."""
         return {
             "estimated_at_step": self.estimated_at_step, "next_adapt_step": self.next_adapt_step,
-            "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes, "avg_bits": self.avg_bits,
+            "target_bytes": self.target_bytes, "used_bytes": self.used_bytes, "avg_bits": self.avg_bits,
             "quant_variance": self.quant_variance, "grad_variance": self.grad_variance,
             "variance_share": self.variance_share,
             "slots": [
@@ -130,7 +130,7 @@ class AllocationReport:
                          f"{s.variance:>10.3e}")
         share = self.variance_share
         lines.append(
-            f"{len(self.slots)} slots, {self.used_bytes:,} of {self.budget_bytes:,} budget bytes "
+            f"{len(self.slots)} slots, {self.used_bytes:,} of {self.target_bytes:,} target bytes "
             f"({self.avg_bits:.2f} bits/value); est. quantization variance {self.quant_variance:.3e}"
             + (f", {share:.1%} of the gradient variance" if share is not None else "")
             + f"; estimated at step {self.estimated_at_step}, next at {self.next_adapt_step}"

@@ -125,7 +125,7 @@ def load_fixed_state(config: CompressionConfig, state: Mapping[str, Any]) -> int
 # -- bits="auto" -----------------------------------------------------------------------------------
 def auto_config(config: CompressionConfig, avg_bits: float | None) -> dict[str, Any]:
     """The part of an auto context's config its state must match (``avg_bits`` as resolved)."""
-    return {"group_size": config.group_size, "avg_bits": avg_bits, "budget_bytes": config.budget_bytes,
+    return {"group_size": config.group_size, "avg_bits": avg_bits, "packed_bytes": config.packed_bytes,
             "adapt_interval": config.adapt_interval}
 
 

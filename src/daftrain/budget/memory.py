@@ -146,11 +146,11 @@ def format_bytes(n: int | float, *, round_up: bool = False) -> str:
     value = abs(value)
     if value < 1000:
         return f"{sign}{int(value)} B"
-    for unit in _SI_UNITS:
+    for unit in _SI_UNITS[:-1]:
         value /= 1000.0
-        if value < 999.95 or unit == "TB":
+        if value < 999.95:
             return f"{sign}{value:.1f} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
+    return f"{sign}{value / 1000.0:.1f} {_SI_UNITS[-1]}"  # the last unit takes any larger value
 
 
 def _format_bytes_up(n: int | float) -> str:
@@ -159,11 +159,10 @@ def _format_bytes_up(n: int | float) -> str:
     if b < 1000:
         return f"{sign}{b} B"
     for k, unit in enumerate(_SI_UNITS, start=1):
-        tenth = 10 ** (3 * k - 1)  # integer arithmetic: no float rounding down
-        tenths = -(-b // tenth)
-        if tenths <= 9999 or unit == "TB":
-            return f"{sign}{tenths // 10}.{tenths % 10} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
+        tenths = -(-b // 10 ** (3 * k - 1))  # integer arithmetic: no float rounding down
+        if tenths <= 9999 or k == len(_SI_UNITS):  # the last unit takes any larger value
+            break
+    return f"{sign}{tenths // 10}.{tenths % 10} {unit}"
 
 
 # -- meters ------------------------------------------------------------------------------------------

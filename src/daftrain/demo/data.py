@@ -16,13 +16,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import InvalidArgumentError
+from ..errors import DaftrainError, InvalidArgumentError
 
 __all__ = [
     "DEFAULT_FASHION_MNIST_ROOT",
     "FASHION_MNIST_MEAN",
     "FASHION_MNIST_STD",
     "DatasetInfo",
+    "DatasetNotFoundError",
     "image_dataset",
     "load_fashion_mnist",
 ]
@@ -47,6 +48,10 @@ _DIGITS_SEED = 0
 _DIGITS_TRAIN_FRACTION = 0.8
 
 
+class DatasetNotFoundError(DaftrainError, FileNotFoundError):
+    """The data set's files are not installed; the message says how to install them."""
+
+
 def _split_prefix(split: str) -> str:
     try:
         return _SPLIT_PREFIX[split]
@@ -63,7 +68,7 @@ def _read_idx(root: Path, name: str) -> bytes:
             return f.read()
     if raw.is_file():
         return raw.read_bytes()
-    raise FileNotFoundError(f"Fashion-MNIST file {gz} not found; {_INSTALL_HINT}")
+    raise DatasetNotFoundError(f"Fashion-MNIST file {gz} not found; {_INSTALL_HINT}")
 
 
 def _parse_idx(data: bytes, magic: int, ndim: int, path: str) -> np.ndarray:
@@ -98,7 +103,7 @@ def load_fashion_mnist(
     prefix = _split_prefix(split)
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"Fashion-MNIST directory {root} does not exist; {_INSTALL_HINT}")
+        raise DatasetNotFoundError(f"Fashion-MNIST directory {root} does not exist; {_INSTALL_HINT}")
     img_name = f"{prefix}-images-idx3-ubyte.gz"
     lbl_name = f"{prefix}-labels-idx1-ubyte.gz"
     images = _parse_idx(_read_idx(root, img_name), _IMAGES_MAGIC, 3, str(root / img_name))
@@ -249,7 +254,7 @@ def image_dataset(
     try:
         import sklearn.datasets  # noqa: F401
     except ImportError:
-        raise FileNotFoundError(
+        raise DatasetNotFoundError(
             f"no image data available: {missing}. Fix one of: (1) `apt-get install "
             "dataset-fashion-mnist` for Fashion-MNIST (preferred), or (2) `pip install "
             "scikit-learn` for the 8x8 digits fallback."
