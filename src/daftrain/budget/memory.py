@@ -160,7 +160,7 @@ def _format_bytes_up(n: int | float) -> str:
         return f"{sign}{b} B"
     for k, unit in enumerate(_SI_UNITS, start=1):
         tenths = -(-b // 10 ** (3 * k - 1))  # integer arithmetic: no float rounding down
-        if tenths <= 9999 or k == len(_SI_UNITS):  # the last unit takes any larger value
+        if tenths <= 9999 or unit == _SI_UNITS[-1]:  # the last unit takes any larger value
             break
     return f"{sign}{tenths // 10}.{tenths % 10} {unit}"
 

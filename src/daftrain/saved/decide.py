@@ -43,13 +43,11 @@ class Decision:
 # Stochastic rounding makes a saved tensor unbiased, and a backward that is linear in it (matmul,
 # convolution, ReLU's mask) then gives an unbiased gradient. log_softmax's backward computes
 # ``exp(y)`` of the output it saves: rounding noise turns into bias there, and at 2 bits a
-# log-probability range of ~30 nats has steps of ~10 nats, of which ``exp`` is no estimate at all.
-# A character-level GPT-2 (2 layers, 80 steps on the King James Bible) reached validation loss
-# 2.716 with every tensor at 2 bits against 2.583 in FP32, and 2.578 with log_softmax's output at 8
-# bits (step ~0.12 nats: a bias under 0.2%). softmax (``y * (g - sum(g * y))``) and tanh
-# (``1 - y**2``) are quadratic in bounded outputs; flooring them too moved that loss by only 0.01
-# while costing GPT-2 small's attention probabilities and MLP activations 4x their bytes, so they
-# stay with the configured bits.
+# log-probability range of ~30 nats has steps of ~10 nats, of which ``exp`` is no estimate at all;
+# at 8 bits the step is ~0.12 nats. softmax (``y * (g - sum(g * y))``) and tanh (``1 - y**2``) are
+# quadratic in bounded outputs: flooring them too barely moved the loss while costing attention
+# probabilities and MLP activations 4x their bytes, so they stay with the configured bits. The
+# measurements are in docs/saved.md ("Nonlinear backward").
 NONLINEAR_MIN_BITS = 8
 _NONLINEAR_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
 
