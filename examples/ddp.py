@@ -2,17 +2,23 @@
 
     python -m torch.distributed.run --nproc_per_node 2 examples/ddp.py --steps 5
     python -m torch.distributed.run --nproc_per_node 2 examples/ddp.py --budgeted --budget 2GB
+    python -m torch.distributed.run --nproc_per_node 2 examples/ddp.py --budgeted --bits none \
+        --budget +64MB,+64MB --budget-from 1:+64MB,+4MB --count-allreduce
 
 Each rank trains on its shard of every batch; DDP averages the gradients, so every rank ends with the
 same parameters as one process training on the whole batch. With ``--budgeted`` a ``BudgetedStep``
 runs each step: the ranks agree on one plan, and micro-batches skip the gradient all-reduce until the
-last one (``no_sync``). ``--out`` saves rank 0's final parameters.
+last one (``no_sync``). ``--budget`` takes one budget for every rank or one per rank
+(comma-separated); ``+4MB`` means 4 MB above what the process holds when each step starts.
+``--budget-from STEP:BUDGETS`` changes them from that step on. ``--count-allreduce`` counts DDP's
+gradient all-reduces with a comm hook. ``--out`` saves rank 0's final parameters.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,10 +34,27 @@ def make_model() -> nn.Module:
     )
 
 
-def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(steps: int, batch: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g))
+    return [(torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g))
             for _ in range(steps)]
+
+
+def rank_budget(spec: str, rank: int) -> Callable[[], int | str]:
+    """This rank's entry of a comma-separated budget list (one entry: every rank); ``+X`` is X above the
+    process's resident memory when the budget is read (at the start of each step)."""
+    entries = spec.split(",")
+    entry = entries[rank] if len(entries) > 1 else entries[0]
+    if entry.startswith("+"):
+        extra = daftrain.Budget(entry[1:]).bytes()
+        return lambda: resident_bytes() + extra
+    return lambda: entry
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main() -> None:
@@ -40,7 +63,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32, help="the global batch, split over the ranks")
     ap.add_argument("--bits", default="2", help="1, 2, 4, 8 or none")
     ap.add_argument("--budgeted", action="store_true", help="run each step through a BudgetedStep")
-    ap.add_argument("--budget", default="4GB")
+    ap.add_argument("--budget", default="4GB", help="one budget, or one per rank: '4GB' or '+64MB,+4MB'")
+    ap.add_argument("--budget-from", default=None, help="STEP:BUDGETS, the budgets from that step on")
+    ap.add_argument("--no-checkpoint", action="store_true", help="plans use micro-batches and bits only")
+    ap.add_argument("--count-allreduce", action="store_true", help="count gradient all-reduces (comm hook)")
+    ap.add_argument("--image-size", type=int, default=16)
     ap.add_argument("--out", help="save rank 0's final parameters here")
     args = ap.parse_args()
     bits = None if args.bits == "none" else int(args.bits)
@@ -51,8 +78,17 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(0)
     model = make_model()
+    allreduces = [0]
     if distributed:
         model = nn.parallel.DistributedDataParallel(model)
+        if args.count_allreduce:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
+                allreduces[0] += 1
+                return allreduce_hook(None, bucket)
+
+            model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     shard = args.batch_size // world
 
@@ -60,13 +96,23 @@ def main() -> None:
         return nn.functional.cross_entropy(m(b[0]), b[1])
 
     if args.budgeted:
-        step = daftrain.BudgetedStep(model, loss_fn, optimizer, budget=args.budget,
+        current = {"budget": rank_budget(args.budget, rank)}
+        planner = daftrain.PlannerConfig(bits=(None,) if bits is None else (None, bits),
+                                         checkpoint=not args.no_checkpoint)
+        step = daftrain.BudgetedStep(model, loss_fn, optimizer, budget=lambda: current["budget"](), config=planner,
                                      compression=daftrain.CompressionConfig(bits=bits))
     ctx = daftrain.compress(bits=bits, model=model)
-    for x, y in batches(args.steps, args.batch_size):
+    for i, (x, y) in enumerate(batches(args.steps, args.batch_size, args.image_size)):
         local = (x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
         if args.budgeted:
+            if args.budget_from and i == int(args.budget_from.split(":")[0]):
+                current["budget"] = rank_budget(args.budget_from.split(":", 1)[1], rank)
             step(local)
+            rec = step.history[-1]
+            own = rec.rank_plan if rec.rank_plan is not None else rec.plan
+            print(f"rank {rank}: step {i} own k={own.num_micro_batches} bits={own.bits} "
+                  f"ckpt={len(own.checkpointed)} | run k={rec.plan.num_micro_batches} bits={rec.plan.bits} "
+                  f"ckpt={','.join(rec.plan.checkpointed)}", flush=True)
             continue
         with ctx:
             loss = loss_fn(model, local)
@@ -81,6 +127,8 @@ def main() -> None:
         print(f"rank {rank}: parameters identical on all {world} ranks: {same}")
         if args.budgeted:
             print(f"rank {rank}: plan {step.plan}")
+        if args.count_allreduce:
+            print(f"rank {rank}: gradient all-reduces {allreduces[0]} in {args.steps} steps")
     if rank == 0 and args.out:
         torch.save(params, args.out)
     if distributed:

@@ -26,7 +26,7 @@ from .kernels import load_fast_kernels as _load_fast_kernels
 from .kernels import ops as _ops  # registers the daftrain:: custom ops
 from .layout import LayoutError, PackedLayout
 from .pool import AdaptiveGrowth, FixedGrowth, PagePool, PoolBudgetError, PoolConfig, PoolError, TrackingGrowth
-from .saved import CompressionStats, InPlaceModificationError, compress
+from .saved import CompileFallbackWarning, CompressionStats, InPlaceModificationError, compress
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,7 @@ __all__ = [
     "BudgetError",
     "BudgetTooSmallError",
     "BudgetedStep",
+    "CompileFallbackWarning",
     "CompressionConfig",
     "CompressionStats",
     "DaftrainError",

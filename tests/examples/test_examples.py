@@ -31,3 +31,10 @@ def test_hf_trainer():
 def test_lightning_fit():
     out = _run("lightning_fit.py", "--steps", "2", "--batch-size", "16")
     assert "quantized" in out
+
+
+def test_compile():
+    out = _run("compile.py", "--steps", "3", "--batch-size", "16", "--backend", "aot_eager")
+    assert "loss" in out
+    quantized = int(out.split("compiled graphs:")[1].split(";")[1].split()[0])
+    assert quantized > 0, out

@@ -166,12 +166,31 @@ def test_opcheck():
     x = torch.randn(1000)
     opcheck(Q.group_minmax.default, (x, 256))
     opcheck(Q.quantize_pack.default, (x, 2, 256, 5))
+    opcheck(Q.quantize_pack_seeded.default, (x, 2, 256, torch.tensor(5)))
     codes, lo, scale = Q.quantize_pack(x, 2, 256, 5)
     opcheck(Q.unpack_dequantize.default, (codes, lo, scale, 2, 256, 1000, torch.float32))
     opcheck(Q.unpack_dequantize_into.default, (torch.empty(1000), codes, lo, scale, 2, 256))
     m = x > 0
     opcheck(Q.pack_bool.default, (m,))
     opcheck(Q.unpack_bool.default, (Q.pack_bool(m), 1000))
+
+
+@pytest.mark.parametrize("backend", ["fast", "reference"])
+def test_quantize_pack_seeded_writes_the_bytes_of_quantize_pack(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tensor-seeded variant (compiled graphs draw its seed) is byte-identical to ``quantize_pack`` with
+    ``int(seed)``, seeds past 32 bits included (both use the low 32 bits), with each kernel; a bad seed raises."""
+    from daftrain.kernels import registry
+
+    if backend == "reference":
+        monkeypatch.setattr(registry._status, "cpu", "reference")
+    x = torch.randn(10_001) * 3
+    for bits in (1, 2, 4, 8):
+        for seed in (0, 12345, (1 << 32) + 7, (1 << 62) + 3):
+            expected = Q.quantize_pack(x, bits, 256, seed)
+            got = Q.quantize_pack_seeded(x, bits, 256, torch.tensor(seed))
+            assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), (bits, seed)
+    with pytest.raises(RuntimeError, match="seed must be a 0-d int64 CPU tensor"):
+        Q.quantize_pack_seeded(x, 2, 256, torch.tensor([1, 2]))
 
 
 def test_unpack_into_bumps_the_version_of_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,8 +220,8 @@ def test_the_op_table_is_what_every_backend_registers():
     from daftrain.kernels import cpu, ops, registry
     from daftrain.kernels.reduction import ReductionSelector
 
-    assert set(ops.OPS) == {"group_minmax", "quantize_pack", "unpack_dequantize", "unpack_dequantize_into",
-                            "pack_bool", "unpack_bool"}
+    assert set(ops.OPS) == {"group_minmax", "quantize_pack", "quantize_pack_seeded", "unpack_dequantize",
+                            "unpack_dequantize_into", "pack_bool", "unpack_bool"}
     assert registry.load_fast_kernels().cpu == "numba"
     assert set(cpu.make_kernels(ReductionSelector("cpu", cpu.STRATEGIES))) == set(ops.OPS)
     for name, op in ops.OPS.items():

@@ -40,6 +40,34 @@ def test_a_context_per_step_is_freed_without_the_cyclic_collector(kwargs):
     assert alive == 0, f"{alive} of 5 contexts still alive after their graphs were freed"
 
 
+_FIRST_CONTEXT = """
+import gc, sys, weakref
+import torch
+from torch import nn
+import daftrain
+gc.disable()  # from the start: the first forward of the process runs without the cyclic collector
+model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+refs = []
+for _ in range(3):
+    ctx = daftrain.compress(bits=int(sys.argv[1]), model=model)
+    refs.append(weakref.ref(ctx))
+    with ctx:
+        loss = model(torch.randn(64, 128)).sum()
+    loss.backward()
+    del ctx, loss
+print([r() is not None for r in refs])
+"""
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_the_first_context_of_a_process_is_freed_without_the_cyclic_collector(bits):
+    """NOTE [ No Dynamo guard on the kernels ] in kernels/registry.py: a one-time import during the first
+    pack once left a self-referring frame whose ``f_back`` chain held the first context."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_CONTEXT, str(bits)], check=True, capture_output=True,
+                         text=True, timeout=300).stdout
+    assert out.strip().splitlines()[-1] == "[False, False, False]", out
+
+
 def test_the_context_stays_alive_while_its_graph_needs_it():
     model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
     x = torch.randn(64, 128)

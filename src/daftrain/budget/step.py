@@ -27,6 +27,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..saved.hooks import compress
 from .batching import CountFn, balanced_sizes, batch_size, split_batch
 from .budgets import Budget, tighten_allocator
+from .distributed import agree_plan, ddp_of, grad_sync, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
 from .planner import Plan, PlannerConfig, Profile, plan_step
 from .probe import LossFn, Prober
@@ -47,6 +48,12 @@ __all__ = ["BudgetedStep", "StepRecord"]
 #    checkpointed, backward of ``loss * share``; then ``optimizer.step()`` and ``zero_grad(set_to_none)``.
 # 4. Correct: the measured peak of the accumulation phase corrects the memory model (``alpha``) and the
 #    measured optimizer-step peak replaces its estimate.
+
+# NOTE [ One all-reduce per step ]
+# Under ``DistributedDataParallel`` every micro-batch but the last runs under ``no_sync()``: its
+# gradients accumulate in ``.grad`` locally, and the last micro-batch's backward all-reduces the
+# accumulated sums once, as DDP documents for gradient accumulation. Slices that a mean loss counts
+# nothing in are skipped, but never all of them: a rank must join the all-reduce once per step.
 
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
@@ -71,6 +78,9 @@ class StepRecord:
     step_s: float
     loss: float
     replanned: bool
+    rank_plan: Plan | None = None
+    """Under ``DistributedDataParallel``: the plan this rank would have run alone, before the ranks
+    agreed on ``plan`` (NOTE [ Agreeing on one plan ] in distributed.py); ``None`` otherwise."""
 
 
 class BudgetedStep:
@@ -92,6 +102,11 @@ class BudgetedStep:
             step, see ``inplace_activations``).
         tune_allocator: fix glibc's mmap threshold so RSS follows live memory (see
             ``budget.tighten_allocator``; process-wide).
+
+    Under ``DistributedDataParallel`` every call is a collective: all ranks agree on one plan, each
+    staying under its own budget, and micro-batches all-reduce gradients once, after the last of them
+    (see docs/budget.md, "Distributed"). ``loss_fn`` must call the model it is given (probes pass the
+    wrapped module, which never communicates).
 
     Raises:
         BudgetTooSmallError: from a call, when even the leanest plan cannot fit the budget read then.
@@ -121,9 +136,11 @@ class BudgetedStep:
             raise ArgumentTypeError(f"BudgetedStep compression must be a CompressionConfig, got "
                                     f"{type(compression).__name__}; pass e.g. CompressionConfig(group_size=64)")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self._ddp = ddp_of(model)
+        local = unwrap(model)
         self.budget = budget if isinstance(budget, Budget) else Budget(budget)
         self.config = config if config is not None else PlannerConfig()
-        self.segments = dict(segments) if segments is not None else find_segments(model)
+        self.segments = dict(segments) if segments is not None else find_segments(local)
         self.count = count if count is not None else batch_size
         self.reduction = reduction
         self._compression = compression if compression is not None else CompressionConfig()
@@ -134,7 +151,7 @@ class BudgetedStep:
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._meter = meter_for(self.device)
-        self._prober = Prober(model, loss_fn, optimizer, self.segments, self.config, self._compression, self._meter)
+        self._prober = Prober(local, loss_fn, optimizer, self.segments, self.config, self._compression, self._meter)
         self._warned_bn = False
         self.inplace = inplace and not self._compression.asynchronous  # async packing reads tensors later
         if tune_allocator and self.device.type == "cpu":
@@ -154,17 +171,34 @@ class BudgetedStep:
             raise InvalidArgumentError(
                 "the batch given to BudgetedStep has 0 samples (dim 0 of its first tensor is 0), and a step "
                 "needs at least one; skip empty batches before calling the step")
-        # 1. measure
-        budget = self.budget.bytes()
-        start_rss = self._meter.start()
-        persistent = start_rss + missing_state_bytes(self.model, self.optimizer)
-        if self.profile is None or self.profile.batch_size != samples:
-            self.profile, self.inplace = self._prober.probe(batch, budget, persistent, inplace=self.inplace)
+        budget = start_rss = persistent = 0
+        own: Plan | None = None
+        try:
+            # 1. measure
+            budget = self.budget.bytes()
             start_rss = self._meter.start()
             persistent = start_rss + missing_state_bytes(self.model, self.optimizer)
-        # 2. plan
-        plan = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent, config=self.config,
-                         alpha=self.alpha)
+            if self.profile is None or self.profile.batch_size != samples:
+                self.profile, self.inplace = self._prober.probe(batch, budget, persistent, inplace=self.inplace)
+                start_rss = self._meter.start()
+                persistent = start_rss + missing_state_bytes(self.model, self.optimizer)
+            # 2. plan
+            own = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent, config=self.config,
+                            alpha=self.alpha)
+        except Exception as exc:
+            if self._ddp is None:
+                raise
+            error: BaseException | None = exc
+        else:
+            error = None
+        if self._ddp is None:
+            assert own is not None
+            plan, rank_plan = own, None
+        else:  # every rank reaches this collective, also one that failed above
+            plan = agree_plan(own, error, profile=self.profile, budget_bytes=budget, persistent_bytes=persistent,
+                              config=self.config, alpha=self.alpha, segment_names=list(self.segments),
+                              group=self._ddp.process_group)
+            rank_plan = own
         replanned = self.plan is None or (plan.micro_batch_size, plan.checkpointed, plan.bits) != (
             self.plan.micro_batch_size, self.plan.checkpointed, self.plan.bits)
         self.plan = plan
@@ -183,7 +217,7 @@ class BudgetedStep:
         # 4. correct
         self._correct_model(plan, acc_peak - start_rss - missing_grads, opt_peak - opt_start - new_state)
         record = StepRecord(len(self.history), budget, plan, max(acc_peak, opt_peak), start_rss, step_s, loss,
-                            replanned)
+                            replanned, rank_plan)
         self.history.append(record)
         return loss
 
@@ -226,19 +260,22 @@ class BudgetedStep:
 
     def _accumulate(self, batch: Any, plan: Plan) -> float:
         """Forward+backward of ``plan``'s micro-batches, each loss weighted by its share of the batch
-        (NOTE [ Micro-batching keeps the math ]); return the full-batch loss."""
+        (NOTE [ Micro-batching keeps the math ]); return the full-batch loss. Under DDP only the last
+        micro-batch run all-reduces the gradients (NOTE [ One all-reduce per step ])."""
         self.optimizer.zero_grad(set_to_none=True)
         parts = split_batch(batch, balanced_sizes(plan.batch_size, plan.num_micro_batches))
         counts = [float(self.count(p)) for p in parts] if self.reduction == "mean" else [1.0] * len(parts)
         total = sum(counts) if self.reduction == "mean" else 1.0
+        run = [i for i, c in enumerate(counts) if self.reduction == "sum" or c > 0]
+        if not run and self._ddp is not None:
+            run = [len(parts) - 1]  # the all-reduce must still happen once on this rank, with weight 0
         value = 0.0
-        for part, c in zip(parts, counts, strict=True):
-            if self.reduction == "mean" and c == 0:
-                continue  # nothing counted in this slice: it contributes no gradient
-            w = c / total if self.reduction == "mean" else 1.0
-            with checkpointing(self.segments, plan.checkpointed), self._inplace(), self._context(plan.bits):
-                loss = self.loss_fn(self.model, part)
-            (loss * w).backward()
+        for i in run:
+            w = counts[i] / total if self.reduction == "mean" and total > 0 else float(self.reduction == "sum")
+            with grad_sync(self._ddp, i == run[-1]):
+                with checkpointing(self.segments, plan.checkpointed), self._inplace(), self._context(plan.bits):
+                    loss = self.loss_fn(self.model, parts[i])
+                (loss * w).backward()
             value += float(loss.detach()) * w
             del loss  # free the graph's last references before the next slice
         return value

@@ -1160,8 +1160,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
                 _quantize_per_group(xb, n, group_size, bits, seed32, codes_np, lo_np, sc_np, _chunks(ng, nt))
         return codes, lo, scale
 
-    return {fn.__name__: fn for fn in (group_minmax, quantize_pack, unpack_dequantize, unpack_dequantize_into,
-                                       pack_bool, unpack_bool)}
+    return {fn.__name__: fn for fn in (group_minmax, quantize_pack, reference.seeded(quantize_pack), unpack_dequantize,
+                                       unpack_dequantize_into, pack_bool, unpack_bool)}
 
 
 def unpack_dequantize_into(

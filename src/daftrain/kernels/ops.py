@@ -22,7 +22,7 @@ from . import reference
 
 __all__ = [
     "OPS", "KernelArgumentError", "KernelDtypeError", "Op", "group_minmax", "pack_bool", "quantize_pack",
-    "unpack_bool", "unpack_dequantize", "unpack_dequantize_into",
+    "quantize_pack_seeded", "unpack_bool", "unpack_dequantize", "unpack_dequantize_into",
 ]
 
 
@@ -106,6 +106,15 @@ def _check_quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int)
     PackedLayout(bits, group_size, x.numel())
 
 
+def _check_quantize_pack_seeded(x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor) -> None:
+    _check_float(x)
+    PackedLayout(bits, group_size, x.numel())
+    _require(
+        seed.dim() == 0 and seed.dtype == torch.int64 and seed.device.type == "cpu",
+        lambda: f"seed must be a 0-d int64 CPU tensor, got {seed.dim()}-d {seed.dtype} on {seed.device}",
+    )
+
+
 def _check_unpack(
     codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
     dtype: torch.dtype,
@@ -163,6 +172,12 @@ def _fake_quantize_pack(
     )
 
 
+def _fake_quantize_pack_seeded(
+    x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fake_quantize_pack(x, bits, group_size, 0)
+
+
 def _fake_unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype):  # type: ignore[no-untyped-def]
     return codes.new_empty(numel, dtype=dtype)
 
@@ -192,6 +207,15 @@ quantize_pack = Op(
 """Quantize flat ``x`` per group with stochastic rounding and bit-pack it: ``(codes uint8
 [num_groups, group_size*bits/8], lo float32 [num_groups], scale bfloat16 [num_groups])`` in the
 unified layout (``layout.py``)."""
+
+quantize_pack_seeded = Op(
+    "quantize_pack_seeded(Tensor x, int bits, int group_size, Tensor seed) -> (Tensor, Tensor, Tensor)",
+    check=_check_quantize_pack_seeded, fake=_fake_quantize_pack_seeded, reference=reference.quantize_pack_seeded,
+)
+"""``quantize_pack`` with the seed in a 0-d int64 CPU tensor: the same bytes as ``quantize_pack(x, bits,
+group_size, int(seed))``. Inside a compiled graph the seed is drawn by the graph on every call
+(``NOTE [ A fresh seed per compiled call ]`` in ``saved/compiled.py``); an ``int`` argument would be a
+constant baked into the graph."""
 
 unpack_dequantize = Op(
     "unpack_dequantize(Tensor codes, Tensor lo, Tensor scale, int bits, int group_size, int numel, "

@@ -160,6 +160,24 @@ def quantize_pack(
     return codes, lo, scale
 
 
+def seeded(
+    quantize: Callable[[torch.Tensor, int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> Callable[[torch.Tensor, int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``quantize_pack_seeded`` of a backend from its ``quantize_pack``: the seed is read from its 0-d
+    tensor (on the CPU: no device synchronisation) and the bytes are ``quantize``'s."""
+
+    def quantize_pack_seeded(
+        x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``quantize_pack(x, bits, group_size, int(seed))``."""
+        return quantize(x, bits, group_size, int(seed))
+
+    return quantize_pack_seeded
+
+
+quantize_pack_seeded = seeded(quantize_pack)
+
+
 def unpack_dequantize_into(
     out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
 ) -> None:

@@ -121,6 +121,18 @@ BACKENDS = (CPU, CUDA)
 _lock = threading.Lock()
 _status: KernelStatus | None = None
 _selectors: dict[str, Any] = {}
+_libraries: list[torch.library.Library] = []
+
+# NOTE [ No Dynamo guard on the kernels ]
+# The fast kernels are registered with ``Library.impl``, as the reference is in ``ops.py``, not with
+# ``torch.library.register_kernel``: that one wraps each kernel in ``torch._disable_dynamo``, whose first
+# call imports ``torch._dynamo``. That import would run inside the first pack hook of a process, and
+# one module it imports (``torch.fx``'s ``wrap``) keeps ``inspect.currentframe()`` in a local: a frame
+# that refers to itself, freed only by the cyclic garbage collector, and through ``f_back`` it holds
+# every caller's frame, the first ``compress`` context's ``_pack`` among them. With the collector off,
+# that context (with its pool and buffers) was never freed. The guard buys nothing here: Dynamo never
+# runs a custom op's kernel (it records the op and calls it through the dispatcher from a compiled
+# graph it does not trace), and a backend kernel is reached only through the dispatcher.
 
 
 def _disabled() -> bool:
@@ -180,9 +192,11 @@ def _register(backend: Backend, status: KernelStatus) -> str | None:
             backend.key, module.STRATEGIES, threads=getattr(module, backend.parallelism), sync=backend.sync
         )
         kernels = module.make_kernels(selector)
+        library = torch.library.Library("daftrain", "FRAGMENT")  # NOTE [ No Dynamo guard on the kernels ]
         for op in ops.OPS.values():
             kernel = op.at_boundary(_guarded(backend, op, kernels[op.name]))
-            torch.library.register_kernel(f"daftrain::{op.name}", backend.key, kernel)
+            library.impl(op.name, kernel, torch._C._dispatch_key_for_device(backend.key))
+        _libraries.append(library)  # a Library unregisters its kernels when collected
     except Exception as exc:
         setattr(status, backend.key, "reference")
         status.errors[backend.key] = _describe_error(exc)

@@ -482,8 +482,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
             )
         return codes, lo, scale
 
-    return {fn.__name__: fn for fn in (group_minmax, quantize_pack, unpack_dequantize, unpack_dequantize_into,
-                                       pack_bool, unpack_bool)}
+    return {fn.__name__: fn for fn in (group_minmax, quantize_pack, reference.seeded(quantize_pack), unpack_dequantize,
+                                       unpack_dequantize_into, pack_bool, unpack_bool)}
 
 
 def unpack_dequantize_into(

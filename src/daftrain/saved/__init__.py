@@ -2,7 +2,8 @@
 record (in memory or in pool pages) and restores it in backward."""
 
 from ..errors import InPlaceModificationError
+from .compiled import CompileFallbackWarning
 from .hooks import compress
 from .stats import CompressionStats
 
-__all__ = ["CompressionStats", "InPlaceModificationError", "compress"]
+__all__ = ["CompileFallbackWarning", "CompressionStats", "InPlaceModificationError", "compress"]

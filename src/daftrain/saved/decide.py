@@ -10,6 +10,8 @@ import torch
 from ..config import CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
+from .op_rules import OpMatch, keeps, match_saved
+from .records import Encoding
 
 
 class Treatment(enum.Enum):
@@ -26,6 +28,10 @@ class Decision:
     """Why a tensor is kept: parameter, layout, empty, tiny, integer, bool, dtype, exact, constant."""
     min_bits: int = 1
     """The fewest bits this tensor may be quantized to (see NOTE [ Nonlinear backward ])."""
+    encoding: Encoding | None = None
+    """How an op rule stores it instead of plain quantization (``NOTE [ Op rules ]`` in ``op_rules.py``)."""
+    rule: str = ""
+    """The op rule that applied, if any."""
 
 
 # NOTE [ Constants are stored losslessly or kept ]
@@ -52,8 +58,10 @@ NONLINEAR_MIN_BITS = 8
 _NONLINEAR_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
 
 
-def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegistry) -> Decision:
-    """The treatment of one saved tensor; see ``NOTE [ Recognising parameters ]``."""
+def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegistry,
+           call: OpMatch | None = None) -> Decision:
+    """The treatment of one saved tensor; see ``NOTE [ Recognising parameters ]``. ``call`` is the
+    rule-matched op call in progress (``op_rules.OpTracer.current()``), if any."""
     if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
         return Decision(Treatment.KEEP, "layout")
     if is_parameter_like(t, registry):
@@ -74,4 +82,18 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
         return Decision(Treatment.QUANTIZE_IF_LOSSLESS, "constant")
     if type(t.grad_fn).__name__ in _NONLINEAR_OUTPUT_NODES:
         return Decision(Treatment.QUANTIZE, "", min_bits=NONLINEAR_MIN_BITS)
+    if keeps(call, t):
+        return Decision(Treatment.KEEP, "op_rule", rule=call.rule.name if call is not None else "")
+    match = match_saved(call, t)
+    if match is not None:
+        return _by_rule(t, match)
     return Decision(Treatment.QUANTIZE, "")
+
+
+def _by_rule(t: torch.Tensor, match: OpMatch) -> Decision:
+    """A tensor an op rule treats; an encoding needs its memory order to be its logical order."""
+    if match.encoding is None:
+        return Decision(Treatment.QUANTIZE, "", min_bits=match.rule.min_bits, rule=match.rule.name)
+    if not t.is_contiguous():
+        return Decision(Treatment.KEEP, "op_rule")
+    return Decision(Treatment.QUANTIZE, "", encoding=match.encoding, rule=match.rule.name)

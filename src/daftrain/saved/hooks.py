@@ -21,8 +21,11 @@ from ..errors import ArgumentTypeError
 from ..layout import record_seed
 from ..params import ParameterRegistry
 from ..pool import PagePool
+from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
 from .decide import Decision, Treatment, decide
 from .decode_buffers import DecodeBuffers
+from .nesting import warn_if_nested
+from .op_rules import OpMatch, OpTracer
 from .packer import AsyncPacker
 from .records import (
     ExactRecord,
@@ -73,6 +76,22 @@ def is_dense(t: torch.Tensor) -> bool:
 _Key = tuple[Any, ...]
 
 
+class _NoTracer:
+    """Exact mode: no op rule applies, nothing is traced."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def current(self) -> OpMatch | None:
+        return None
+
+
+_NO_TRACER = _NoTracer()
+
+
 class _SharedDecode:
     """The decode of a record that ``uses`` saves share; see ``NOTE [ One decode per shared record ]``."""
 
@@ -113,6 +132,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         config = config if config is not None else CompressionConfig()
         if not isinstance(config, CompressionConfig):
             raise ArgumentTypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(CompressionConfig)})
+        if unknown:
+            raise ArgumentTypeError(f"compress got unknown keyword arguments {unknown}; it takes config, model, pool "
+                                    f"and the CompressionConfig fields "
+                                    f"{[f.name for f in dataclasses.fields(CompressionConfig)]}")
         self.config = dataclasses.replace(config, **overrides) if overrides else config
         if model is not None and not isinstance(model, nn.Module):
             raise ArgumentTypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -138,6 +162,12 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # calibrate(); entries go with their records.
         self._record_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._calibration_pass: CalibrationPass | None = None
+        # NOTE [ Hooks inside compiled graphs ] in compiled.py: one hook pair per configuration.
+        self._untraceable = untraceable_reason(self.config, pool)
+        self._compile_warned = False
+        self._hooks: CompiledHooks = hooks_for(self.config, traceable=self._untraceable is None)
+        # NOTE [ Tracing the saving op ] in op_rules.py: only while quantizing (never in exact mode).
+        self._op_tracer = OpTracer() if self.config.bits is not None else _NO_TRACER
         # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
 
     # NOTE [ No reference cycle ]
@@ -145,15 +175,17 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # object itself would make every context a reference cycle, freed only by a full cyclic garbage
     # collection, with its decode buffers and records: a new ``compress`` per step (``with
     # daftrain.compress(bits=2):`` written in the loop) would grow memory step after step. The hooks
-    # are bound afresh on each ``__enter__`` instead: the graph's saved tensors hold them (and so this
-    # object) until backward frees them, and nothing else does.
+    # are the configuration's shared pair (``compiled.hooks_for``), which refers to a context only
+    # while it is entered (its per-thread stack of active contexts); each eager record's handle
+    # carries its context to the unpack (``compiled._Owned``): the graph's saved tensors hold the
+    # context until backward frees them, and nothing else does.
     @property
     def pack_hook(self) -> Any:
-        return self._pack
+        return self._hooks.pack
 
     @property
     def unpack_hook(self) -> Any:
-        return self._unpack
+        return self._hooks.unpack
 
     def __enter__(self) -> compress:  # type: ignore[override]
         self.step += 1
@@ -167,7 +199,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
         self._num_records = 0
+        warn_if_nested(self)  # NOTE [ Only the innermost saved-tensor hooks apply ] in nesting.py
         super().__enter__()
+        self._hooks.activate(self)
+        self._op_tracer.start()
         self._bit_policy.enter(self.step)
         return self
 
@@ -177,12 +212,21 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._packer is not None:
             self._packer.drain()
             self._stats.peak_pending_bytes = self._packer.peak_pending_bytes
+        self._hooks.fill(self._stats)
         return self._stats
+
+    def _warn_if_untraceable(self) -> None:
+        """Once per context: a graph compiled under it stores its saved tensors exact (compiled.py)."""
+        if self._untraceable is not None and not self._compile_warned:
+            self._compile_warned = True
+            warn_untraceable(self._untraceable)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._bit_policy.exit()
+        self._op_tracer.stop()
         super().__exit__(exc_type, exc, tb)
+        self._hooks.deactivate(self)
         # The dedup table only matters within one forward pass; drop its keys (and their weak refs).
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
@@ -192,7 +236,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         stats = self._stats
         stats.tensors_seen += 1
         stats.by_dtype[str(t.dtype).removeprefix("torch.")] += 1
-        decision = decide(t, self.config, self.registry)
+        decision = decide(t, self.config, self.registry, self._op_tracer.current())
         if decision.reason == "parameter":
             stats.parameters += 1
             return t.detach()
@@ -209,6 +253,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         key: _Key = (storage, t.dtype, t._version, t.storage_offset(), t.numel())
         if not dense:
             key += (tuple(t.shape), t.stride())
+        if decision.encoding is not None:  # NOTE [ Op-aware encodings ] in records.py
+            key += (decision.encoding,)
         record = self._records.get(key)
         if record is not None:
             stats.deduplicated += 1
@@ -280,7 +326,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             return exact
         seed = record_seed(self._base_seed, self.step, index)
         job = functools.partial(encode, kind=kind, bits=assignment.bits, group_size=self.config.group_size,
-                                seed=seed)
+                                seed=seed, encoding=decision.encoding)
         if self.pool is not None:  # NOTE [ Importance of a record in the pool ] in auto/policy.py
             job = functools.partial(_encode_into_pool, job, pool=self.pool, importance=assignment.importance,
                                     seed=seed)

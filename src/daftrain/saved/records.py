@@ -7,6 +7,7 @@ import functools
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,7 +141,6 @@ class ExactRecord:
         return self  # exact records stay where they are
 
 
-Record = PackedRecord | ExactRecord
 
 
 def demote_payload(
@@ -161,9 +161,13 @@ def demote_payload(
     return new
 
 
-def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int) -> Record:
+def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
+           encoding: Encoding | None = None) -> Record:
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
-    1-bit layout is exact, else keep) or ``"bool"``. Runs on the caller's or the packer's thread."""
+    1-bit layout is exact, else keep) or ``"bool"``; an op rule's ``encoding`` (``NOTE [ Op-aware
+    encodings ]``) replaces a quantize. Runs on the caller's or the packer's thread."""
+    if encoding is not None and kind == "quantize":
+        return encoding.encode(flat, bits, group_size, seed)
     if kind == "bool":
         return PackedRecord.bitmap(torch.ops.daftrain.pack_bool(flat), flat.numel())
     if kind == "lossless":
@@ -279,3 +283,119 @@ class SavedHandle:
             out = torch.empty_strided(self.size, self.stride, dtype=flat.dtype, device=flat.device)
             out.copy_(flat.view(self.size))
         return out if self.expand_to is None else out.expand(self.expand_to)
+
+
+# NOTE [ Op-aware encodings ]
+# Two encodings store what an op's backward consumes rather than the saved values as they are (the op
+# rules that choose them are in ``op_rules.py``):
+#   1. ``Normalized``: the input of a normalisation. Backward re-normalises it with the op's exact
+#      statistics, so a rounding error ``e`` reaches it as ``e * rstd``: a row (or channel) whose own
+#      spread is small next to its quantization group's range gets its error multiplied by up to
+#      ``1 / spread``. The record stores ``x_hat = (x - mean) / std`` quantized, with ``mean`` and
+#      ``std`` per row (per channel for BatchNorm) exact, and restores ``x_hat_q * std + mean``:
+#      backward re-normalises that back to ``x_hat_q``, whose error is that of a unit-spread row.
+#   2. ``ClipMask``: the input (or, in place, the output) of a clip whose backward reads only which
+#      side of its bounds each value lies on (hardtanh, relu6, clamp with number bounds, threshold).
+#      The record is that mask, bit-packed, exactly; restoring writes one value strictly inside the
+#      bounds where the mask is set and one outside elsewhere, so backward's comparisons give the
+#      exact mask. The record is keyed apart from the values other ops save of the same storage.
+@dataclass(frozen=True)
+class Normalized:
+    """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact."""
+
+    view: tuple[int, ...]
+    reduce: tuple[int, ...]
+    center: bool = True
+
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> Record:
+        with torch.no_grad():
+            x = flat.view(self.view).float()
+            mean = x.mean(self.reduce, keepdim=True) if self.center else None
+            dev = x - mean if mean is not None else x
+            std = dev.square().mean(self.reduce, keepdim=True).sqrt_()
+            std = torch.where(std > 0, std, torch.ones_like(std))
+            x_hat = (dev / std).reshape(-1)
+            inner = encode(x_hat, "quantize", bits, group_size, seed)
+            finite = bool(torch.isfinite(std).all()) and (mean is None or bool(torch.isfinite(mean).all()))
+        if isinstance(inner, ExactRecord) or not finite:
+            return ExactRecord(flat, "nonfinite")
+        return NormalizedRecord(inner, mean, std, self.view, flat.dtype)
+
+
+class NormalizedRecord:
+    """A normalisation's input stored as ``x_hat`` (packed) plus exact ``mean``/``std``; see
+    ``NOTE [ Op-aware encodings ]``."""
+
+    __slots__ = ("__weakref__", "dtype", "inner", "mean", "std", "view")
+    is_bool = False
+
+    def __init__(self, inner: PackedRecord, mean: torch.Tensor | None, std: torch.Tensor, view: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self.inner, self.mean, self.std, self.view, self.dtype = inner, mean, std, view, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + self.std.nbytes + (self.mean.nbytes if self.mean is not None else 0)
+
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        flat = self.inner.decode(buffers)  # float32, a fresh decode: restored in place
+        values = flat.view(self.view).mul_(self.std)
+        if self.mean is not None:
+            values.add_(self.mean)
+        return flat if self.dtype == torch.float32 else flat.to(self.dtype)
+
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> NormalizedRecord:
+        return NormalizedRecord(self.inner.to_pool(pool, importance, seed), self.mean, self.std, self.view,
+                                self.dtype)
+
+
+@dataclass(frozen=True)
+class ClipMask:
+    """Store only where ``lower (<|<=) x (<|<=) upper`` holds; see ``NOTE [ Op-aware encodings ]``.
+    ``inside`` and ``outside`` are the values restored (checked by the rule to compare as required)."""
+
+    lower: float | None
+    upper: float | None
+    inclusive: bool
+    inside: float
+    outside: float
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.ones_like(x, dtype=torch.bool)
+        if self.lower is not None:
+            keep &= (x >= self.lower) if self.inclusive else (x > self.lower)
+        if self.upper is not None:
+            keep &= (x <= self.upper) if self.inclusive else (x < self.upper)
+        return keep
+
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> Record:
+        with torch.no_grad():
+            bitmap = PackedRecord.bitmap(torch.ops.daftrain.pack_bool(self.mask(flat)), flat.numel())
+        return ClipMaskRecord(bitmap, self, flat.dtype)
+
+
+class ClipMaskRecord:
+    """A clip's backward mask, bit-packed, restored as values that compare the same way."""
+
+    __slots__ = ("__weakref__", "bitmap", "dtype", "encoding")
+    is_bool = True
+
+    def __init__(self, bitmap: PackedRecord, encoding: ClipMask, dtype: torch.dtype) -> None:
+        self.bitmap, self.encoding, self.dtype = bitmap, encoding, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.bitmap.nbytes
+
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        keep = self.bitmap.decode()
+        enc = self.encoding
+        inside = torch.tensor(enc.inside, dtype=self.dtype, device=keep.device)
+        return torch.where(keep, inside, torch.tensor(enc.outside, dtype=self.dtype, device=keep.device))
+
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> ClipMaskRecord:
+        return ClipMaskRecord(self.bitmap.to_pool(pool, importance, seed), self.encoding, self.dtype)
+
+
+Encoding = Normalized | ClipMask
+Record = PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord

@@ -34,6 +34,20 @@ class CompressionStats:
     """Bytes of the tensors daftrain kept exact (unique storages)."""
     peak_pending_bytes: int = 0
     """Asynchronous mode: the most raw bytes waiting for the packer at one time (held until packed)."""
+    compiled_graphs: int = 0
+    """Graphs ``torch.compile`` compiled under this context's settings in this process (each recompilation,
+    e.g. for new shapes, adds one); the ``compiled_*`` counts below add up their saved tensors, as recorded
+    when each graph was compiled (``NOTE [ Hooks inside compiled graphs ]`` in ``compiled.py``)."""
+    compiled_saved: int = 0
+    """Saved intermediates the compiled graphs offered to the hooks (inputs and parameters are not)."""
+    compiled_quantized: int = 0
+    """Of those, float tensors each call of the compiled graphs stores quantized."""
+    compiled_bool_packed: int = 0
+    """Of those, bool tensors stored at 1 bit per value."""
+    compiled_raw_bytes: int = 0
+    """Bytes of ``compiled_saved`` in plain PyTorch, per call of every compiled graph."""
+    compiled_stored_bytes: int = 0
+    """Bytes the compiled graphs store for them instead."""
     kept_reasons: Counter[str] = field(default_factory=Counter)
     by_dtype: Counter[str] = field(default_factory=Counter)
     """Pack calls per dtype."""
@@ -53,5 +67,9 @@ class CompressionStats:
             f"saved tensors: {self.tensors_seen} seen, {self.compressed} quantized, {self.bool_packed} bool-packed, "
             f"{self.deduplicated} deduplicated, {self.kept} kept ({dict(self.kept_reasons)}), "
             f"{self.parameters} parameters; {self.raw_bytes / 1e6:.2f} MB -> {self.stored_bytes / 1e6:.2f} MB "
-            f"({self.ratio:.1f}x)"
+            f"({self.ratio:.1f}x)" + (
+                f"; compiled graphs: {self.compiled_graphs}, {self.compiled_quantized} of {self.compiled_saved} "
+                f"saved tensors quantized, {self.compiled_bool_packed} bool-packed, "
+                f"{self.compiled_raw_bytes / 1e6:.2f} MB -> {self.compiled_stored_bytes / 1e6:.2f} MB"
+                if self.compiled_graphs else "")
         )

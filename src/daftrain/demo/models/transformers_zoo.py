@@ -210,3 +210,108 @@ def with_lora(
         modules_to_save=None if modules_to_save is None else list(modules_to_save),
     )
     return get_peft_model(model, config)
+
+
+# NOTE [ Tiny zoo ]
+# ``TINY_ZOO`` lists Hugging Face architectures built from tiny configs (hidden 64, 2 layers, 4 heads,
+# default dropout, default attention implementation) for ``benchmarks/bench_zoo.py`` and
+# ``tests/saved/test_zoo.py``. Each entry is ``(model_type, input kind, config overrides)``; the
+# overrides are applied over ``_TINY_COMMON`` (names that configs do not use are ignored by them; an
+# override of ``None`` drops a common name the config rejects).
+_TINY_COMMON: dict[str, object] = {
+    "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 128, "head_dim": 16,
+    "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "n_inner": 128, "d_model": 64,
+    "num_layers": 2, "num_heads": 4, "d_ff": 128, "d_kv": 16, "encoder_layers": 2, "decoder_layers": 2,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "use_cache": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
+}
+_VISION: dict[str, object] = {"image_size": 32, "patch_size": 4, "num_channels": 3}
+_CNN: dict[str, object] = {"hidden_sizes": [16, 32], "depths": [1, 1], "embedding_size": 16, "num_channels": 3}
+_AUDIO: dict[str, object] = {"conv_dim": [32, 32, 32], "conv_stride": [5, 2, 2], "conv_kernel": [10, 3, 3],
+                             "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4}
+
+TINY_ZOO: tuple[tuple[str, str, dict[str, object]], ...] = (
+    # decoders
+    ("gpt2", "text", {}), ("gpt_neo", "text", {"attention_types": [[["global", "local"], 1]], "window_size": 16}),
+    ("gptj", "text", {"rotary_dim": 8}), ("gpt_neox", "text", {}), ("opt", "text", {"ffn_dim": 128,
+                                                                                     "word_embed_proj_dim": 64}),
+    ("bloom", "text", {}), ("llama", "text", {}), ("mistral", "text", {}), ("mixtral", "text", {}),
+    ("qwen2", "text", {}), ("qwen3", "text", {}),
+    ("qwen3_moe", "text", {"moe_intermediate_size": 32, "num_experts": 8}),
+    ("gemma", "text", {}), ("gemma2", "text", {}), ("gemma3_text", "text", {}), ("olmo", "text", {}),
+    ("olmo2", "text", {}), ("phi", "text", {}), ("phi3", "text", {}),
+    ("falcon", "text", {"head_dim": None}), ("mpt", "text", {"expansion_ratio": 2}), ("stablelm", "text", {}),
+    ("starcoder2", "text", {}),
+    ("cohere", "text", {}), ("granite", "text", {}), ("codegen", "text", {"rotary_dim": 8}),
+    ("biogpt", "text", {}), ("xglm", "text", {"ffn_dim": 128}), ("gpt_bigcode", "text", {}),
+    ("persimmon", "text", {}), ("glm", "text", {}), ("helium", "text", {}), ("smollm3", "text", {}),
+    # encoders
+    ("bert", "text", {}), ("roberta", "text", {}), ("albert", "text", {"embedding_size": 32}),
+    ("distilbert", "text", {"dim": 64, "hidden_dim": 128, "n_layers": 2, "n_heads": 4}),
+    ("electra", "text", {"embedding_size": 64}), ("deberta", "text", {}), ("deberta-v2", "text", {}),
+    ("xlm-roberta", "text", {}), ("camembert", "text", {}), ("mpnet", "text", {}), ("roformer", "text", {}),
+    ("convbert", "text", {}), ("mobilebert", "text", {"embedding_size": 32, "intra_bottleneck_size": 32,
+                                                      "true_hidden_size": 32, "num_feedforward_networks": 1}),
+    ("squeezebert", "text", {"embedding_size": 64}), ("layoutlm", "text", {}), ("megatron-bert", "text", {}),
+    ("ernie", "text", {}), ("rembert", "text", {"input_embedding_size": 64, "output_embedding_size": 64}),
+    ("canine", "text", {"downsampling_rate": 2}), ("modernbert", "text", {}),
+    # encoder-decoders
+    ("t5", "seq2seq", {}), ("mt5", "seq2seq", {}), ("bart", "seq2seq", {}), ("mbart", "seq2seq", {}),
+    ("marian", "seq2seq", {}), ("pegasus", "seq2seq", {}), ("blenderbot", "seq2seq", {}),
+    ("m2m_100", "seq2seq", {}), ("led", "seq2seq", {"attention_window": 8}),
+    # vision transformers
+    ("vit", "image", _VISION), ("deit", "image", _VISION), ("beit", "image", _VISION),
+    ("vit_mae", "image", {**_VISION, "mask_ratio": 0.5}), ("dinov2", "image", _VISION),
+    ("data2vec-vision", "image", _VISION),
+    ("yolos", "image", {**_VISION, "image_size": [32, 32], "num_detection_tokens": 4}),
+    ("mobilevit", "image", {"image_size": 32, "hidden_sizes": [32, 48, 64], "neck_hidden_sizes": [8, 8, 16, 16,
+                                                                                                 32, 32, 64]}),
+    # CNNs
+    ("resnet", "image", {**_CNN, "layer_type": "basic"}), ("convnext", "image", {**_CNN, "hidden_sizes": [16, 32]}),
+    ("convnextv2", "image", _CNN),
+    ("mobilenet_v1", "image", {"image_size": 32, "depth_multiplier": 0.25}),
+    ("mobilenet_v2", "image", {"image_size": 32, "depth_multiplier": 0.25}),
+    ("poolformer", "image", {"hidden_sizes": [16, 32], "depths": [1, 1], "num_encoder_blocks": 2,
+                             "patch_sizes": [7, 3], "strides": [4, 2], "padding": [2, 1]}),
+    # audio
+    ("wav2vec2", "audio", _AUDIO), ("hubert", "audio", _AUDIO), ("data2vec-audio", "audio", _AUDIO),
+    ("whisper", "speech_seq2seq", {"num_mel_bins": 16, "max_source_positions": 32, "max_target_positions": 32}),
+    # recurrent / state space
+    ("mamba", "text", {"state_size": 8, "expand": 2}), ("rwkv", "text", {"attention_hidden_size": 64}),
+)
+
+
+def tiny_model(model_type: str, overrides: dict[str, object] | None = None, *, seed: int = 0) -> nn.Module:
+    """The base model of ``model_type`` from a tiny config (``NOTE [ Tiny zoo ]``), in train mode."""
+    from transformers import AutoConfig, AutoModel
+
+    kwargs = {k: v for k, v in {**_TINY_COMMON, **(overrides or {})}.items() if v is not None}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    with _seeded(seed):
+        model = AutoModel.from_config(config)
+    return model.train()
+
+
+def tiny_inputs(model: nn.Module, kind: str, *, batch: int = 4, length: int = 64,
+                seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs of ``kind`` (``text``, ``seq2seq``, ``image``, ``audio``, ``speech_seq2seq``) for ``model``."""
+    config = model.config
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(getattr(config, "vocab_size", 128) or 128)
+    ids = torch.randint(3, vocab, (batch, length), generator=gen)
+    if kind == "text":
+        return {"input_ids": ids}
+    if kind == "seq2seq":
+        return {"input_ids": ids, "decoder_input_ids": torch.randint(3, vocab, (batch, length // 2), generator=gen)}
+    if kind == "image":
+        size = getattr(config, "image_size", 32)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        return {"pixel_values": torch.randn(batch, getattr(config, "num_channels", 3), size, size, generator=gen)}
+    if kind == "audio":
+        return {"input_values": torch.randn(batch, 4000, generator=gen)}
+    if kind == "speech_seq2seq":
+        frames = 2 * int(config.max_source_positions)
+        return {"input_features": torch.randn(batch, config.num_mel_bins, frames, generator=gen),
+                "decoder_input_ids": torch.randint(3, vocab, (batch, 8), generator=gen)}
+    raise InvalidArgumentError(f"kind must be text, seq2seq, image, audio or speech_seq2seq, got {kind!r}")

@@ -1,0 +1,184 @@
+"""Op-aware compression over the zoo of Hugging Face architectures built from tiny configs.
+
+Each architecture of ``TINY_ZOO`` (``demo/models/transformers_zoo.py``: hidden 64, 2 layers, train mode,
+default dropout) runs one forward and backward in plain PyTorch and under ``compress`` with the same
+seeds; the loss is a fixed random projection of the model's first output. Per model: exact mode
+bit-identical to plain; the cosine of all parameter gradients against plain at 8, 4 and 2 bits and at
+the default, each with the op rules (``saved/op_rules.py``) and without them; the saved-bytes ratio;
+tensors quantized and kept; and, at 2 bits with the rules, which op class carries the largest error
+(only that class quantized, the rest exact, the lowest cosine). An exception is a row marked ``error``.
+
+    flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json
+
+import daftrain
+from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model
+from daftrain.saved.decide import Treatment, decide
+from daftrain.saved.op_rules import RULES, OpTracer, match_saved
+
+TARGETS = {"bits8_min": 0.999, "bits4_min": 0.98, "bits2_median": 0.90, "bits2_min": 0.5,
+           "default_min": 0.99, "default_ratio_median": 8.0}
+CLASSES = (*(r.name for r in RULES), "other")
+
+
+class _OneClass(daftrain.compress):
+    """Quantizes only the saved tensors of one op class (by the rule table); the rest stay exact."""
+
+    def __init__(self, only: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.only = only
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        call = self._op_tracer.current()
+        decision = decide(t, self.config, self.registry, call)
+        if decision.treatment is Treatment.QUANTIZE:
+            match = match_saved(call, t)
+            if (match.rule.name if match is not None else "other") != self.only:
+                return t.detach()
+        return super()._pack(t)
+
+
+def _first_output(out: Any) -> torch.Tensor:
+    values = out.values() if hasattr(out, "values") else out
+    return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad)
+
+
+def _step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ctx: Any) -> tuple[torch.Tensor, Any]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    if ctx is None:
+        y = _first_output(model(**inputs))
+    else:
+        with ctx:
+            y = _first_output(model(**inputs))
+    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
+    (y * proj).sum().backward()
+    grads = [p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None]
+    return torch.cat(grads), (ctx.stats if ctx is not None else None)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+def _ctx(model: torch.nn.Module, rules: bool, **kwargs: Any) -> daftrain.compress:
+    ctx = daftrain.compress(model=model, **kwargs)
+    if not rules and ctx.config.bits is not None:
+        ctx._op_tracer = OpTracer(rules=())  # the code before the op rules: nothing matched
+    return ctx
+
+
+def run_model(model_type: str, kind: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": model_type, "kind": kind}
+    t0 = time.perf_counter()
+    try:
+        model = tiny_model(model_type, overrides)
+        inputs = tiny_inputs(model, kind)
+        ref, _ = _step(model, inputs, None)
+        again, _ = _step(model, inputs, None)
+        row["plain_deterministic"] = bool(torch.equal(ref, again))
+        exact, _ = _step(model, inputs, daftrain.compress(bits=None, model=model))
+        row["exact_identical"] = bool(torch.equal(exact, ref))
+        for rules in (False, True):
+            tag = "rules" if rules else "norules"
+            for name, kwargs in (("8", {"bits": 8}), ("4", {"bits": 4}), ("2", {"bits": 2}), ("default", {})):
+                grad, stats = _step(model, inputs, _ctx(model, rules, **kwargs))
+                row[f"cos{name}_{tag}"] = _cos(grad, ref)
+                row[f"ratio{name}_{tag}"] = stats.ratio
+                if rules and name == "default":
+                    row.update(quantized=stats.compressed, bool_packed=stats.bool_packed, kept=stats.kept,
+                               kept_reasons=dict(stats.kept_reasons), raw_bytes=stats.raw_bytes)
+        worst, errors = "", {}
+        for cls in CLASSES:
+            grad, stats = _step(model, inputs, _OneClass(cls, bits=2, model=model))
+            if stats.compressed + stats.bool_packed:
+                errors[cls] = 1.0 - _cos(grad, ref)
+        if errors:
+            worst = max(errors, key=errors.__getitem__)
+        row.update(class_error2=errors, largest_error=worst)
+        row["status"] = "ok"
+    except Exception as exc:  # a crash is a row, and a target miss
+        row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc()[-800:])
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def summarize(rows: list[dict[str, Any]], tag: str) -> dict[str, Any]:
+    ok = [r for r in rows if r["status"] == "ok"]
+    def col(k: str) -> list[float]:
+        return [r[f"{k}_{tag}"] for r in ok]
+    summary = {
+        "models": len(rows), "errors": len(rows) - len(ok),
+        "exact_identical": sum(r["exact_identical"] for r in ok),
+        "bits8_min": min(col("cos8")), "bits4_min": min(col("cos4")),
+        "bits2_median": statistics.median(col("cos2")), "bits2_min": min(col("cos2")),
+        "default_min": min(col("cosdefault")), "default_ratio_median": statistics.median(col("ratiodefault")),
+        "below": {k: [r["model"] for r in ok if r[f"cos{k}_{tag}"] < t]
+                  for k, t in (("8", TARGETS["bits8_min"]), ("4", TARGETS["bits4_min"]), ("2", TARGETS["bits2_min"]),
+                               ("default", TARGETS["default_min"]))},
+    }
+    summary["met"] = {
+        "no_exception": summary["errors"] == 0, "exact_identical": summary["exact_identical"] == len(rows),
+        **{k: summary[k] >= TARGETS[k] for k in TARGETS},
+    }
+    return summary
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| model | exact = plain | 8 bits | 4 bits | 2 bits | default | default ratio | quantized/kept | "
+            "largest error at 2 bits |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | error: {r['error'][:80]} |||||||")
+            continue
+        def c(k: str, r: dict = r) -> str:
+            return f"{r[f'cos{k}_norules']:.4f} → {r[f'cos{k}_rules']:.4f}"
+        lines.append(f"| {r['model']} | {'yes' if r['exact_identical'] else 'NO'} | {c('8')} | {c('4')} | {c('2')} | "
+                     f"{c('default')} | {r['ratiodefault_rules']:.1f}x | {r['quantized']}+{r['bool_packed']}/"
+                     f"{r['kept']} | {r['largest_error']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", help="model types (default: all of TINY_ZOO)")
+    parser.add_argument("--out", default="benchmarks/results/zoo.json")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    zoo = [z for z in TINY_ZOO if not args.models or z[0] in args.models]
+    rows = []
+    for model_type, kind, overrides in zoo:
+        row = run_model(model_type, kind, overrides)
+        rows.append(row)
+        print(row["model"], row["status"], row.get("error", ""),
+              {k: round(v, 4) for k, v in row.items() if k.startswith("cos")}, flush=True)
+    print(table(rows))
+    summaries = {tag: summarize(rows, tag) for tag in ("norules", "rules")}
+    for tag, s in summaries.items():
+        print(f"\n== {tag} ==")
+        for k, v in s.items():
+            print(f"{k}: {v}")
+    write_json(args.out, {"command": "flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py",
+                          "targets": TARGETS, "summary": summaries, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,436 @@
+"""``compress`` under ``torch.compile``: saved-tensor hooks that AOTAutograd inlines into compiled graphs.
+
+The two hooks a ``compress`` context pushes are ``_Hook`` objects: ``torch.fx.GraphModule`` subclasses,
+one shared pair per traceable configuration (``hooks_for``). Called on real tensors (eager code, graph
+breaks) they run the context's eager pack and unpack; traced by AOTAutograd (fake tensors) they run
+``pack_traced`` / ``unpack_traced``, which AOTAutograd inlines at the end of the compiled forward and the
+start of the compiled backward. See ``NOTE [ Hooks inside compiled graphs ]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+
+from ..config import CompressionConfig
+from ..errors import UnsupportedError
+from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
+from .decide import NONLINEAR_MIN_BITS
+from .records import KeptTensor
+
+__all__ = ["CompileFallbackWarning", "CompiledHooks", "hooks_for", "pack_traced", "unpack_traced",
+           "untraceable_reason"]
+
+
+class CompileFallbackWarning(UserWarning):
+    """A ``compress`` context whose settings cannot run inside a compiled graph (``bits="auto"``, a
+    ``PagePool``, asynchronous packing) had a graph compiled under it: that graph's saved tensors are
+    stored exact; eager code and graph breaks are still compressed."""
+
+
+# NOTE [ Hooks inside compiled graphs ]
+# AOTAutograd inlines saved-tensor hooks into the graphs it compiles when both hooks on top of the
+# stack are ``torch.fx.GraphModule``s: it calls the pack hook on the fake value of each saved
+# intermediate (inputs and parameters are not offered: ``saved_tensors_hooks_filtering_mode``
+# "donated"), retraces it with make_fx, appends that graph to the forward and the unpack hook's graph
+# to the backward, and disables the hooks while the compiled function runs. Python hooks would instead
+# see the compiled function's saved tensors at run time, detached: ``decide`` took them for constants
+# and kept them, so nothing in a compiled region was compressed. Hence:
+#   1. ``_Hook.__call__`` dispatches: fake or traced tensors go to ``pack_traced`` / ``unpack_traced``
+#      (fixed bits only, pure functions of the tensor and constant settings); real tensors go to the
+#      active context's eager ``_pack`` / ``_unpack``, whatever its settings.
+#   2. Dynamo guards a compiled graph on the ids of the hooks on the stack: hooks made per context
+#      would recompile every graph for every new context (``with daftrain.compress(bits=2):`` in the
+#      loop) until the recompile limit. So one pair per configuration serves every context
+#      (``hooks_for``); a pair finds the context that runs an eager pack on its per-thread stack of
+#      entered contexts, and eager handles carry their context to the unpack (``_Owned``), so the
+#      context lives exactly as long as its graph's saved tensors (``NOTE [ No reference cycle ]``
+#      in hooks.py).
+#   3. Dynamo rebuilds the hooks as ``GraphModule(root, hook.graph)`` for its cache checks, so each
+#      graph is self-contained: one call of a module-level ``torch.fx.wrap``'d function with constant
+#      arguments.
+#   4. Settings that cannot be traced (``bits="auto"``: its allocation is decided at run time from
+#      observed tensors; a pool: host pages; asynchronous packing: a thread) share one pair whose
+#      traced path is the identity: such a context warns once (``CompileFallbackWarning``) when a graph
+#      is compiled under it, and its eager regions are compressed as before. The alternative, packing
+#      compiled graphs at fixed bits anyway, would silently change what those settings promise.
+#
+# NOTE [ What the traced pack decides ]
+# The traced pack sees a fake tensor and the saved node of the forward and backward graphs
+# (``_get_saved_tensor_hook_context``), not a grad_fn, so it decides from those:
+#   * kept: non-strided or non-contiguous tensors, fewer than ``min_numel`` values, integer and other
+#     dtypes, ``bits=None``, and the auxiliary outputs of multi-output ops (a ``getitem`` past index 0:
+#     LayerNorm's mean and rstd, BatchNorm's save_invstd, attention's logsumexp), which eager
+#     ``decide`` keeps as constants (``NOTE [ Constants are stored losslessly or kept ]``);
+#   * at least ``NONLINEAR_MIN_BITS``: the output of ``_log_softmax``, or any saved tensor whose
+#     backward applies ``exp`` to it, directly or after shifts and casts (a decomposed log_softmax, or
+#     the logits inductor saves to recompute it), see ``NOTE [ Nonlinear backward ]``;
+#   * bool tensors bit-packed, float tensors quantized at the configured bits.
+# Decomposed graphs hide the op behind an intermediate (rstd as ``rsqrt``); such reductions are
+# usually under ``min_numel``. Constant tensors inside the graph (frozen weights cast under autocast)
+# cannot be told from activations here and are quantized.
+#
+# NOTE [ A fresh seed per compiled call ]
+# An ``int`` seed would be a constant of the compiled graph: every step would round with the same
+# noise, and the rounding errors of successive steps would add up instead of averaging out. The
+# traced pack draws each record's seed inside the graph (``torch.randint`` on the CPU, from torch's
+# generator: ``torch.manual_seed`` reproduces it, ``config.seed`` does not apply) and passes it to
+# ``quantize_pack_seeded`` as a tensor.
+
+_SEED_HIGH = 1 << 32
+_KEEP, _BOOL = 0, -1  # never a bit-width
+
+
+def is_traced(value: Any) -> bool:
+    """True when ``value`` (a tensor, or what a pack hook returned) is being traced, not computed."""
+    if isinstance(value, tuple):
+        value = value[0]
+    return (isinstance(value, FakeTensor | FunctionalTensor)
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+
+
+def _saved_node() -> tuple[Any, Any] | None:
+    """The saved node being packed and the backward graph, while AOTAutograd inlines the hooks."""
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+
+    state = _get_saved_tensor_hook_context()
+    if not state:
+        return None
+    return state.get("_node"), state.get("_bw_graph")
+
+
+def _is_auxiliary(node: Any) -> bool:
+    return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int)
+            and node.args[1] > 0)
+
+
+_LOG_SOFTMAX = {"aten._log_softmax.default"}
+_EXP_OF_SAVED = {"aten.exp.default", "aten._log_softmax_backward_data.default"}
+# Ops that pass a saved tensor's rounding error on unchanged (up to a shift or a cast) on its way to an
+# ``exp``: a decomposed log_softmax backward computes ``exp(logits - amax - logsumexp)`` from saved logits.
+_SHIFTS = {"aten.sub.Tensor", "aten.sub.Scalar", "aten.add.Tensor", "aten.add.Scalar", "aten.neg.default",
+           "prims.convert_element_type.default", "aten.view.default", "aten._unsafe_view.default",
+           "aten.reshape.default", "aten.expand.default", "aten.clone.default"}
+_SHIFT_DEPTH = 4
+
+
+def _needs_high_bits(node: Any, bw_graph: Any) -> bool:
+    if str(node.target) in _LOG_SOFTMAX:
+        return True
+    if bw_graph is None:
+        return False
+    frontier = [p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name]
+    for _ in range(_SHIFT_DEPTH):
+        users = [u for n in frontier for u in n.users]
+        if any(str(u.target) in _EXP_OF_SAVED for u in users):
+            return True
+        frontier = [u for u in users if str(u.target) in _SHIFTS]
+    return False
+
+
+def traced_treatment(x: torch.Tensor, bits: int | None, min_numel: int, pack_bool: bool) -> int:
+    """``_KEEP``, ``_BOOL`` or the bits to quantize ``x`` at; see ``NOTE [ What the traced pack decides ]``."""
+    if x.layout != torch.strided or x.numel() == 0 or x.numel() < min_numel or not x.is_contiguous():
+        return _KEEP
+    if x.dtype == torch.bool:
+        return _BOOL if pack_bool else _KEEP
+    if bits is None or x.dtype not in QUANTIZABLE_DTYPES:
+        return _KEEP
+    saved = _saved_node()
+    node, bw_graph = saved if saved is not None else (None, None)
+    if node is not None and _is_auxiliary(node):
+        return _KEEP
+    if node is not None and _needs_high_bits(node, bw_graph):
+        return max(bits, NONLINEAR_MIN_BITS)
+    return bits
+
+
+@torch.fx.wrap
+def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: int, pack_bool: bool) -> Any:
+    """The pack hook inside a compiled graph: ``x`` kept, ``(packed bits, shape)`` for a bool tensor, or
+    ``(codes, lo, scale, shape, dtype, bits, group_size)``."""
+    how = traced_treatment(x, bits, min_numel, pack_bool)
+    if how == _KEEP:
+        return x
+    shape = tuple(x.shape)
+    if how == _BOOL:
+        return (torch.ops.daftrain.pack_bool(x.view(-1)), shape)
+    seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")  # NOTE [ A fresh seed per compiled call ]
+    codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(x.view(-1), how, group_size, seed)
+    return (codes, lo, scale, shape, x.dtype, how, group_size)
+
+
+@torch.fx.wrap
+def unpack_traced(packed: Any) -> torch.Tensor:
+    """The unpack hook inside a compiled graph: the inverse of ``pack_traced``."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    if len(packed) == 2:
+        data, shape = packed
+        numel = 1
+        for size in shape:
+            numel = numel * size
+        return torch.ops.daftrain.unpack_bool(data, numel).view(shape)
+    codes, lo, scale, shape, dtype, bits, group_size = packed
+    numel = 1
+    for size in shape:
+        numel = numel * size
+    return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype).view(shape)
+
+
+def _hint(n: Any) -> int:
+    """A size as an int, without guarding on a symbolic one (its hint)."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        return int(hint) if hint is not None else 0
+    return int(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedInGraph:
+    """One saved tensor of a compiled graph, as the traced pack stored it."""
+
+    node: str
+    """The saved node's name in the forward graph."""
+    how: str
+    """"quantized", "bool" or "kept"."""
+    bits: int
+    raw_bytes: int
+    stored_bytes: int
+
+
+def _describe(packed: Any, x: torch.Tensor, node: Any) -> SavedInGraph:
+    raw = _hint(x.numel()) * x.element_size()
+    name = getattr(node, "name", "?")
+    if isinstance(packed, torch.Tensor):
+        return SavedInGraph(name, "kept", 0, raw, raw)
+    if len(packed) == 2:
+        return SavedInGraph(name, "bool", 1, raw, bool_nbytes(_hint(x.numel())))
+    bits, group_size = packed[5], packed[6]
+    return SavedInGraph(name, "quantized", bits, raw, PackedLayout(bits, group_size, _hint(x.numel())).nbytes)
+
+
+class _Hook(torch.fx.GraphModule):
+    """A saved-tensor hook that is also a one-node ``GraphModule``; see ``NOTE [ Hooks inside compiled graphs ]``.
+
+    ``torch.fx.GraphModule`` makes a class per instance whose ``__call__`` ends in this class's
+    ``__call__`` (it defines one), so both autograd's eager calls and AOTAutograd's traced ones get here.
+    """
+
+    def __init__(self, fn: Callable[..., Any], constants: tuple[Any, ...], eager: Callable[[Any], Any],
+                 traced: Callable[[Any], Any]) -> None:
+        graph = torch.fx.Graph()
+        arg = graph.placeholder("x")
+        graph.output(graph.call_function(fn, (arg, *constants)))
+        super().__init__(torch.nn.Module(), graph)
+        self._eager, self._traced = eager, traced
+        # ``recompile`` set the instance class's ``__call__`` to a wrapper that only adds error context to
+        # the generated code's exceptions; without it, autograd's eager calls reach ``__call__`` directly.
+        del type(self).__call__
+
+    def __call__(self, value: Any) -> Any:  # type: ignore[override]
+        if is_traced(value):
+            return self._traced(value)
+        return self._eager(value)
+
+
+class _Owned:
+    """An eager record's handle with the context that unpacks it (``NOTE [ No reference cycle ]`` in hooks.py)."""
+
+    __slots__ = ("ctx", "handle")
+
+    def __init__(self, ctx: Any, handle: Any) -> None:
+        self.ctx, self.handle = ctx, handle
+
+
+class CompiledHooks:
+    """The shared hook pair of one configuration and what its compiled graphs store.
+
+    ``activate(ctx)`` / ``deactivate(ctx)`` bracket a context's ``with`` block on this thread; an eager
+    pack goes to the innermost active context.
+    """
+
+    def __init__(self, bits: int | None, group_size: int, min_numel: int, pack_bool: bool) -> None:
+        self._constants = (bits, group_size, min_numel, pack_bool)
+        self.pack = _Hook(pack_traced, self._constants, self._eager_pack, self._traced_pack)
+        self.unpack = _Hook(unpack_traced, (), _eager_unpack, unpack_traced)
+        self._local = threading.local()
+        self._last: weakref.ReferenceType[Any] | None = None
+        self._lock = threading.Lock()
+        # compile id -> (the forward graph while it is being compiled, its saved tensors by node name)
+        self._graphs: dict[str, tuple[weakref.ReferenceType[Any], dict[str, SavedInGraph]]] = {}
+        self._watching = False
+        self._dynamo_skips = False
+
+    # -- the active context ------------------------------------------------------------------------
+    def _stack(self) -> list[Any]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def activate(self, ctx: Any) -> None:
+        self._stack().append(ctx)
+        self._last = weakref.ref(ctx)
+        if not self._dynamo_skips and "torch._dynamo" in sys.modules:
+            self._skip_dynamo()
+
+    def _skip_dynamo(self) -> None:
+        """NOTE [ Eager hooks are not compiled ]
+        Autograd calls the eager hooks from eager code that ``torch.compile``'s frame callback still
+        watches (a graph break's fallback), and Dynamo would compile their frames: ``encode`` once per
+        seed, up to the recompile limit. Wrapped in ``torch._dynamo.disable`` once Dynamo is loaded (no
+        import for eager-only users), they always run as plain Python."""
+        import torch._dynamo
+
+        self.pack._eager = torch._dynamo.disable(self._eager_pack)
+        self.unpack._eager = torch._dynamo.disable(_eager_unpack)
+        self._dynamo_skips = True
+
+    def deactivate(self, ctx: Any) -> None:
+        stack = self._stack()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is ctx:
+                del stack[i]
+                return
+
+    def active(self) -> Any:
+        """The innermost context entered on this thread, else the one entered last on any thread."""
+        stack = self._stack()
+        if stack:
+            return stack[-1]
+        ctx = self._last() if self._last is not None else None
+        if ctx is None:
+            raise UnsupportedError(
+                "daftrain.compress: a saved tensor reached the hooks of a context that is no longer "
+                "entered; pack only inside its `with` block"
+            )
+        return ctx
+
+    def _active_or_none(self) -> Any:
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    # -- eager -------------------------------------------------------------------------------------
+    def _eager_pack(self, t: torch.Tensor) -> Any:
+        ctx = self.active()
+        packed = ctx._pack(t)
+        if isinstance(packed, torch.Tensor | KeptTensor):  # unpacking these needs no context
+            return packed
+        return _Owned(ctx, packed)
+
+    # -- traced ------------------------------------------------------------------------------------
+    def _traced_pack(self, x: torch.Tensor) -> Any:
+        packed = pack_traced(x, *self._constants)
+        saved = _saved_node()
+        if saved is None or saved[0] is None:  # traced by someone else than AOTAutograd's inlining
+            return packed
+        ctx = self._active_or_none()
+        if ctx is not None:
+            ctx._warn_if_untraceable()
+        # NOTE [ Which compiled graphs the stats describe ]
+        # Each graph's saved tensors are recorded when it is compiled, by Dynamo's compile id: a
+        # recompilation of a frame adds a graph; the start of a compile drops what an earlier compile of
+        # the same id recorded; ``torch._dynamo.reset()`` (which unregisters Dynamo's compile callbacks)
+        # drops them all. Nothing is counted at run time: a compiled graph runs with the hooks disabled.
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        key = str(compile_id) if compile_id is not None else f"graph {id(saved[0].graph)}"
+        fw_graph = saved[0].graph
+        self._watch_compiles()
+        with self._lock:
+            entry = self._graphs.get(key)
+            if entry is None or entry[0]() is not fw_graph:  # a new graph under this id replaces the old one
+                entry = self._graphs[key] = (weakref.ref(fw_graph), {})
+            entry[1][saved[0].name] = _describe(packed, x, saved[0])
+        return packed
+
+    def _watch_compiles(self) -> None:
+        """Register ``_on_compile_start`` with Dynamo; if Dynamo dropped it (a reset), forget every graph."""
+        from torch._dynamo.callback import callback_handler
+
+        if self._on_compile_start not in callback_handler.start_callbacks:
+            with self._lock:
+                if self._watching:
+                    self._graphs.clear()
+                self._watching = True
+            callback_handler.register_start_callback(self._on_compile_start)
+
+    def _on_compile_start(self, args: Any) -> None:
+        from torch._dynamo.callback import CallbackTrigger
+
+        if args.callback_trigger == CallbackTrigger.DYNAMO:
+            with self._lock:
+                self._graphs.pop(str(args.compile_id), None)
+
+    def graphs(self) -> list[list[SavedInGraph]]:
+        """What each graph compiled under these hooks stores (``NOTE [ Which compiled graphs the stats
+        describe ]``), in compilation order."""
+        if self._watching and "torch._dynamo" in sys.modules:
+            self._watch_compiles()
+        with self._lock:
+            return [list(saved.values()) for _, saved in self._graphs.values()]
+
+    def fill(self, stats: Any) -> None:
+        """Set the ``compiled_*`` fields of a ``CompressionStats`` from ``graphs()``."""
+        graphs = self.graphs()
+        stats.compiled_graphs = len(graphs)
+        saved = [s for g in graphs for s in g]
+        stats.compiled_saved = len(saved)
+        stats.compiled_quantized = sum(s.how == "quantized" for s in saved)
+        stats.compiled_bool_packed = sum(s.how == "bool" for s in saved)
+        stats.compiled_raw_bytes = sum(s.raw_bytes for s in saved)
+        stats.compiled_stored_bytes = sum(s.stored_bytes for s in saved)
+
+
+def _eager_unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Owned):
+        return packed.ctx._unpack(packed.handle)
+    if isinstance(packed, KeptTensor):
+        return packed.restore()
+    return packed
+
+
+def untraceable_reason(config: CompressionConfig, pool: Any) -> str | None:
+    """Why a context with these settings cannot compress inside a compiled graph, or None."""
+    reasons = [r for r, on in (('bits="auto"', config.auto), ("a PagePool", pool is not None),
+                               ("asynchronous=True", config.asynchronous)) if on]
+    return " and ".join(reasons) if reasons else None
+
+
+_HOOKS: dict[tuple[Any, ...], CompiledHooks] = {}
+_HOOKS_LOCK = threading.Lock()
+
+
+def hooks_for(config: CompressionConfig, traceable: bool) -> CompiledHooks:
+    """The one hook pair for these settings (``NOTE [ Hooks inside compiled graphs ]``, point 2): a
+    traced path at ``config``'s bits (``None``: bool masks packed, the rest kept), or for untraceable
+    settings the identity."""
+    key = (config.bits, config.group_size, config.min_numel, config.pack_bool) if traceable else ("identity",)
+    with _HOOKS_LOCK:
+        hooks = _HOOKS.get(key)
+        if hooks is None:
+            hooks = _HOOKS[key] = (CompiledHooks(*key) if traceable  # type: ignore[arg-type]
+                                   else CompiledHooks(None, config.group_size, 0, False))
+        return hooks
+
+
+def warn_untraceable(reason: str) -> None:
+    warnings.warn(
+        f"daftrain.compress: torch.compile compiled a graph under a context with {reason}, which cannot run "
+        "inside a compiled graph: that graph's saved tensors are stored exact (only eager code and graph "
+        "breaks are compressed). Use fixed bits (bits=1, 2, 4 or 8) without a pool and with "
+        "asynchronous=False to compress compiled graphs.",
+        CompileFallbackWarning,
+        stacklevel=4,
+    )

@@ -1,0 +1,57 @@
+"""Saved-tensor hook contexts nest, and only the innermost applies: detecting ``compress`` entered
+inside another one (``save_on_cpu``, a checkpointed region, another ``compress``)."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["NestedSavedTensorsHooksWarning", "outer_hook_name", "warn_if_nested"]
+
+
+class NestedSavedTensorsHooksWarning(UserWarning):
+    """``compress`` was entered inside another saved-tensor hook context, which it then replaces."""
+
+
+# NOTE [ Only the innermost saved-tensor hooks apply ]
+# PyTorch keeps a stack of default saved-tensor hooks and calls only the top pair: a context entered
+# inside another one silently disables the outer one for every tensor saved while it is active. For
+# ``compress`` inside ``save_on_cpu`` the tensors stay in device memory (compressed); inside a
+# non-reentrant ``torch.utils.checkpoint`` region the region's tensors are stored (compressed)
+# instead of recomputed, so checkpointing saves nothing there. Neither fails, so ``compress`` warns
+# once per context when it is entered with another pair on the stack, naming that pair's pack hook.
+# The opposite nesting (another context inside ``compress``) is invisible to ``compress``: its pack
+# hook is simply not called there (docs/saved.md, "Composition").
+_warned: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def outer_hook_name() -> str | None:
+    """The qualified name of the pack hook on top of the saved-tensor hook stack, or None if empty."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if top is None:
+        return None
+    pack = top[0]
+    owner = getattr(pack, "__self__", None)  # a bound method: name its class
+    if owner is None and hasattr(pack, "__qualname__"):  # a function
+        name = f"{pack.__module__}.{pack.__qualname__}"
+    else:  # a callable object (compress's hooks are GraphModules, each of a class made for it): its first own class
+        cls = next((c for c in type(owner if owner is not None else pack).__mro__
+                    if not c.__module__.startswith("torch.fx")), type(pack))
+        name = f"{cls.__module__}.{cls.__qualname__}"
+    return "daftrain.compress" if name.startswith("daftrain.saved.") else name
+
+
+def warn_if_nested(ctx: Any) -> None:
+    """Warn (once per ``ctx``) if another saved-tensor hook context is active; call before pushing."""
+    name = outer_hook_name()
+    if name is None or ctx in _warned:
+        return
+    _warned.add(ctx)
+    warnings.warn(
+        f"daftrain.compress entered inside another saved-tensor hook context ({name}); PyTorch applies only "
+        "the innermost, so that context does nothing for the tensors saved inside compress (save_on_cpu keeps "
+        "them in place, a torch.utils.checkpoint region stores them instead of recomputing). Enter compress "
+        "outside it, around the whole forward", NestedSavedTensorsHooksWarning, stacklevel=3)

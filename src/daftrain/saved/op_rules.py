@@ -1,0 +1,286 @@
+"""The op rules: how a tensor is stored when the op that saves it needs more than plain quantization.
+
+``RULES`` is the one table, each rule with its reason. ``OpTracer`` notes, per thread, the rule-matched
+torch function call in progress while a ``compress`` context is active; ``decide`` (``decide.py``)
+consults ``match_saved`` once per saved tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .records import ClipMask, Encoding, Normalized
+
+__all__ = ["RULES", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
+
+ATTENTION_MIN_BITS = 8
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """One class of ops whose saved tensors need a treatment of their own."""
+
+    name: str
+    functions: tuple[Any, ...]
+    reason: str
+    min_bits: int = 1
+    """Floor on the bits of the tensors the rule matches (with no ``encoding``)."""
+
+
+# NOTE [ Op rules ]
+# Plain quantization adds unbiased noise of the order of a group's range / 2**bits to every saved
+# value; that is harmless where backward is linear in the value with bounded factors. Three classes of
+# ops break that (measured over the zoo, ``docs/zoo.md``):
+#   1. normalisations re-normalise their saved input with their exact statistics: the error of a row
+#      or channel of small spread is multiplied by its rstd (``Normalized`` encoding);
+#   2. fused attention (SDPA flash / efficient kernels) recomputes ``exp(q k^T * scale - lse)`` from the
+#      saved q and k with the exact logsumexp: an error ``e`` in a logit becomes a factor ``exp(e)``,
+#      a bias that does not average out (at least ``ATTENTION_MIN_BITS``);
+#   3. clips that save their input (hardtanh, relu6, clamp, threshold) read it only through the mask
+#      of values inside their bounds; a rounded value near a bound flips it (``ClipMask`` encoding:
+#      the mask, exact, at 1 bit per value).
+RULES: tuple[OpRule, ...] = (
+    OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.rms_norm),
+           "backward re-normalises the input with the exact rstd, multiplying the rounding error of a row "
+           "of small spread by up to 1/spread: store x_hat = (x - mean) / std quantized, mean/std exact"),
+    OpRule("decomposed_rms_norm",
+           (torch.Tensor.pow, torch.pow, torch.Tensor.__pow__, torch.Tensor.__mul__, torch.Tensor.mul, torch.mul,
+            torch.rsqrt, torch.Tensor.rsqrt),
+           "x.pow(2).mean(-1) and x * rsqrt(var): an RMSNorm written out (T5LayerNorm, LlamaRMSNorm, QK-norms) "
+           "multiplies x's rounding error by rsqrt(var) like a fused norm: x stored normalised per row; "
+           "rsqrt(var) (one value per row, rows of very different scale in one group) kept exact"),
+    OpRule("attention_qk", (F.scaled_dot_product_attention,),
+           "flash/efficient backward recomputes exp(q k^T * scale - logsumexp) from q and k with the exact "
+           "logsumexp: a logit error e becomes a factor exp(e), so q and k get at least 8 bits",
+           min_bits=ATTENTION_MIN_BITS),
+    OpRule("clip_mask",
+           (F.hardtanh, F.relu6, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip,
+            torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_),
+           "the backward reads the saved tensor only as the mask of values inside the bounds; rounding flips "
+           "it near a bound: the mask is stored exactly, 1 bit per value"),
+)
+
+
+@dataclass(frozen=True)
+class OpMatch:
+    """A rule-matched call in progress: the tensors it saves that the rule treats, and how."""
+
+    rule: OpRule
+    targets: tuple[torch.Tensor, ...]
+    encoding: Encoding | None = None
+    by_shape: bool = False
+    """An in-place call saves a clone of its input: any saved tensor of the target's shape and dtype."""
+    keep: tuple[torch.Tensor, ...] = ()
+    """Saved tensors the rule keeps exact (a decomposed norm's rstd, one value per row)."""
+    keep_all: bool = False
+    """Every tensor saved inside the call is kept exact (``rsqrt`` saves only its output)."""
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype)
+
+
+def keeps(match: OpMatch | None, t: torch.Tensor) -> bool:
+    """The rule of ``match`` keeps ``t`` exact."""
+    return match is not None and (match.keep_all or any(_same(t, x) for x in match.keep))
+
+
+def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
+    """``match`` if ``t`` is one of the tensors its rule treats (else ``None``)."""
+    if match is None:
+        return None
+    if match.by_shape:
+        return match if any(t.shape == x.shape and t.dtype == x.dtype for x in match.targets) else None
+    return match if any(_same(t, x) for x in match.targets) else None
+
+
+def _arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _rows(x: torch.Tensor, n: int, center: bool) -> Normalized | None:
+    if n < 1 or n > x.dim():
+        return None
+    cols = math.prod(x.shape[x.dim() - n:])
+    if cols < 2:
+        return None
+    return Normalized((x.numel() // max(1, cols), 1, cols), (2,), center)
+
+
+def _normalization(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Normalized | None:
+    x = _arg(args, kwargs, 0, "input")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.numel() == 0:
+        return None
+    if func is F.layer_norm or func is F.rms_norm:
+        shape = _arg(args, kwargs, 1, "normalized_shape")
+        n = 1 if isinstance(shape, int) else len(shape) if shape is not None else 1
+        return _rows(x, n, center=func is F.layer_norm)
+    if x.dim() < 2:
+        return None
+    n, c = x.shape[0], x.shape[1]
+    rest = x.numel() // max(1, n * c)
+    if func is F.group_norm:
+        groups = int(_arg(args, kwargs, 1, "num_groups"))
+        return Normalized((n, groups, x.numel() // max(1, n * groups)), (2,))
+    if func is F.instance_norm:
+        return Normalized((n, c, rest), (2,))
+    # batch_norm: batch statistics (training, or no running statistics) normalise per channel
+    training = bool(_arg(args, kwargs, 5, "training", False))
+    if not training and _arg(args, kwargs, 1, "running_mean") is not None:
+        return None
+    return Normalized((n, c, rest), (0, 2))
+
+
+_RSQRT_NODES = frozenset({"RsqrtBackward0"})
+
+
+def _decomposed_rms(func: Any, args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, Normalized, torch.Tensor | None] | None:
+    r = None
+    if func in (torch.Tensor.pow, torch.pow, torch.Tensor.__pow__):
+        x, e = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "exponent")
+        if not (isinstance(x, torch.Tensor) and isinstance(e, (int, float)) and e == 2):
+            return None
+    else:
+        a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return None
+        if b.grad_fn is not None and type(b.grad_fn).__name__ in _RSQRT_NODES:
+            x, r = a, b
+        elif a.grad_fn is not None and type(a.grad_fn).__name__ in _RSQRT_NODES:
+            x, r = b, a
+        else:
+            return None
+        if x.dim() < 1 or r.shape != (*x.shape[:-1], 1):
+            return None
+    if not x.is_floating_point() or x.dim() < 1 or x.shape[-1] < 8:
+        return None
+    enc = _rows(x, 1, center=False)
+    return (x, enc, r) if enc is not None else None
+
+
+def _clip_bounds(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Any, bool] | None:
+    if func in (F.hardtanh, F.hardtanh_):
+        return _arg(args, kwargs, 1, "min_val", -1.0), _arg(args, kwargs, 2, "max_val", 1.0), False
+    if func is F.relu6:
+        return 0.0, 6.0, False
+    if func is F.threshold:
+        value = _arg(args, kwargs, 2, "value")
+        return (_arg(args, kwargs, 1, "threshold"), None, False) if value == 0 else None
+    return _arg(args, kwargs, 1, "min"), _arg(args, kwargs, 2, "max"), True
+
+
+def _clip(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ClipMask | None:
+    x = _arg(args, kwargs, 0, "input")
+    bounds = _clip_bounds(func, args, kwargs)
+    if bounds is None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None
+    lo, hi, inclusive = bounds
+    if any(b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))) for b in (lo, hi)):
+        return None  # tensor bounds: their own gradients read the values
+    if lo is None and hi is None:
+        return None
+    if lo is not None and hi is not None:
+        if not lo < hi:
+            return None
+        inside, outside = (lo + hi) / 2, lo - max(1.0, abs(lo))
+    elif lo is not None:
+        inside, outside = lo + max(1.0, abs(lo)), lo - max(1.0, abs(lo))
+    else:
+        inside, outside = hi - max(1.0, abs(hi)), hi + max(1.0, abs(hi))
+    enc = ClipMask(None if lo is None else float(lo), None if hi is None else float(hi), inclusive, inside, outside)
+    # The restored values must compare as the originals did in the tensor's own dtype.
+    probe = torch.tensor([inside, outside], dtype=x.dtype)
+    if probe.isfinite().all() and enc.mask(probe).tolist() == [True, False]:
+        return enc
+    return None
+
+
+def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch | None:
+    if rule.name == "normalization":
+        x = _arg(args, kwargs, 0, "input")
+        enc = _normalization(func, args, kwargs)
+        return OpMatch(rule, (x,), enc) if enc is not None else None
+    if rule.name == "decomposed_rms_norm":
+        if func in (torch.rsqrt, torch.Tensor.rsqrt):
+            return OpMatch(rule, (), keep_all=True)
+        found = _decomposed_rms(func, args, kwargs)
+        if found is None:
+            return None
+        return OpMatch(rule, (found[0],), found[1], keep=() if found[2] is None else (found[2],))
+    if rule.name == "attention_qk":
+        q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
+        targets = tuple(t for t in (q, k) if isinstance(t, torch.Tensor))
+        return OpMatch(rule, targets) if targets else None
+    x = _arg(args, kwargs, 0, "input")
+    enc = _clip(func, args, kwargs)
+    inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_) or (
+        (func is F.hardtanh and bool(_arg(args, kwargs, 3, "inplace", False)))
+        or (func in (F.relu6, F.threshold)
+            and bool(_arg(args, kwargs, 1 if func is F.relu6 else 3, "inplace", False))))
+    return OpMatch(rule, (x,), enc, by_shape=inplace) if enc is not None else None
+
+
+# NOTE [ Tracing the saving op ]
+# A pack hook sees the tensor autograd saves, not the op saving it: for a saved output ``t.grad_fn`` is
+# that op's node, but an op's *inputs* are saved before its node is visible (and before a
+# ``TorchDispatchMode`` would see the op). So while a ``compress`` context quantizes, a
+# ``TorchFunctionMode`` notes the rule-matched call in progress (a dict lookup for any other call), and
+# the pack hooks run inside that call read it. The mode sees the outermost torch function: the saves
+# of ``F.layer_norm`` happen inside it, those of a function that calls it internally (such as
+# ``F.multi_head_attention_forward``) belong to that outer function and follow no rule.
+class _RuleMode(TorchFunctionMode):
+    def __init__(self, tracer: OpTracer, by_function: dict[Any, OpRule]) -> None:
+        super().__init__()
+        self.tracer, self.by_function = tracer, by_function
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        rule = self.by_function.get(func)
+        if rule is None:
+            return func(*args, **kwargs)
+        found = _match(rule, func, args, kwargs)
+        if found is None:
+            return func(*args, **kwargs)
+        local = self.tracer.local
+        outer = getattr(local, "current", None)
+        local.current = found
+        try:
+            return func(*args, **kwargs)
+        finally:
+            local.current = outer
+
+
+class OpTracer:
+    """Per thread (``NOTE [ One tracer per thread ]`` in ``auto/tracing.py``), the rule-matched call in
+    progress; see ``NOTE [ Tracing the saving op ]``."""
+
+    def __init__(self, rules: tuple[OpRule, ...] = RULES) -> None:
+        self.rules = rules
+        self.local = threading.local()
+        self._by_function = {f: r for r in rules for f in r.functions}
+
+    def start(self) -> None:
+        self.stop()
+        mode = _RuleMode(self, self._by_function)
+        mode.__enter__()
+        self.local.mode, self.local.current = mode, None
+
+    def stop(self) -> None:
+        mode = getattr(self.local, "mode", None)
+        self.local.mode, self.local.current = None, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def current(self) -> OpMatch | None:
+        return getattr(self.local, "current", None)

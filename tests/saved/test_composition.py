@@ -1,0 +1,205 @@
+"""compress with the other users of saved-tensor hooks: nested hook contexts, ``save_on_cpu``,
+``torch.utils.checkpoint`` (non-reentrant and reentrant) and selective activation checkpointing.
+Each composes (gradients close to plain PyTorch, and compress sees exactly the saves docs/saved.md
+says) or warns (``NestedSavedTensorsHooksWarning`` where compress silently replaces an outer context)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import daftrain
+from daftrain.saved.nesting import NestedSavedTensorsHooksWarning
+
+# Relative gradient error allowed against plain PyTorch at 8 bits: stochastic rounding of these
+# 8K-element activations measured 0.1-0.4 %; a wrong restore (another tensor, garbage) gives O(1).
+GRAD_RTOL = 2e-2
+
+torch.manual_seed(0)
+STEM = nn.Linear(128, 128)
+BLOCK = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))  # the region under test
+HEAD = nn.Linear(128, 10)
+MODEL = nn.ModuleList([STEM, BLOCK, HEAD])
+X = torch.randn(64, 128)
+
+
+def _forward(region: Callable[[torch.Tensor], torch.Tensor] = BLOCK) -> torch.Tensor:
+    return HEAD(region(STEM(X))).square().mean()
+
+
+def _grads(run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    MODEL.zero_grad(set_to_none=True)
+    run().backward()
+    return torch.cat([p.grad.flatten() for p in MODEL.parameters()])
+
+
+PLAIN = _grads(_forward)
+
+
+def _close(g: torch.Tensor) -> None:
+    rel = ((g - PLAIN).norm() / PLAIN.norm()).item()
+    assert rel < GRAD_RTOL, rel
+
+
+def _ctx() -> daftrain.compress:
+    return daftrain.compress(bits=8, model=MODEL)
+
+
+def _saves_all() -> int:
+    """Saves compress sees in the whole forward (the block included)."""
+    ctx = _ctx()
+    with ctx:
+        _forward()
+    return ctx.stats.tensors_seen
+
+
+def _saves_block() -> int:
+    """Saves made inside the block (its input saved by its first linear among them)."""
+    ctx = _ctx()
+    h = STEM(X)
+    with ctx:
+        BLOCK(h)
+    return ctx.stats.tensors_seen
+
+
+@contextlib.contextmanager
+def _no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NestedSavedTensorsHooksWarning)
+        yield
+
+
+def test_compress_inside_another_hook_context_warns_once_and_wins():
+    outer_packs = []
+
+    def pack(t):
+        outer_packs.append(t.shape)
+        return t
+
+    ctx = _ctx()
+
+    def run():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+            return _forward()
+
+    with pytest.warns(NestedSavedTensorsHooksWarning, match=r"test_composition.*pack\)"):
+        g = _grads(run)
+    assert outer_packs == []  # PyTorch applies only the innermost context
+    assert ctx.stats.compressed > 0
+    _close(g)
+    with _no_warning():  # once per context
+        _grads(run)
+    with _no_warning():  # and never when nothing is nested
+        with ctx:
+            _forward()
+
+
+def test_compress_inside_compress_warns_and_inner_wins():
+    outer, inner = _ctx(), _ctx()
+
+    def run():
+        with outer:
+            h = STEM(X)
+            with inner:
+                h = BLOCK(h)
+            return HEAD(h).square().mean()
+
+    with pytest.warns(NestedSavedTensorsHooksWarning, match=r"\(daftrain\.compress\)"):
+        g = _grads(run)
+    _close(g)
+    assert inner.stats.tensors_seen == _saves_block()
+    assert outer.stats.tensors_seen == _saves_all() - _saves_block()
+
+
+def test_compress_inside_save_on_cpu_warns_and_compresses():
+    ctx = _ctx()
+
+    def run():
+        with torch.autograd.graph.save_on_cpu(), ctx:
+            return _forward()
+
+    with pytest.warns(NestedSavedTensorsHooksWarning, match=r"save_on_cpu"):
+        g = _grads(run)
+    _close(g)
+    assert ctx.stats.tensors_seen == _saves_all() and ctx.stats.compressed > 0
+
+
+def test_save_on_cpu_inside_compress_keeps_its_region():
+    ctx = _ctx()
+
+    def region(h):
+        with torch.autograd.graph.save_on_cpu():
+            return BLOCK(h)
+
+    def run():
+        with ctx:
+            return _forward(region)
+
+    with _no_warning():
+        g = _grads(run)
+    _close(g)
+    # save_on_cpu stores the block's saves (exact); compress sees only the rest
+    assert ctx.stats.tensors_seen == _saves_all() - _saves_block()
+
+
+@pytest.mark.parametrize("kind", ["non-reentrant", "selective"])
+def test_checkpoint_inside_compress_recomputes_its_region(kind):
+    ctx = _ctx()
+
+    def policy(_ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, policy) if kind == "selective"
+                  else None)
+
+    def run():
+        with ctx:
+            return _forward(lambda h: checkpoint(BLOCK, h, use_reentrant=False,
+                                                 **({"context_fn": context_fn} if context_fn else {})))
+
+    with _no_warning():
+        g = _grads(run)
+    _close(g)
+    # Of the region, only its input reaches compress (checkpoint saves it as any saved tensor, and
+    # backward recomputes the region from the restored input); the selective policy's saved outputs
+    # stay in checkpoint's own cache, exact.
+    assert ctx.stats.tensors_seen == _saves_all() - _saves_block() + 1
+
+
+def test_reentrant_checkpoint_inside_compress_compresses_its_saved_input():
+    ctx = _ctx()
+
+    def run():
+        with ctx:
+            return _forward(lambda h: checkpoint(BLOCK, h, use_reentrant=True))
+
+    with _no_warning():
+        g = _grads(run)
+    _close(g)
+    # The reentrant forward runs without grad (nothing saved inside); its saved input goes through
+    # compress like any saved tensor, and backward recomputes the region from the restored input.
+    assert ctx.stats.tensors_seen == _saves_all() - _saves_block() + 1
+
+
+def test_compress_inside_checkpoint_region_warns():
+    ctx = _ctx()
+
+    def region(h):
+        with ctx:
+            return BLOCK(h)
+
+    def run():
+        return _forward(lambda h: checkpoint(region, h, use_reentrant=False))
+
+    with pytest.warns(NestedSavedTensorsHooksWarning, match=r"torch\.utils\.checkpoint"):
+        g = _grads(run)
+    _close(g)
+    # compress replaced checkpoint's hooks: the region is stored (compressed), not recomputed
+    assert ctx.stats.tensors_seen == _saves_block() and ctx.stats.compressed > 0

@@ -1,0 +1,154 @@
+"""Each op rule of ``saved/op_rules.py`` against the plain quantization it replaces."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import daftrain
+from daftrain.saved.op_rules import RULES, OpTracer
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.reshape(-1).double(), b.reshape(-1).double(), dim=0))
+
+
+def _ctx(bits: int | None, rules: bool = True) -> daftrain.compress:
+    ctx = daftrain.compress(bits=bits, min_numel=0, seed=3)
+    if not rules:
+        ctx._op_tracer = OpTracer(rules=())  # the hooks as they were before the op rules
+    return ctx
+
+
+def _grads(fn, inputs: list[torch.Tensor], ctx: daftrain.compress | None) -> list[torch.Tensor]:
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    torch.manual_seed(0)
+    if ctx is None:
+        out = fn(*leaves)
+    else:
+        with ctx:
+            out = fn(*leaves)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * w).sum().backward()
+    return [x.grad for x in leaves]
+
+
+def test_every_rule_has_a_reason_and_functions() -> None:
+    names = [r.name for r in RULES]
+    assert len(set(names)) == len(names)
+    for rule in RULES:
+        assert len(rule.reason) > 40 and rule.functions, rule.name
+
+
+def _mixed_rows() -> torch.Tensor:
+    """Rows of tiny spread around an offset next to rows of unit spread, sharing quantization groups."""
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    x[::2] = 3.0 + 1e-3 * x[::2]
+    return x
+
+
+def test_layer_norm_input_error_is_not_amplified() -> None:
+    ln = torch.nn.LayerNorm(64)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return ln(x * 1.0)  # x * 1.0: an activation, not a leaf
+
+    x = _mixed_rows()
+    ref = _grads(fn, [x], None)[0]
+    with_rule = _cos(_grads(fn, [x], _ctx(8))[0], ref)
+    without = _cos(_grads(fn, [x], _ctx(8, rules=False))[0], ref)
+    # The rule quantizes the normalised rows: 8-bit rounding of unit-spread values, cosine ~1 - 1e-5.
+    assert with_rule >= 0.999
+    assert without < 0.9, without
+
+
+def test_batch_norm_input() -> None:
+    x = torch.randn(8, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    tiny = (torch.arange(16) // 2) % 2 == 0  # channels (and GroupNorm's pairs of them) of tiny spread
+    x[:, tiny] = 5.0 + 1e-3 * x[:, tiny]
+    # GroupNorm is not in the rule yet (its 8-bit weight gradient still misses; see the report).
+    for norm in (torch.nn.BatchNorm2d(16).train(),):
+        def weight_grad(ctx: daftrain.compress | None, norm: torch.nn.Module = norm) -> torch.Tensor:
+            norm.zero_grad(set_to_none=True)
+            _grads(lambda x: norm(x * 1.0), [x], ctx)
+            return torch.cat([norm.weight.grad, norm.bias.grad])
+
+        # The weight gradient sum(g * x_hat) reads the re-normalised input directly.
+        ref = weight_grad(None)
+        assert _cos(weight_grad(_ctx(8)), ref) >= 0.999
+        assert _cos(weight_grad(_ctx(8, rules=False)), ref) < 0.9
+
+
+def test_decomposed_rms_norm() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:  # as LlamaRMSNorm / T5LayerNorm write it
+        h = x * 1.0
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    x[::2] *= 1e-3  # rows of tiny magnitude (RMSNorm does not centre)
+    ref = _grads(fn, [x], None)[0]
+    assert _cos(_grads(fn, [x], _ctx(8))[0], ref) >= 0.999
+    assert _cos(_grads(fn, [x], _ctx(8, rules=False))[0], ref) < 0.9
+
+
+def test_normalization_input_not_contiguous_is_kept() -> None:
+    x = torch.randn(64, 64)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm((x * 1.0).t(), (64,))
+
+    ctx = _ctx(2)
+    ref = _grads(fn, [x], None)[0]
+    got = _grads(fn, [x], ctx)[0]
+    assert ctx.stats.kept_reasons["op_rule"] == 1
+    assert torch.equal(got, ref)
+
+
+def test_sdpa_with_qk_norm_keeps_q_and_k_at_eight_bits() -> None:
+    b, h, t, d = 2, 4, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=gen) for _ in range(3))
+    gain = torch.full((d,), 4.0)  # a learned QK-norm gain makes logits large
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qn, kn = F.rms_norm(q * 1.0, (d,), gain), F.rms_norm(k * 1.0, (d,), gain)
+        return F.scaled_dot_product_attention(qn, kn, v * 1.0, is_causal=True)
+
+    ref = torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], None)])
+    with_rule = _cos(torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], _ctx(4))]), ref)
+    without = _cos(torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], _ctx(4, rules=False))]), ref)
+    # q and k at 8 bits; the rest of the error is v's and the norms' 4-bit rounding.
+    assert with_rule >= 0.5 and without < 0.3, (with_rule, without)
+
+
+def test_relu6_and_clamp_masks_are_exact() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # Values crowd both bounds, where rounding would flip the mask.
+    x = torch.cat([torch.rand(4096, generator=gen) * 0.02 - 0.01, 6 + torch.rand(4096, generator=gen) * 0.02 - 0.01,
+                   torch.randn(4096, generator=gen) * 20]).reshape(64, -1)
+    fns = {
+        "relu6": lambda x: F.relu6(x * 1.0),
+        "relu6_inplace": lambda x: torch.nn.ReLU6(inplace=True)(x * 1.0),
+        "hardtanh": lambda x: F.hardtanh(x * 1.0, 0.0, 6.0),
+        "clamp": lambda x: torch.clamp(x * 1.0, 0.0, 6.0),
+        "clamp_min": lambda x: (x * 1.0).clamp(min=6.0),
+        "threshold": lambda x: F.threshold(x * 1.0, 0.0, 0.0),
+    }
+    for name, fn in fns.items():
+        ref = _grads(fn, [x], None)[0]
+        # d/dx of a clip is the mask times the output gradient: with the mask exact it is bit-identical.
+        assert torch.equal(_grads(fn, [x], _ctx(2))[0], ref), name
+        assert not torch.equal(_grads(fn, [x], _ctx(2, rules=False))[0], ref), name
+
+
+def test_clip_mask_record_is_one_bit_per_value() -> None:
+    x = torch.randn(64, 256)
+    ctx = _ctx(8)
+    _grads(lambda x: F.relu6(x * 1.0), [x], ctx)
+    assert ctx.stats.packed_bytes == x.numel() // 8
+
+
+def test_exact_mode_traces_nothing() -> None:
+    ctx = daftrain.compress(bits=None)
+    with ctx:
+        assert not torch._C._is_torch_function_mode_enabled()

@@ -1,0 +1,68 @@
+"""Op-aware compression across architectures from ``transformers`` built from tiny configs.
+
+The fast tests take three models whose gradients the op rules (``saved/op_rules.py``) are for: a ViT
+(LayerNorm inputs whose rows have small spread), Qwen3 (QK-norm before scaled_dot_product_attention) and
+MobileNetV2 (ReLU6 clip masks, BatchNorm). ``benchmarks/bench_zoo.py`` runs the whole zoo; the slow test
+checks that no architecture fails in any mode and that exact mode is bit-identical everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import daftrain
+from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model
+
+
+def _first_output(out):
+    values = out.values() if hasattr(out, "values") else out
+    return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad)
+
+
+def _grads(model, inputs, ctx):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)  # the same dropout masks in every run
+    if ctx is None:
+        y = _first_output(model(**inputs))
+    else:
+        with ctx:
+            y = _first_output(model(**inputs))
+    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
+    (y * proj).sum().backward()
+    return torch.cat([p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None])
+
+
+def _entry(model_type):
+    return next(e for e in TINY_ZOO if e[0] == model_type)
+
+
+def _cos(a, b):
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+# The issue's targets for every architecture: 8 bits >= 0.999 and 4 bits >= 0.98 gradient cosine against
+# plain PyTorch on the same seeds (a one-step gradient of a random projection of the output).
+@pytest.mark.parametrize("model_type", ["vit", "qwen3", "mobilenet_v2"])
+def test_op_rules_meet_the_8_and_4_bit_targets(model_type):
+    _, kind, overrides = _entry(model_type)
+    model = tiny_model(model_type, overrides)
+    inputs = tiny_inputs(model, kind)
+    ref = _grads(model, inputs, None)
+    assert torch.equal(_grads(model, inputs, daftrain.compress(bits=None, model=model)), ref)
+    assert _cos(_grads(model, inputs, daftrain.compress(bits=8, model=model)), ref) >= 0.999
+    assert _cos(_grads(model, inputs, daftrain.compress(bits=4, model=model)), ref) >= 0.98
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_type", "kind", "overrides"), TINY_ZOO, ids=[e[0] for e in TINY_ZOO])
+def test_every_architecture_runs_and_exact_mode_is_bit_identical(model_type, kind, overrides):
+    model = tiny_model(model_type, overrides)
+    inputs = tiny_inputs(model, kind)
+    ref = _grads(model, inputs, None)
+    if not torch.equal(_grads(model, inputs, None), ref):
+        pytest.xfail(f"{model_type}: plain PyTorch itself is not deterministic here")
+    assert torch.equal(_grads(model, inputs, daftrain.compress(bits=None, model=model)), ref)
+    for bits in (8, 4, 2):
+        grads = _grads(model, inputs, daftrain.compress(bits=bits, model=model))
+        assert torch.isfinite(grads).all(), f"{model_type} at {bits} bits"
