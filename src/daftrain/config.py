@@ -52,6 +52,11 @@ class CompressionConfig:
     ``NOTE [ Decode buffers ]`` in ``decode_buffers.py``): faster, at the cost of a few free buffers
     held during backward."""
 
+    tune_allocator: bool = True
+    """On CPU, fix glibc's mmap threshold (once per process) so the memory of freed activations and
+    backward's transients returns to the OS instead of staying in the heap: the process peak a user
+    sees follows live memory (``NOTE [ Freed memory goes back to the OS ]`` in ``allocator.py``)."""
+
     avg_bits: float | None = None
     """``bits="auto"`` only: the budget as average bits per value over the tensors it allocates, counted
     with the real layout's per-group overhead (``avg_bits=2.0`` costs exactly the bytes of fixed 2-bit).
@@ -89,6 +94,8 @@ class CompressionConfig:
             raise ArgumentTypeError(f"asynchronous must be a bool, got {type(self.asynchronous).__name__}")
         if not isinstance(self.decode_buffers, bool):
             raise ArgumentTypeError(f"decode_buffers must be a bool, got {type(self.decode_buffers).__name__}")
+        if not isinstance(self.tune_allocator, bool):
+            raise ArgumentTypeError(f"tune_allocator must be a bool, got {type(self.tune_allocator).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise ArgumentTypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
         if self.seed is not None and (

@@ -145,7 +145,6 @@ def _step(**overrides: object) -> BudgetedStep:
     return BudgetedStep(kwargs.pop("model"), kwargs.pop("loss_fn"), kwargs.pop("optimizer"), **kwargs)
 
 
-_STEP_IS_REWORKED = "budget/step.py is being reworked by another engineer: BudgetedStep does not check this yet"
 
 BUDGET: list[Case | object] = [
     ("Budget('abc')", lambda: Budget("abc"), BudgetError, r"cannot read 'abc' as a memory size \(budget\)"),
@@ -168,11 +167,11 @@ BUDGET: list[Case | object] = [
     ("BudgetedStep(compression=2)", lambda: _step(compression=2), ArgumentTypeError,
      r"compression must be a CompressionConfig"),
     pytest.param(lambda: _step(model=123), ArgumentTypeError, r"model must be a torch\.nn\.Module",
-                 id="BudgetedStep(model=123)", marks=pytest.mark.xfail(strict=True, reason=_STEP_IS_REWORKED)),
+                 id="BudgetedStep(model=123)"),
     pytest.param(lambda: _step(loss_fn=5), ArgumentTypeError, r"loss_fn must be callable",
-                 id="BudgetedStep(loss_fn=5)", marks=pytest.mark.xfail(strict=True, reason=_STEP_IS_REWORKED)),
+                 id="BudgetedStep(loss_fn=5)"),
     pytest.param(lambda: _step(optimizer=None), ArgumentTypeError, r"optimizer must be a torch\.optim\.Optimizer",
-                 id="BudgetedStep(optimizer=None)", marks=pytest.mark.xfail(strict=True, reason=_STEP_IS_REWORKED)),
+                 id="BudgetedStep(optimizer=None)"),
     ("PlannerConfig(bits=(3,))", lambda: PlannerConfig(bits=(3,)), InvalidArgumentError, r"PlannerConfig\.bits"),
     ("PlannerConfig(bits=[2])", lambda: PlannerConfig(bits=[2]), InvalidArgumentError, r"PlannerConfig\.bits"),
     ("PlannerConfig(bits=())", lambda: PlannerConfig(bits=()), InvalidArgumentError, r"PlannerConfig\.bits"),
@@ -206,11 +205,10 @@ def test_budgets_planner_and_budgeted_step_refuse_bad_values(call, error, patter
 OPS = torch.ops.daftrain
 X = torch.randn(1024)
 CODES, LO, SCALE = OPS.quantize_pack(X, 2, 256, 0)
-_OPS_ARE_REWORKED = "kernels/ops.py is being reworked by another engineer: this message does not name the argument"
 
 KERNELS: list[Case | object] = [
     pytest.param(lambda: OPS.quantize_pack(torch.arange(1024), 2, 256, 0), ArgumentTypeError, r"\bx\b.*int64",
-                 id="quantize_pack(x int64)", marks=pytest.mark.xfail(strict=True, reason=_OPS_ARE_REWORKED)),
+                 id="quantize_pack(x int64)"),
     ("quantize_pack(x float64)", lambda: OPS.quantize_pack(X.double(), 2, 256, 0), ArgumentTypeError, r"float64"),
     ("quantize_pack(x complex64)", lambda: OPS.quantize_pack(X.to(torch.complex64), 2, 256, 0), ArgumentTypeError,
      r"complex64"),
@@ -244,8 +242,7 @@ KERNELS: list[Case | object] = [
     ("unpack_dequantize(numel=-1)", lambda: OPS.unpack_dequantize(CODES, LO, SCALE, 2, 256, -1, torch.float32),
      LayoutError, r"^numel"),
     pytest.param(lambda: OPS.unpack_dequantize(CODES, LO, SCALE, 2, 256, 1024, torch.int32), ArgumentTypeError,
-                 r"\bdtype\b", id="unpack_dequantize(dtype int32)",
-                 marks=pytest.mark.xfail(strict=True, reason=_OPS_ARE_REWORKED)),
+                 r"\bdtype\b", id="unpack_dequantize(dtype int32)"),
     ("unpack_dequantize_into(out 2-D)", lambda: OPS.unpack_dequantize_into(torch.empty(32, 32), CODES, LO, SCALE, 2,
                                                                            256),
      InvalidArgumentError, r"^out must be a contiguous 1-D"),
@@ -258,11 +255,9 @@ KERNELS: list[Case | object] = [
     ("unpack_dequantize_into(out int32)", lambda: OPS.unpack_dequantize_into(torch.empty(1024, dtype=torch.int32),
                                                                              CODES, LO, SCALE, 2, 256),
      ArgumentTypeError, r"int32"),
-    pytest.param(lambda: OPS.pack_bool(X), ArgumentTypeError, r"\bx\b.*float32", id="pack_bool(x float32)",
-                 marks=pytest.mark.xfail(strict=True, reason=_OPS_ARE_REWORKED)),
+    pytest.param(lambda: OPS.pack_bool(X), ArgumentTypeError, r"\bx\b.*float32", id="pack_bool(x float32)"),
     pytest.param(lambda: OPS.unpack_bool(torch.zeros(4, dtype=torch.uint8), -1), InvalidArgumentError,
-                 r"\bnumel\b", id="unpack_bool(numel=-1)",
-                 marks=pytest.mark.xfail(strict=True, reason=_OPS_ARE_REWORKED + " (it blames packed for numel)")),
+                 r"\bnumel\b", id="unpack_bool(numel=-1)"),
     ("unpack_bool(packed too short)", lambda: OPS.unpack_bool(torch.zeros(4, dtype=torch.uint8), 1024),
      InvalidArgumentError, r"^packed must be uint8 \[128\]"),
     ("unpack_bool(packed float32)", lambda: OPS.unpack_bool(torch.zeros(128), 1024), InvalidArgumentError,

@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import math
 import re
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DaftrainError, InvalidArgumentError, UnsupportedError
-from .memory import current_rss_bytes, format_bytes, glibc
+from .memory import current_rss_bytes, format_bytes
 
 __all__ = [
     "Budget",
@@ -34,7 +33,6 @@ __all__ = [
     "SystemMemory",
     "parse_bytes",
     "read_system_memory",
-    "tighten_allocator",
 ]
 
 
@@ -289,25 +287,3 @@ class Budget:
     def __repr__(self) -> str:
         return f"Budget({self.description})"
 
-
-# NOTE [ Why RSS budgets need this ]
-# glibc raises its mmap threshold every time a large mmapped block is freed (up to 32 MiB on 64-bit),
-# after which blocks of that size come from the heap and stay resident after ``free``. Activations of
-# a micro-batch are such blocks: without a fixed threshold, RSS after a few steps holds freed
-# activations and fragments, and a process can creep over a budget its live tensors respect. Fixing
-# ``M_MMAP_THRESHOLD`` (which also disables the dynamic adjustment) keeps large tensors in their own
-# mappings, unmapped on free.
-def tighten_allocator(mmap_threshold: int = 1 << 16) -> bool:
-    """Make glibc return large freed blocks to the OS at once, so RSS follows live memory.
-
-    A process-wide setting (see NOTE [ Why RSS budgets need this ]), applied by
-    ``BudgetedStep(tune_allocator=True)``; the same can be had with ``MALLOC_MMAP_THRESHOLD_=65536``.
-    Returns False where glibc's ``mallopt`` is unavailable (nothing changed).
-    """
-    mallopt = getattr(glibc(), "mallopt", None)
-    if mallopt is None:
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    m_mmap_threshold = -3
-    return bool(mallopt(m_mmap_threshold, int(mmap_threshold)))

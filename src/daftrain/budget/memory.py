@@ -8,8 +8,6 @@ instance.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import math
 import resource
 import sys
@@ -20,6 +18,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..allocator import glibc
 from ..errors import UnsupportedError
 from ..params import ParameterRegistry, is_parameter_or_view
 
@@ -29,7 +28,6 @@ __all__ = [
     "SavedBytesCounter",
     "current_rss_bytes",
     "format_bytes",
-    "glibc",
     "meter_for",
     "missing_grad_bytes",
     "missing_state_bytes",
@@ -86,15 +84,6 @@ def current_rss_bytes() -> int:
             "install psutil (pip install psutil)"
         ) from exc
     return int(psutil.Process().memory_info().rss)  # pragma: no cover
-
-
-@functools.cache
-def glibc() -> ctypes.CDLL | None:
-    """The C library (for glibc's ``malloc_trim`` and ``mallopt``), or None where it cannot be loaded."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
 
 
 def _malloc_trim() -> bool:

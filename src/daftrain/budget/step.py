@@ -22,11 +22,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ..allocator import tighten_allocator
 from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..saved.hooks import compress
 from .batching import CountFn, balanced_sizes, batch_size, split_batch
-from .budgets import Budget, tighten_allocator
+from .budgets import Budget
 from .distributed import agree_plan, ddp_of, grad_sync, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
 from .planner import Plan, PlannerConfig, Profile, plan_step
@@ -101,7 +102,7 @@ class BudgetedStep:
         inplace: run activation modules in place where autograd allows it (verified on the first
             step, see ``inplace_activations``).
         tune_allocator: fix glibc's mmap threshold so RSS follows live memory (see
-            ``budget.tighten_allocator``; process-wide).
+            NOTE [ Freed memory goes back to the OS ] in ``allocator.py``; process-wide).
 
     Under ``DistributedDataParallel`` every call is a collective: all ranks agree on one plan, each
     staying under its own budget, and micro-batches all-reduce gradients once, after the last of them
@@ -126,6 +127,14 @@ class BudgetedStep:
                  count: CountFn | None = None, reduction: str = "mean",
                  compression: CompressionConfig | None = None, tune_allocator: bool = True,
                  inplace: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise ArgumentTypeError(f"BudgetedStep model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise ArgumentTypeError(f"BudgetedStep loss_fn must be callable as loss_fn(model, batch) -> loss, got "
+                                    f"{type(loss_fn).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ArgumentTypeError(f"BudgetedStep optimizer must be a torch.optim.Optimizer over the model's "
+                                    f"parameters, got {type(optimizer).__name__}")
         if reduction not in ("mean", "sum"):
             raise InvalidArgumentError(f"BudgetedStep reduction must be 'mean' or 'sum' (how loss_fn reduces over "
                                        f"the batch), got {reduction!r}")

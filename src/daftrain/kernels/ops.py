@@ -93,7 +93,8 @@ def _require(cond: Any, message: Callable[[], str], error: type[Exception] = Ker
 
 def _check_float(x: torch.Tensor) -> None:
     _require(x.dtype in QUANTIZABLE_DTYPES,
-             lambda: f"daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}", KernelDtypeError)
+             lambda: f"x: daftrain quantizes float32, float16 and bfloat16 tensors, got {x.dtype}",
+             KernelDtypeError)
 
 
 def _check_group_minmax(x: torch.Tensor, group_size: int) -> None:
@@ -120,7 +121,8 @@ def _check_unpack(
     dtype: torch.dtype,
 ) -> None:
     layout = PackedLayout(bits, group_size, numel)
-    _require(dtype in QUANTIZABLE_DTYPES, lambda: f"cannot dequantize to {dtype}", KernelDtypeError)
+    _require(dtype in QUANTIZABLE_DTYPES,
+             lambda: f"cannot dequantize to {dtype}: dtype must be float32, float16 or bfloat16", KernelDtypeError)
     _require(
         codes.dtype == torch.uint8 and tuple(codes.shape) == (layout.num_groups, layout.bytes_per_group),
         lambda: f"codes must be uint8 {(layout.num_groups, layout.bytes_per_group)}, got {codes.dtype} "
@@ -147,12 +149,13 @@ def _check_unpack_into(
 
 
 def _check_pack_bool(x: torch.Tensor) -> None:
-    _require(x.dtype == torch.bool, lambda: f"pack_bool takes a bool tensor, got {x.dtype}", KernelDtypeError)
+    _require(x.dtype == torch.bool, lambda: f"pack_bool takes a bool tensor: x is {x.dtype}", KernelDtypeError)
 
 
 def _check_unpack_bool(packed: torch.Tensor, numel: int) -> None:
+    _require(numel >= 0, lambda: f"numel must be >= 0, got {numel}")
     _require(
-        numel >= 0 and packed.dtype == torch.uint8 and packed.numel() == bool_nbytes(numel),
+        packed.dtype == torch.uint8 and packed.numel() == bool_nbytes(numel),
         lambda: f"packed must be uint8 [{bool_nbytes(numel)}], got {packed.dtype} [{packed.numel()}]",
     )
 

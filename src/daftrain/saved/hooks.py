@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..allocator import tighten_allocator
 from ..auto.calibration import CalibrationPass, calibrate
 from ..auto.policy import Assignment, make_bit_policy
 from ..auto.report import AllocationReport
@@ -141,6 +142,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if model is not None and not isinstance(model, nn.Module):
             raise ArgumentTypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         self.registry = ParameterRegistry(model)
+        on_cpu = model is None or any(p.device.type == "cpu" for p in model.parameters())
+        if self.config.tune_allocator and on_cpu:
+            tighten_allocator()  # NOTE [ Freed memory goes back to the OS ] in allocator.py
         if pool is not None and not isinstance(pool, PagePool):
             raise ArgumentTypeError(f"pool must be a PagePool or None, got {type(pool).__name__}")
         self.pool = pool
@@ -240,6 +244,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.reason == "parameter":
             stats.parameters += 1
             return t.detach()
+        if decision.reason == "layout":  # sparse, nested or meta: no storage to account or pack
+            stats.kept += 1
+            stats.kept_reasons[decision.reason] += 1
+            return KeptTensor(t.detach(), t._version)
         storage = StorageWeakRef(t.untyped_storage())
         if storage not in self._raw_storages:
             self._raw_storages.add(storage)
