@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -55,6 +56,11 @@ def resident_bytes() -> int:
     """This process's resident memory (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def say(line: str) -> None:
+    """One line in one write, so the lines of two ranks sharing a terminal never interleave."""
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
 def main() -> None:
@@ -110,9 +116,9 @@ def main() -> None:
             step(local)
             rec = step.history[-1]
             own = rec.rank_plan if rec.rank_plan is not None else rec.plan
-            print(f"rank {rank}: step {i} own k={own.num_micro_batches} bits={own.bits} "
-                  f"ckpt={len(own.checkpointed)} | run k={rec.plan.num_micro_batches} bits={rec.plan.bits} "
-                  f"ckpt={','.join(rec.plan.checkpointed)}", flush=True)
+            say(f"rank {rank}: step {i} own k={own.num_micro_batches} bits={own.bits} "
+                f"ckpt={len(own.checkpointed)} | run k={rec.plan.num_micro_batches} bits={rec.plan.bits} "
+                f"ckpt={','.join(rec.plan.checkpointed) or '-'}")
             continue
         with ctx:
             loss = loss_fn(model, local)
@@ -124,11 +130,11 @@ def main() -> None:
         gathered = [torch.empty_like(params) for _ in range(world)]
         dist.all_gather(gathered, params)
         same = all(torch.equal(g, gathered[0]) for g in gathered)
-        print(f"rank {rank}: parameters identical on all {world} ranks: {same}")
+        say(f"rank {rank}: parameters identical on all {world} ranks: {same}")
         if args.budgeted:
-            print(f"rank {rank}: plan {step.plan}")
+            say(f"rank {rank}: plan {step.plan}")
         if args.count_allreduce:
-            print(f"rank {rank}: gradient all-reduces {allreduces[0]} in {args.steps} steps")
+            say(f"rank {rank}: gradient all-reduces {allreduces[0]} in {args.steps} steps")
     if rank == 0 and args.out:
         torch.save(params, args.out)
     if distributed:
