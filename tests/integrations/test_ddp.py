@@ -60,12 +60,14 @@ _STEP = re.compile(r"rank (\d): step (\d+) own k=(\d+) bits=(\S+) ckpt=\d+ \| ru
 
 
 def test_budgeted_ddp_ranks_with_different_budgets_agree(tmp_path):
-    """From step 1 rank 1's budget is 3 MB above what it holds, rank 0's 64 MB: alone they choose
+    """From step 1 rank 1's budget is 12 MB above what it holds, rank 0's 96 MB: alone they choose
     different micro-batch counts (the old code then all-reduced once per micro-batch on each rank, so
     the ranks waited on each other forever); now both run the leaner plan, each micro-batch but the
     last under ``no_sync``, and the result equals one process on the whole batch."""
-    args = ("--steps", "3", "--bits", "none", "--image-size", "32", "--no-checkpoint", "--budgeted",
-            "--budget", "+64MB,+64MB", "--budget-from", "1:+64MB,+3MB", "--count-allreduce")
+    # A global batch of 128 (64 per rank) needs ~30 MB above what a rank holds in one micro-batch; 12 MB
+    # is about twice the floor of one sample at a time, so rank 1 alone needs a few micro-batches.
+    args = ("--steps", "3", "--bits", "none", "--image-size", "32", "--batch-size", "128", "--no-checkpoint",
+            "--budgeted", "--budget", "+96MB,+96MB", "--budget-from", "1:+96MB,+12MB", "--count-allreduce")
     ddp, stdout = _run(tmp_path, *args)
     assert stdout.count("parameters identical on all 2 ranks: True") == 2, stdout
     steps: dict[tuple[int, int], tuple[int, int]] = {}
@@ -80,7 +82,8 @@ def test_budgeted_ddp_ranks_with_different_budgets_agree(tmp_path):
         assert steps[0, step][1] == steps[1, step][1] == steps[1, step][0], stdout
     # no_sync: one gradient all-reduce per step (the model fits one DDP bucket), not one per micro-batch
     assert stdout.count("gradient all-reduces 3 in 3 steps") == 2, stdout
-    single, _ = _run(tmp_path, "--steps", "3", "--bits", "none", "--image-size", "32", nproc=None)
+    single, _ = _run(tmp_path, "--steps", "3", "--bits", "none", "--image-size", "32", "--batch-size", "128",
+                     nproc=None)
     # Exact mode: accumulation over micro-batches and the all-reduce change only the summation order.
     assert _rel(ddp, single) < 1e-5
 
