@@ -138,6 +138,7 @@ def main() -> None:
     if rank == 0 and args.out:
         torch.save(params, args.out)
     if distributed:
+        dist.barrier()  # leave together: a rank tearing gloo down while the other still talks aborts
         dist.destroy_process_group()
 
 

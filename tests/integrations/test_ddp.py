@@ -78,7 +78,7 @@ def test_budgeted_ddp_ranks_with_different_budgets_agree(tmp_path):
     for step in range(3):
         assert steps[0, step][1] == steps[1, step][1], stdout  # one plan on both ranks
     for step in (1, 2):  # after the change: alone the ranks disagree, together they run the leaner plan
-        assert steps[0, step][0] == 1 and steps[1, step][0] >= 2, stdout
+        assert steps[0, step][0] < steps[1, step][0], stdout
         assert steps[0, step][1] == steps[1, step][1] == steps[1, step][0], stdout
     # no_sync: one gradient all-reduce per step (the model fits one DDP bucket), not one per micro-batch
     assert stdout.count("gradient all-reduces 3 in 3 steps") == 2, stdout
