@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 
 import daftrain
-from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model
+from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model, zoo_gradient
 from daftrain.saved.decide import Treatment, decide
 from daftrain.saved.op_rules import RULES, OpTracer, match_saved
 
@@ -54,23 +54,8 @@ class _OneClass(daftrain.compress):
         return super()._pack(t)
 
 
-def _first_output(out: Any) -> torch.Tensor:
-    values = out.values() if hasattr(out, "values") else out
-    return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad)
-
-
 def _step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ctx: Any) -> tuple[torch.Tensor, Any]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    if ctx is None:
-        y = _first_output(model(**inputs))
-    else:
-        with ctx:
-            y = _first_output(model(**inputs))
-    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
-    (y * proj).sum().backward()
-    grads = [p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None]
-    return torch.cat(grads), (ctx.stats if ctx is not None else None)
+    return zoo_gradient(model, inputs, ctx), (ctx.stats if ctx is not None else None)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

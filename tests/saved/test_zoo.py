@@ -13,24 +13,7 @@ import torch
 
 import daftrain
 from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model
-
-
-def _first_output(out):
-    values = out.values() if hasattr(out, "values") else out
-    return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad)
-
-
-def _grads(model, inputs, ctx):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)  # the same dropout masks in every run
-    if ctx is None:
-        y = _first_output(model(**inputs))
-    else:
-        with ctx:
-            y = _first_output(model(**inputs))
-    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
-    (y * proj).sum().backward()
-    return torch.cat([p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None])
+from daftrain.demo.models.transformers_zoo import zoo_gradient as _grads
 
 
 def _entry(model_type):

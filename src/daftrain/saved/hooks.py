@@ -200,8 +200,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._packer.new_step()
         if self._decode_buffers is not None:
             self._decode_buffers.release()
-        self._records = weakref.WeakValueDictionary()
-        self._raw_storages, self._kept_storages = set(), set()
+        self._forget_saves()
         self._num_records = 0
         warn_if_nested(self)  # NOTE [ Only the innermost saved-tensor hooks apply ] in nesting.py
         super().__enter__()
@@ -231,7 +230,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._op_tracer.stop()
         super().__exit__(exc_type, exc, tb)
         self._hooks.deactivate(self)
-        # The dedup table only matters within one forward pass; drop its keys (and their weak refs).
+        self._forget_saves()
+
+    def _forget_saves(self) -> None:
+        """Drop the dedup table and the storages counted: they only matter within one forward pass."""
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
 
@@ -244,12 +246,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.reason == "parameter":
             stats.parameters += 1
             return t.detach()
-        if decision.reason == "layout":  # sparse, nested or meta: no storage to account or pack
-            stats.kept += 1
-            stats.kept_reasons[decision.reason] += 1
-            return KeptTensor(t.detach(), t._version)
-        storage = StorageWeakRef(t.untyped_storage())
-        if storage not in self._raw_storages:
+        # Sparse, nested and meta tensors have no storage to account or pack (decide keeps them).
+        storage = None if decision.reason == "layout" else StorageWeakRef(t.untyped_storage())
+        if storage is not None and storage not in self._raw_storages:
             self._raw_storages.add(storage)
             stats.raw_bytes += t.untyped_storage().nbytes()
         if decision.treatment is Treatment.KEEP:
@@ -306,10 +305,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         return packed.restore(flat)
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _keep(self, t: torch.Tensor, storage: StorageWeakRef, decision: Decision) -> KeptTensor:
+    def _keep(self, t: torch.Tensor, storage: StorageWeakRef | None, decision: Decision) -> KeptTensor:
         self._stats.kept += 1
         self._stats.kept_reasons[decision.reason] += 1
-        if storage not in self._kept_storages:
+        if storage is not None and storage not in self._kept_storages:
             self._kept_storages.add(storage)
             self._stats.kept_bytes += t.untyped_storage().nbytes()
         # NOTE [ Kept tensors are detached ]

@@ -315,3 +315,19 @@ def tiny_inputs(model: nn.Module, kind: str, *, batch: int = 4, length: int = 64
         return {"input_features": torch.randn(batch, config.num_mel_bins, frames, generator=gen),
                 "decoder_input_ids": torch.randint(3, vocab, (batch, 8), generator=gen)}
     raise InvalidArgumentError(f"kind must be text, seq2seq, image, audio or speech_seq2seq, got {kind!r}")
+
+
+def zoo_gradient(model: nn.Module, inputs: dict[str, torch.Tensor],
+                 ctx: contextlib.AbstractContextManager[object] | None = None) -> torch.Tensor:
+    """All parameter gradients, as one float64 vector, of a fixed random projection of the model's first
+    float output, with the forward under ``ctx`` and the same dropout masks in every run: what the zoo
+    benchmark and tests compare between plain PyTorch and daftrain."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    with ctx if ctx is not None else contextlib.nullcontext():
+        out = model(**inputs)
+    values = out.values() if hasattr(out, "values") else out
+    y = next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad)
+    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
+    (y * proj).sum().backward()
+    return torch.cat([p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None])
