@@ -88,7 +88,7 @@ def test_alpha_makes_plans_more_conservative():
 
 @pytest.mark.parametrize("kwargs", [
     {"bits": ()}, {"bits": (3,)}, {"bits": [2]}, {"safety": 0}, {"safety": 1.5}, {"prefer_exact_within": 1},
-    {"probe_fraction": 0}, {"max_alpha": 0.5}, {"compression_reserve": -1}, {"checkpoint": 1},
+    {"max_alpha": 0.5}, {"compression_reserve": -1}, {"checkpoint": 1},
 ])
 def test_config_validation(kwargs):
     with pytest.raises((ValueError, TypeError)):
@@ -135,7 +135,7 @@ def test_bits_without_measurements_name_the_config():
         plan_step(exact_only, budget_bytes=105 * MB, persistent_bytes=100 * MB, config=PlannerConfig(bits=(2,)))
 
 
-@pytest.mark.parametrize("kwargs", [{"safety": "0.9"}, {"probe_fraction": None}, {"max_alpha": "4"}])
+@pytest.mark.parametrize("kwargs", [{"safety": "0.9"}, {"prefer_exact_within": None}, {"max_alpha": "4"}])
 def test_config_type_errors_are_daftrain_errors(kwargs):
     """A string where a number belongs used to raise a bare TypeError from the comparison."""
     with pytest.raises(ArgumentTypeError, match=f"PlannerConfig.{next(iter(kwargs))} must be a number"):

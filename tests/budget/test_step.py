@@ -47,7 +47,7 @@ def forced_plan(step: BudgetedStep, batch, micro: int, ckpt: bool, bits=None) ->
     plan = Plan(budget_bytes=0, persistent_bytes=0, batch_size=B, micro_batch_size=-(-B // k), num_micro_batches=k,
                 checkpointed=tuple(step.segments) if ckpt else (), bits=bits, predicted_peak_bytes=0,
                 predicted_step_s=0.0, alpha=1.0)
-    return step._accumulate(batch, plan)
+    return step._accumulate(batch, plan, k, float(step.count(batch)))
 
 
 @pytest.mark.parametrize(("micro", "ckpt"), [(7, False), (4, True), (1, False), (32, True)])
@@ -84,7 +84,8 @@ def test_token_mean_loss_weighted_by_tokens():
     from daftrain.budget.planner import Plan
 
     plan = Plan(0, 0, 6, 2, 3, (), None, 0, 0.0, 1.0)
-    step._accumulate({"input_ids": ids, "labels": labels}, plan)
+    batch = {"input_ids": ids, "labels": labels}
+    step._accumulate(batch, plan, plan.num_micro_batches, float(step.count(batch)))
     for p, q in zip(emb.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
 
@@ -203,7 +204,7 @@ def test_batchnorm_warning_and_groupnorm_remedy():
     gn = gn.double()
     F.cross_entropy(ref(x.double()), y).backward()
     step = BudgetedStep(gn, ce, torch.optim.SGD(gn.parameters(), lr=0.0), budget="100GB", tune_allocator=False)
-    step._accumulate((x.double(), y), Plan(0, 0, 16, 4, 4, ("layer1.0", "layer3.1"), None, 0, 0.0, 1.0))
+    step._accumulate((x.double(), y), Plan(0, 0, 16, 4, 4, ("layer1.0", "layer3.1"), None, 0, 0.0, 1.0), 4, 16.0)
     for p, q in zip(gn.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-11)
 

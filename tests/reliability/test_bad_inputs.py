@@ -184,8 +184,6 @@ BUDGET: list[Case | object] = [
     ("PlannerConfig(safety='x')", lambda: PlannerConfig(safety="x"), ArgumentTypeError, r"PlannerConfig\.safety"),
     ("PlannerConfig(prefer_exact_within=1)", lambda: PlannerConfig(prefer_exact_within=1), InvalidArgumentError,
      r"PlannerConfig\.prefer_exact_within"),
-    ("PlannerConfig(probe_fraction=0)", lambda: PlannerConfig(probe_fraction=0), InvalidArgumentError,
-     r"PlannerConfig\.probe_fraction"),
     ("PlannerConfig(compression_reserve=-1)", lambda: PlannerConfig(compression_reserve=-1), InvalidArgumentError,
      r"PlannerConfig\.compression_reserve"),
     ("PlannerConfig(max_alpha=nan)", lambda: PlannerConfig(max_alpha=NAN), InvalidArgumentError,

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ArgumentTypeError
 
-__all__ = ["CountFn", "balanced_sizes", "batch_size", "head_copy", "split_batch", "token_count"]
+__all__ = ["CountFn", "balanced_sizes", "batch_size", "head_copy", "slice_copy", "split_batch", "token_count"]
 
 CountFn = Callable[[Any], int | torch.Tensor]
 
@@ -61,6 +61,14 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
             return [type(batch)(*o) for o in out]
         return [type(batch)(o) for o in out]
     return [batch] * len(sizes)
+
+
+def slice_copy(batch: Any, start: int, n: int) -> Any:
+    """Samples ``start`` to ``start + n`` of ``batch`` as a copy with its own storage (see ``head_copy``)."""
+    total = batch_size(batch)
+    if start == 0 and n == total:
+        return _clone(batch)
+    return _clone(split_batch(batch, [start, n, total - start - n])[1])
 
 
 def head_copy(batch: Any, n: int) -> Any:

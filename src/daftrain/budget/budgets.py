@@ -118,20 +118,26 @@ def parse_bytes(value: str | int | float) -> int:
 class SystemMemory:
     """What the system says about memory for this process, in bytes (``None`` where unknown).
 
-    ``limit`` and ``available`` are what the tightest source allows: a cgroup v2 limit wins over
-    ``/proc/meminfo``, which wins over psutil.
+    ``available`` is what the tightest source allows: the room under the tightest cgroup limit (v2
+    or v1, on this process's cgroup or an ancestor) or ``MemAvailable`` (psutil where /proc/meminfo
+    cannot be read), whichever is smaller; ``source`` says which one that was.
     """
 
     process_rss: int
     """Resident memory of this process now."""
     cgroup_max: int | None
-    """cgroup v2 ``memory.max`` (``None`` when unlimited or not in a cgroup v2)."""
+    """The binding cgroup limit: v2 ``memory.max`` or v1 ``memory.limit_in_bytes`` of the cgroup (this
+    process's or an ancestor) with the least room under its limit; ``None`` when no limit is set."""
     cgroup_current: int | None
-    """cgroup v2 ``memory.current`` (everything charged to the cgroup, page cache included)."""
+    """That cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``): everything charged to
+    it, other processes in it and page cache included."""
     mem_available: int | None
     """``MemAvailable`` from /proc/meminfo (or psutil's ``available``)."""
     source: str
-    """Which reading decided ``available``."""
+    """Which reading decided ``available``: ``"cgroup v2"``, ``"cgroup v1"``, ``"meminfo"``, ``"psutil"``
+    or ``"none"``."""
+    cgroup_path: Path | None = None
+    """The directory of the cgroup whose limit is ``cgroup_max``."""
 
     @property
     def available(self) -> int:
@@ -142,9 +148,28 @@ class SystemMemory:
         if self.mem_available is not None:
             candidates.append(self.mem_available)
         if not candidates:
-            raise UnsupportedError("no source of free memory could be read (no cgroup v2, /proc/meminfo or psutil): "
-                                   "install psutil, or pass a fixed budget such as Budget('600MB')")
+            raise UnsupportedError("no source of free memory could be read (no cgroup limit, /proc/meminfo or "
+                                   "psutil): install psutil, or pass a fixed budget such as Budget('600MB')")
         return min(candidates)
+
+
+# NOTE [ cgroup v1 and v2 ]
+# A process has one cgroup per hierarchy, listed in /proc/self/cgroup as ``id:controllers:path``:
+# ``0::path`` is the v2 (unified) hierarchy, ``N:memory:path`` (possibly ``memory`` among other
+# controllers) the v1 memory hierarchy. Pure v2 systems mount the unified tree at /sys/fs/cgroup,
+# hybrid ones at /sys/fs/cgroup/unified with v1 controllers at /sys/fs/cgroup/<controller>; the memory
+# controller is attached to exactly one of the two. The files differ: v2 ``memory.max`` ("max" when
+# unlimited) and ``memory.current``; v1 ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``, where
+# "unlimited" is the largest page-aligned counter (9223372036854771712 on 64-bit kernels), so any
+# value from 2**60 up is read as no limit. Both count page cache, so the room they leave is a lower
+# bound: the kernel reclaims clean cache before it fails an allocation.
+# A container without a cgroup namespace mounts its own cgroup as the hierarchy's root while
+# /proc/self/cgroup still names the full path (/docker/<id>), which does not exist under the mount:
+# the directory is the longest tail of that path that does. Limits on ancestors bind too (v1 with
+# ``use_hierarchy``, the only mode recent kernels keep), so the walk goes up to the mount.
+_V1_UNLIMITED = 2**60
+_CGROUP_FILES = {"cgroup v2": ("memory.max", "memory.current"),
+                 "cgroup v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
 
 
 def _read_int(path: Path) -> int | None:
@@ -155,54 +180,88 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None  # "max" (unlimited) -> None
 
 
-def _cgroup_dir(proc_cgroup: Path, root: Path) -> Path | None:
-    """The cgroup v2 directory of this process (``0::/path`` in /proc/self/cgroup)."""
+def _cgroup_paths(proc_cgroup: Path) -> dict[str, str]:
+    """This process's cgroup path in the v2 hierarchy and in the v1 memory hierarchy, where listed."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        return None
+        return {}
+    paths = {}
     for line in lines:
-        if line.startswith("0::"):
-            return root / line[3:].lstrip("/")
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":
+            paths["cgroup v2"] = path
+        elif "memory" in controllers.split(","):
+            paths["cgroup v1"] = path
+    return paths
+
+
+def _locate(mount: Path, path: str) -> Path | None:
+    """The directory of cgroup ``path`` in a hierarchy mounted at ``mount``: the longest tail of the
+    path that exists there (NOTE [ cgroup v1 and v2 ])."""
+    parts = [p for p in path.split("/") if p and p not in (".", "..")]
+    for i in range(len(parts) + 1):
+        d = mount.joinpath(*parts[i:])
+        if d.is_dir():
+            return d
     return None
 
 
-def _meminfo_available(meminfo: Path) -> int | None:
+def _tightest_cgroup(cgroup_root: Path, proc_cgroup: Path) -> tuple[str, int, int, Path] | None:
+    """``(version, limit, usage, directory)`` of the cgroup with the least room under its limit,
+    among this process's cgroups and their ancestors in both hierarchies; ``None`` if none is limited."""
+    mounts = {"cgroup v2": (cgroup_root, cgroup_root / "unified"), "cgroup v1": (cgroup_root / "memory",)}
+    best: tuple[str, int, int, Path] | None = None
+    for version, path in _cgroup_paths(proc_cgroup).items():
+        limit_file, usage_file = _CGROUP_FILES[version]
+        for mount in mounts[version]:
+            d = _locate(mount, path)
+            while d is not None:
+                limit, usage = _read_int(d / limit_file), _read_int(d / usage_file)
+                if version == "cgroup v1" and limit is not None and limit >= _V1_UNLIMITED:
+                    limit = None
+                if limit is not None and usage is not None and (best is None or limit - usage < best[1] - best[2]):
+                    best = (version, limit, usage, d)
+                d = d.parent if d != mount else None
+    return best
+
+
+def _meminfo_available(meminfo: Path) -> tuple[int | None, str]:
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1]) * 1024, "meminfo"
     except (OSError, ValueError, IndexError):
         pass
     try:
         import psutil
     except ImportError:
-        return None
-    return int(psutil.virtual_memory().available)
+        return None, "none"
+    return int(psutil.virtual_memory().available), "psutil"
 
 
 def read_system_memory(*, cgroup_root: str | Path = "/sys/fs/cgroup", proc: str | Path = "/proc") -> SystemMemory:
-    """Read cgroup v2 ``memory.max``/``memory.current``, ``/proc/meminfo`` (psutil as fallback).
+    """Read this process's cgroup limits (v2 ``memory.max``/``memory.current``, v1
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``, ancestors included) and ``/proc/meminfo``'s
+    ``MemAvailable`` (psutil as fallback); the tightest decides ``available`` and ``source``.
 
-    ``cgroup_root`` and ``proc`` exist for tests (point them at a fake tree).
+    ``cgroup_root`` is where the hierarchies are mounted (v2 there or at ``unified/``, v1 memory at
+    ``memory/``) and ``proc`` the proc file system: tests point them at a fake tree.
     """
     # NOTE [ Why cgroup first ]
     # Inside a container /proc/meminfo and psutil report the *host's* memory, while the kernel
-    # OOM-kills at the cgroup's memory.max. The cgroup reading is therefore the binding one when
-    # present; we still take the minimum with MemAvailable in case the host itself is tighter.
+    # OOM-kills at the cgroup's limit. The cgroup reading is therefore the binding one when present;
+    # we still take the minimum with MemAvailable in case the host itself is tighter.
     cgroup_root, proc = Path(cgroup_root), Path(proc)
-    cg = _cgroup_dir(proc / "self" / "cgroup", cgroup_root)
-    best: tuple[int, int] | None = None
-    d = cg
-    while d is not None:  # a limit may be set on an ancestor: the tightest one binds
-        m, c = _read_int(d / "memory.max"), _read_int(d / "memory.current")
-        if m is not None and c is not None and (best is None or m - c < best[0] - best[1]):
-            best = (m, c)
-        d = d.parent if d != cgroup_root and cgroup_root in d.parents else None
-    cg_max, cg_cur = best if best is not None else (None, None)
-    avail = _meminfo_available(proc / "meminfo")
-    source = "cgroup" if cg_max is not None else ("meminfo" if avail is not None else "none")
-    return SystemMemory(current_rss_bytes(), cg_max, cg_cur, avail, source)
+    cg = _tightest_cgroup(cgroup_root, proc / "self" / "cgroup")
+    avail, source = _meminfo_available(proc / "meminfo")
+    if cg is None:
+        return SystemMemory(current_rss_bytes(), None, None, avail, source)
+    version, limit, usage, path = cg
+    if avail is None or max(0, limit - usage) <= avail:
+        source = version
+    return SystemMemory(current_rss_bytes(), limit, usage, avail, source, path)
 
 
 def cuda_free_bytes(device: torch.device | int | None = None) -> tuple[int, int, bool]:
@@ -250,10 +309,14 @@ class Budget:
                reserve: str | int = 0) -> Budget:
         """A budget read from the system before every step.
 
-        On CPU: this process's RSS plus ``fraction`` of what it could still allocate (cgroup v2
-        limit, else ``/proc/meminfo``, else psutil), minus ``reserve``. On a CUDA device: memory
-        already allocated by torch plus ``fraction`` of ``torch.cuda.mem_get_info``'s free memory,
-        or system memory on integrated GPUs where that figure misleads.
+        On CPU: this process's RSS plus ``fraction`` of what it could still allocate, minus
+        ``reserve``: the room under the tightest memory limit of its cgroup or an ancestor's (v2
+        ``memory.max`` or v1 ``memory.limit_in_bytes``, less what the cgroup holds, other processes
+        in it included), or ``/proc/meminfo``'s ``MemAvailable`` (else psutil) where that is
+        smaller (``read_system_memory``). The budget therefore shrinks when another process in the
+        same cgroup takes memory and grows when it frees it. On a CUDA device: memory already
+        allocated by torch plus ``fraction`` of ``torch.cuda.mem_get_info``'s free memory, or system
+        memory on integrated GPUs where that figure misleads.
         """
         if not 0 < fraction <= 1:
             raise BudgetError(f"Budget.system fraction must be in (0, 1], e.g. 0.9, got {fraction!r}")

@@ -1,9 +1,8 @@
-"""``BudgetedStep`` under ``DistributedDataParallel``: one plan agreed by every rank, probes that never
-communicate, and micro-batches that synchronise gradients once, on the last of them."""
+"""``BudgetedStep`` under ``DistributedDataParallel``: one plan agreed by every rank, measuring slices
+that never communicate, and micro-batches that synchronise gradients once, on the last of them."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +15,7 @@ from ..errors import UnsupportedError
 from .budgets import BudgetTooSmallError
 from .planner import Bits, Plan, PlannerConfig, Profile, _activation_per_sample, _bits_rank, _headroom, _step_time
 
-__all__ = ["PlanAgreementError", "agree_plan", "ddp_of", "grad_sync", "unwrap"]
+__all__ = ["PlanAgreementError", "agree_plan", "all_reduce_grads", "ddp_of", "micro_batch_model", "unwrap"]
 
 
 class PlanAgreementError(UnsupportedError):
@@ -36,22 +35,36 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def grad_sync(ddp: nn.parallel.DistributedDataParallel | None, sync: bool) -> contextlib.AbstractContextManager[Any]:
-    """``ddp.no_sync()`` unless ``sync``: a micro-batch's forward+backward accumulates locally, and only
-    the last one all-reduces the accumulated gradients."""
-    if ddp is None or sync:
-        return contextlib.nullcontext()
-    return ddp.no_sync()
+def micro_batch_model(model: nn.Module, ddp: nn.parallel.DistributedDataParallel | None, last: bool) -> nn.Module:
+    """The module a micro-batch runs: the DDP wrapper for the last micro-batch of a step, which
+    all-reduces the gradients accumulated so far; the wrapped module for the others, which never
+    communicate (NOTE [ One all-reduce per step ])."""
+    return ddp if ddp is not None and last else unwrap(model)
+
+
+def all_reduce_grads(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Average the accumulated gradients over the ranks as DDP does, for a step none of whose
+    micro-batches ran through the wrapper (a one-sample batch trained by the planning step)."""
+    world = dist.get_world_size(ddp.process_group)
+    for p in ddp.module.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=ddp.process_group)
+            p.grad.div_(world)
 
 
 # NOTE [ Probes do not communicate ]
-# Probing runs forward+backward a number of times that depends on each rank's own headroom and
-# measurements (NOTE [ Growing probes ] in probe.py). Through the DDP wrapper every such backward would
-# all-reduce and every forward could broadcast buffers, so ranks probing different numbers of times
-# would wait on each other until the collective's timeout. Probes therefore run the wrapped module
+# The planning step trains slices whose number depends on each rank's own headroom and measurements
+# (NOTE [ Growing probes ] in probe.py), and a plan's micro-batch count may differ between ranks whose
+# batches differ. Through the DDP wrapper every backward would all-reduce and every forward may
+# broadcast buffers, so ranks running different numbers of them would wait on each other until the
+# collective's timeout. Every micro-batch but a step's last therefore runs the wrapped module
 # (``unwrap``), which never communicates: ``loss_fn`` must call the model it is given, not a DDP model
 # it closes over. DDP's reducer ignores these backwards (it expects its hooks only after a forward
-# through the wrapper).
+# through the wrapper); the last micro-batch runs through the wrapper and all-reduces the gradients
+# accumulated by all of them, as under ``no_sync()``. The buffers end as they would under ``no_sync``:
+# the last forward broadcasts rank 0's, which rank 0's own earlier micro-batches updated.
 
 # NOTE [ Agreeing on one plan ]
 # Every rank must run the same plan: the same micro-batch count keeps the ranks in step and the same

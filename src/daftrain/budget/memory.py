@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..allocator import glibc
 from ..errors import UnsupportedError
 from ..params import ParameterRegistry, is_parameter_or_view
+from ..saved.records import check_version
 
 __all__ = [
     "CudaMeter",
@@ -31,6 +32,7 @@ __all__ = [
     "meter_for",
     "missing_grad_bytes",
     "missing_state_bytes",
+    "optimizer_transient_bytes",
     "peak_rss_bytes",
     "reset_peak_rss",
 ]
@@ -253,6 +255,30 @@ def missing_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> i
     return missing_grad_bytes(model) + int(factor * state)
 
 
+# NOTE [ The optimizer step's transient ]
+# ``optimizer.step()`` allocates temporaries beside the state it keeps. A per-parameter ("for-loop")
+# step holds them for one parameter at a time: Adam's ``exp_avg_sq.sqrt() / bias_correction`` makes two
+# parameter-sized temporaries before they are freed, so about twice the largest parameter. A ``foreach``
+# step makes each temporary for all parameters of a group at once, about the group's parameter bytes.
+# torch's default is ``foreach`` only where every parameter is on CUDA. This estimate stands until
+# ``BudgetedStep`` has measured a step.
+def optimizer_transient_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Estimated bytes ``optimizer.step()`` allocates beyond its state (NOTE [ The optimizer step's
+    transient ])."""
+    worst = 0
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        if not params:
+            continue
+        largest = max(p.nbytes for p in params)
+        foreach = group.get("foreach")
+        if foreach is None:
+            foreach = all(p.is_cuda for p in params) and not group.get("fused")
+        need = sum(p.nbytes for p in params) + largest if foreach else int(2.2 * largest)
+        worst = max(worst, need)
+    return worst
+
+
 # -- saved bytes -------------------------------------------------------------------------------------
 
 class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
@@ -314,17 +340,18 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         """Number of unique storages counted."""
         return len(self._storages)
 
-    def _kept(self, t: torch.Tensor) -> torch.Tensor | None:
+    def _kept(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         # NOTE [ Pack returns t.detach() ]
         # We keep exactly what plain PyTorch keeps: the same storage, no copy.
         # ``detach()`` rather than ``t`` itself because for a saved *output* the
         # tensor's grad_fn owns this SavedVariable; returning ``t`` would make a
         # reference cycle that is never reclaimed when backward is not run (or
         # retain_graph=True). PyTorch restores grad_fn on unpack, so detaching
-        # is lossless (it is what PyTorch itself stores for saved outputs).
-        return None if self.dropping else t.detach()
+        # is lossless (it is what PyTorch itself stores for saved outputs). The version is kept
+        # beside it: autograd's own check of in-place modification does not run on hooked tensors.
+        return None if self.dropping else (t.detach(), t._version)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor | None:
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         if is_parameter_or_view(t):
             self.num_skipped += 1
             return self._kept(t)
@@ -345,8 +372,10 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         return self._kept(t)
 
     @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
+    def _unpack(kept: tuple[torch.Tensor, int]) -> torch.Tensor:
+        tensor, version = kept
+        check_version(tensor, version)
+        return tensor
 
     @staticmethod
     def _unpack_dropped(_: None) -> torch.Tensor:

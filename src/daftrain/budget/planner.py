@@ -63,13 +63,10 @@ class PlannerConfig:
     """Plans use at most this fraction of the headroom (budget minus what the process holds)."""
     prefer_exact_within: float = 0.05
     """Among plans at most this much slower than the fastest, take the one with the most bits."""
-    probe_fraction: float = 0.25
-    """Probing measures slices of the first batch of at most this fraction of the batch, and of the
-    headroom (by the per-sample memory measured on smaller slices)."""
-    compression_reserve: int = 250_000_000
-    """Bytes the compression kernels may add to the process the first time they run (numba JIT code
-    on CPU). Compressed plans are probed only when the headroom holds this much
-    besides the probe."""
+    compression_reserve: int = 50_000_000
+    """Bytes the compression kernels may add to the process the first time they run (compiled code
+    loaded from numba's cache on CPU). Compressed plans are measured only when the headroom holds this
+    much besides the measuring slice."""
     max_alpha: float = 4.0
     """Upper bound on the measured correction of the activation-memory model."""
 
@@ -82,7 +79,7 @@ class PlannerConfig:
                 raise InvalidArgumentError(f"PlannerConfig.bits entries must be None, 8, 4, 2 or 1, got {b!r}")
         if not isinstance(self.checkpoint, bool):
             raise ArgumentTypeError(f"PlannerConfig.checkpoint must be a bool, got {type(self.checkpoint).__name__}")
-        for name in ("safety", "prefer_exact_within", "probe_fraction", "max_alpha"):
+        for name in ("safety", "prefer_exact_within", "max_alpha"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ArgumentTypeError(f"PlannerConfig.{name} must be a number, got {type(value).__name__}")
@@ -91,9 +88,6 @@ class PlannerConfig:
         if not 0 <= self.prefer_exact_within < 1:
             raise InvalidArgumentError(f"PlannerConfig.prefer_exact_within must be in [0, 1), e.g. 0.05, got "
                                        f"{self.prefer_exact_within!r}")
-        if not 0 < self.probe_fraction <= 1:
-            raise InvalidArgumentError(f"PlannerConfig.probe_fraction must be in (0, 1], e.g. 0.25, got "
-                                       f"{self.probe_fraction!r}")
         if isinstance(self.compression_reserve, bool) or not isinstance(self.compression_reserve, int) or \
                 self.compression_reserve < 0:
             raise InvalidArgumentError(f"PlannerConfig.compression_reserve must be a non-negative int of bytes, got "

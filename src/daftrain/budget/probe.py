@@ -1,8 +1,10 @@
-"""Probing: measure a training step on small slices of the first batch and turn the measurements into
-the planner's ``Profile`` (its memory and time per sample, per segment and per bit-width)."""
+"""Probing: the first step of a batch size trains on slices of the batch that grow while they fit and
+measures each; the measurements become the planner's ``Profile`` (memory and time per sample, per
+segment and per bit-width)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -15,12 +17,20 @@ from torch import nn
 
 from ..config import CompressionConfig
 from ..saved.hooks import compress
-from .batching import batch_size, head_copy
-from .memory import CudaMeter, RssMeter, SavedBytesCounter, missing_grad_bytes, missing_state_bytes
-from .planner import PlannerConfig, Profile, SegmentProfile
+from .batching import batch_size, head_copy, slice_copy
+from .budgets import BudgetTooSmallError
+from .memory import (
+    CudaMeter,
+    RssMeter,
+    SavedBytesCounter,
+    missing_grad_bytes,
+    missing_state_bytes,
+    optimizer_transient_bytes,
+)
+from .planner import PlannerConfig, Profile, SegmentProfile, plan_step
 from .segments import checkpointing, inplace_activations
 
-__all__ = ["LossFn", "Prober"]
+__all__ = ["FirstStep", "LossFn", "Prober"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 Mode = int | str | None
@@ -29,33 +39,43 @@ step), ``"ckpt"`` (exact step, every segment checkpointed) or a bit-width (step 
 
 
 # NOTE [ Measuring the cost model ]
-# The planner's quantities (NOTE [ The cost model ] in planner.py) come from forward+backward runs on
-# copies of the first samples of the first batch, extrapolated linearly in the slice size m:
+# The planner's quantities (NOTE [ The cost model ] in planner.py) come from the first step's own
+# slices of the batch (NOTE [ The planning step trains ]), extrapolated linearly in the slice size m:
 # 1. A counting forward (saved tensors counted and dropped, so it holds no activations) on 1 sample (2
 #    where one cannot train, e.g. BatchNorm1d) gives the saved bytes per segment and outside every
-#    segment, and each segment's input bytes.
-# 2. An exact step on growing slices (NOTE [ Growing probes ]) gives the transient working set: the
-#    peak above the start, less the saved bytes and the gradients the step allocates, as a slope per
-#    sample (``work_per_sample``) and an intercept (``work_fixed``, the largest over all modes). Where
-#    one exact sample would not fit the headroom, a step with every segment checkpointed stands in:
-#    what it holds besides its working set (segment inputs, saved bytes outside segments, one
-#    segment's saved bytes) is subtracted instead, and the recomputation it paid is removed from its
-#    time.
-# 3. The same at every allowed bit-width, under ``compress``, gives the compressed saved bytes and
-#    working sets; only where the kernels' one-time footprint (``compression_reserve``) fits too.
+#    segment, and each segment's input bytes. It trains nothing: buffers and the RNG are restored.
+# 2. Exact slices growing in size (NOTE [ Growing probes ]) give the transient working set: the peak
+#    above the start, less the saved bytes and the gradients the slice allocated, as a slope per
+#    sample (``work_per_sample``) and an intercept (``work_fixed``). Where one exact sample would not
+#    fit the headroom, slices with every segment checkpointed stand in: what they hold besides their
+#    working set (segment inputs, saved bytes outside segments, one segment's saved bytes) is
+#    subtracted instead, and the recomputation they paid is removed from their time.
+# 3. Only where exact activations would need several micro-batches or checkpointing for the batch,
+#    one slice per allowed bit-width, under ``compress``, gives the compressed saved bytes, working
+#    set and time per sample; its intercepts (per-micro-batch time, fixed working set) are the exact
+#    slices'. Only where the kernels' one-time footprint (``compression_reserve``) fits too, and after
+#    the kernels ran once outside the model, so that their loading is not measured as the model's.
 # 4. Time: the slope between the smallest and the largest slice (``per_sample_s``, never less than
 #    half the average: a noise guard) and the intercept per micro-batch (``fixed_s``). A compressed step
 #    runs the same forward and backward plus packing and unpacking, so it is never taken to be faster
 #    than the exact one, whatever a noisy machine measures.
 # 5. ``optimizer_transient`` starts at three times the largest parameter; ``BudgetedStep`` replaces it
 #    with the measured optimizer-step peak after its first step.
-# Model buffers (BatchNorm statistics) and the RNG state are restored afterwards and gradients
-# dropped: probing leaves no trace in training.
+
+# NOTE [ The planning step trains ]
+# Measuring on copies of the batch and then training on it would cost a step several times over
+# (every bit-width, growing slices). Instead the slices that measure are the step's own micro-batches:
+# each slice's loss is weighted by its share of the batch and its gradients accumulate, so after the
+# first step has trained every sample once the gradient is the full batch's, as in any step. The
+# samples the slices did not reach (the growth stopped at what fits the headroom) are trained by
+# ``BudgetedStep`` under the plan made from the slices' profile. What the first step pays beyond a
+# planned step is one counting forward of one sample and the smaller micro-batches of the growth.
+# Slices are sized to the whole headroom, like the plan's micro-batches, not to a fraction of it.
 
 # NOTE [ Growing probes ]
 # RSS deltas of a 1-sample step are mostly allocator noise; extrapolated to the whole batch they would
-# mislead the planner. A probe therefore grows the slice x4 while the per-sample peak measured so far
-# says the next slice stays within ``room`` (a fraction of the headroom) and ``cap`` samples.
+# mislead the planner. The slices therefore grow x4 while the per-sample peak measured so far (with
+# 30 % to spare) says the next one stays within the headroom and the samples not yet trained.
 
 
 @dataclass
@@ -66,6 +86,8 @@ class _Measurement:
     seg_time: dict[str, float] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     peak_delta: float = 0.0
+    peak: int = 0
+    loss: float = 0.0
 
 
 def _nbytes(x: Any) -> int:
@@ -78,12 +100,28 @@ def _nbytes(x: Any) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class FirstStep:
+    """What the planning step did: the profile it measured and the training work it has done."""
+
+    profile: Profile
+    inplace: bool
+    """Whether in-place activations are usable (verified on the first exact slice)."""
+    loss: float
+    """The weighted loss of the slices trained (each slice's loss times its share of the batch)."""
+    trained: int
+    """Samples trained: the first ``trained`` samples of the batch; the step trains the rest."""
+    peak_bytes: int
+    """The highest memory reading during the slices."""
+
+
 class Prober:
-    """Measures one model's training step for the planner (see NOTE [ Measuring the cost model ]).
+    """Measures one model's training step for the planner while training it (see NOTE [ Measuring
+    the cost model ] and NOTE [ The planning step trains ]).
 
     Args:
         model, loss_fn, optimizer, segments, config: as given to ``BudgetedStep``.
-        compression: the base ``CompressionConfig`` of compressed probes (its ``bits`` is replaced).
+        compression: the base ``CompressionConfig`` of compressed slices (its ``bits`` is replaced).
         meter: the memory meter of the budget's device (``memory.meter_for``).
     """
 
@@ -93,64 +131,163 @@ class Prober:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.segments, self.config, self.compression, self.meter = segments, config, compression, meter
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        # Whether compressed probes ran once: their kernels' one-time footprint is then part of the process.
+        # Whether compressed slices ran once: their kernels' one-time footprint is then part of the process.
         self.compression_loaded = False
 
-    def probe(self, batch: Any, budget: int, persistent: int, *, inplace: bool) -> tuple[Profile, bool]:
-        """Measure the step on small slices of ``batch``; return the profile and whether in-place
-        activations are usable (checked only when ``inplace`` and an exact sample fits)."""
+    def planning_step(self, batch: Any, budget: int, persistent: int, *, inplace: bool,
+                      share: Callable[[Any], float], keep: int = 0) -> FirstStep:
+        """Train on slices of ``batch`` that grow while they fit, measuring each (NOTE [ The planning
+        step trains ]); leave at least ``keep`` samples untrained for the caller.
+
+        ``share(part)`` is the weight of a slice's loss (its share of what the batch's loss averages
+        over). Gradients accumulate in ``.grad``; the optimizer is not stepped.
+        """
+        B = batch_size(batch)
+        usable = max(1, B - keep)
+        headroom = (budget - persistent) * self.config.safety
+        trained, loss, peak = 0, 0.0, 0
+        runs: dict[Mode, list[tuple[int, _Measurement]]] = {}
+
+        def train(n: int, mode: Mode, use_inplace: bool) -> _Measurement | None:
+            nonlocal trained, loss, peak
+            part = slice_copy(batch, trained, n)
+            weight = share(part)
+            trained += n
+            if weight <= 0:  # counts nothing in a mean loss (e.g. every label ignored): nothing to learn
+                return None
+            m = self._measure(part, mode, weight, use_inplace)
+            loss += m.loss * weight
+            peak = max(peak, m.peak)
+            return m
+
+        # 1. what one sample saves: counting forwards, leaving no trace (buffers and RNG restored)
+        m1, count = self._count(batch)
+        exact_one = 1.5 * count.saved + max(count.peak_delta, 0) + 2 * max(count.seg_input.values(), default=0.0)
+        mode: Mode = None if exact_one <= headroom else "ckpt"
+        # 2. the first slice, in place where autograd allows it
+        first: _Measurement | None = None
+        while first is None and trained < usable:
+            n = min(m1, usable - trained)
+            if inplace and mode is None:
+                first, inplace = self._train_first_inplace(n, train)
+            else:
+                first = train(n, mode, False)
+            if first is not None:
+                runs[mode] = [(n, first)]
+        inplace = inplace and mode is None
+        # 3. growing slices while they fit (NOTE [ Growing probes ])
+        compressed = sorted(b for b in self.config.bits if b is not None)
+        if mode in runs:  # where exact plans are not allowed, part of the batch is kept for compressed slices
+            reserve = 0 if None in self.config.bits else max(len(compressed), (usable - trained) // 4)
+            self._grow(runs[mode], usable - trained - reserve, headroom, lambda n: train(n, mode, inplace))
+        # 4. compressed slices, only where exact activations cannot train the batch in one slice
+        if compressed and trained < usable and mode in runs and \
+                self._exact_is_bound(B, m1, count, runs, budget, persistent):
+            free = budget - self.meter.start() - missing_state_bytes(self.model, self.optimizer)
+            spare = free * self.config.safety - self.config.compression_reserve
+            if self.compression_loaded or spare >= 0.25 * count.saved + max(count.peak_delta, 0):
+                self.compression_loaded = True
+                self._load_kernels(compressed)
+                largest = max(n for n, _ in runs[mode])
+                for i, bits in enumerate(compressed):
+                    left = usable - trained
+                    if left <= 0:
+                        break
+                    n = max(1, min(largest, left // (len(compressed) - i)))
+                    measured = train(n, bits, inplace)
+                    if measured is not None:
+                        runs[bits] = [(n, measured)]
+        if not runs:  # every sample weighed nothing: measure one exact slice, then drop its gradients
+            runs[mode] = [(m1, self._measure(head_copy(batch, m1), mode, 0.0, False))]
+            self.optimizer.zero_grad(set_to_none=True)
+        return FirstStep(self._profile(B, m1, count, runs), inplace, loss, trained, peak)
+
+    # -- the pieces of the planning step ----------------------------------------------------------------
+    def _count(self, batch: Any) -> tuple[int, _Measurement]:
+        """Saved bytes of one sample (two where one cannot train, e.g. BatchNorm1d), from forwards that
+        drop what they save; the first warms the allocator and lazy initialisation."""
         B = batch_size(batch)
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        headroom = (budget - persistent) * self.config.safety
-        room = self.config.probe_fraction * headroom
-        cap = max(1, int(B * self.config.probe_fraction))
-        runs: dict[Mode, list[tuple[int, _Measurement]]] = {}
+        rng = {"devices": [self.device.index or 0], "device_type": "cuda"} if self.device.type == "cuda" else {
+            "devices": []}
         try:
-            rng = {"devices": [self.device.index or 0], "device_type": "cuda"} if self.device.type == "cuda" else {
-                "devices": []}
             with torch.random.fork_rng(**rng):
                 m1 = 1
                 try:
-                    self._measure(head_copy(batch, m1), "count")  # warm-up (allocator, lazy initialisation)
-                except ValueError:  # e.g. BatchNorm1d cannot train on one sample
+                    self._measure(head_copy(batch, m1), "count", 0.0, False)
+                except ValueError:
                     m1 = min(2, B)
-                    self._measure(head_copy(batch, m1), "count")
-                count = self._measure(head_copy(batch, m1), "count")
-                # The exact step runs only if one slice of it is predicted to fit; otherwise the exact
-                # figures come from a step with every segment checkpointed (boundaries + one block).
-                exact_one = 1.5 * count.saved + max(count.peak_delta, 0) + 2 * max(count.seg_input.values(),
-                                                                                    default=0.0)
-                if exact_one <= headroom:
-                    runs[None] = self._grow(batch, None, self._measure(head_copy(batch, m1), None), m1, cap, room)
-                else:
-                    runs["ckpt"] = [(m1, self._measure(head_copy(batch, m1), "ckpt"))]
-                if inplace:
-                    inplace = exact_one <= headroom and self._verify_inplace(head_copy(batch, m1))
-                # Compression runs only if its kernels' one-time footprint fits besides the probe.
-                free = budget - self.meter.start() - missing_state_bytes(self.model, self.optimizer)
-                spare = free * self.config.safety - self.config.compression_reserve
-                compressed = sorted(b for b in self.config.bits if b is not None)
-                if compressed and (self.compression_loaded or spare >= 0.25 * count.saved + max(count.peak_delta, 0)):
-                    self.compression_loaded = True
-                    warm = head_copy(batch, min(4, B))
-                    for bits in compressed:  # warm-up: kernel compilation and thread pools grow RSS once
-                        self._measure(warm, bits)
-                    free = budget - self.meter.start() - missing_state_bytes(self.model, self.optimizer)
-                    room = min(room, self.config.probe_fraction * free * self.config.safety)
-                    for bits in compressed:
-                        runs[bits] = self._grow(batch, bits, self._measure(head_copy(batch, m1), bits), m1, cap, room)
+                    self._measure(head_copy(batch, m1), "count", 0.0, False)
+                return m1, self._measure(head_copy(batch, m1), "count", 0.0, False)
         finally:
             with torch.no_grad():
                 for b, v in buffers:
                     b.copy_(v)
-            self.optimizer.zero_grad(set_to_none=True)
-        return self._profile(B, m1, count, runs), inplace
+
+    def _train_first_inplace(self, n: int, train: Callable[[int, Mode, bool], _Measurement | None]
+                             ) -> tuple[_Measurement | None, bool]:
+        """The first exact slice with in-place activations; where autograd refuses them, the slice's
+        gradients and buffer updates are undone and it runs again out of place."""
+        with inplace_activations(self.model) as affected:
+            pass
+        if affected == 0:
+            return train(n, None, False), False
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        try:
+            return train(n, None, True), True
+        except RuntimeError as exc:
+            if "inplace" not in str(exc) and "in-place" not in str(exc):
+                raise
+        self.optimizer.zero_grad(set_to_none=True)  # the first slice: nothing else has accumulated
+        with torch.no_grad():
+            for b, v in buffers:
+                b.copy_(v)
+        return train(n, None, False), False
+
+    def _grow(self, series: list[tuple[int, _Measurement]], left: int, room: float,
+              train: Callable[[int], _Measurement | None]) -> None:
+        """Train slices growing x4 from the last of ``series`` while the next is predicted to fit
+        ``room`` bytes and ``left`` samples (see NOTE [ Growing probes ])."""
+        while left > 0:
+            m, r = series[-1]
+            per_sample = max(r.peak_delta, r.saved, 1.0) / m
+            nxt = min(left, 4 * m, int(room / (1.3 * per_sample)))
+            if nxt < m + max(1, m // 2):  # too little growth to measure: the plan trains the rest
+                return
+            left -= nxt
+            measured = train(nxt)
+            if measured is not None:
+                series.append((nxt, measured))
+
+    def _exact_is_bound(self, B: int, m1: int, count: _Measurement, runs: dict[Mode, list[tuple[int, _Measurement]]],
+                        budget: int, persistent: int) -> bool:
+        """Whether exact activations need several micro-batches or checkpointing for the batch: only
+        then can compression make the step faster, and only then are compressed slices worth training.
+        Always where exact activations are not allowed."""
+        if None not in self.config.bits:
+            return True
+        exact = dataclasses.replace(self.config, bits=(None,))
+        try:
+            plan = plan_step(self._profile(B, m1, count, runs), budget_bytes=budget, persistent_bytes=persistent,
+                             config=exact)
+        except BudgetTooSmallError:
+            return True
+        return plan.num_micro_batches > 1 or bool(plan.checkpointed)
+
+    def _load_kernels(self, bits: list[int]) -> None:
+        """Run every bit-width's kernels once on a small product outside the model: their one-time cost
+        (JIT code loaded, thread pools started) is then not measured as the model's."""
+        a = torch.randn(256, 256, device=self.device, requires_grad=True)
+        for b in bits:
+            with compress(dataclasses.replace(self.compression, bits=b, asynchronous=False, min_numel=1)) as ctx:
+                (a @ a).sum().backward()
+            ctx.close()
 
     # -- one measurement ---------------------------------------------------------------------------------
-    def _measure(self, part: Any, mode: Mode) -> _Measurement:
-        """One probe on ``part`` in ``mode`` (see ``Mode``): saved bytes, per-segment saved and input
-        bytes and time, wall time, and the peak above the start less the gradients it allocated."""
-        self.optimizer.zero_grad(set_to_none=True)
+    def _measure(self, part: Any, mode: Mode, weight: float, inplace: bool) -> _Measurement:
+        """One slice in ``mode`` (see ``Mode``): forward and, unless counting, backward of ``weight`` times
+        its loss, gradients accumulating. Records saved bytes, per-segment saved and input bytes and
+        time, wall time, and the peak above the start less the gradients it allocated."""
         grads = missing_grad_bytes(self.model)
         ctx: Any
         if mode == "count" or mode is None or mode == "ckpt":
@@ -176,52 +313,26 @@ class Prober:
             for name, mod in self.segments.items():
                 handles.append(mod.register_forward_pre_hook(functools.partial(pre, name), with_kwargs=True))
                 handles.append(mod.register_forward_hook(functools.partial(post, name), with_kwargs=True))
+        in_place = inplace_activations(self.model) if inplace else contextlib.nullcontext()
         start = self.meter.start()
         try:
             t0 = time.perf_counter()
-            with checkpointing(self.segments, list(self.segments) if mode == "ckpt" else []), ctx:
+            with checkpointing(self.segments, list(self.segments) if mode == "ckpt" else []), in_place, ctx:
                 loss = self.loss_fn(self.model, part)
             m.saved = saved_now()
             if mode != "count":
-                loss.backward()
+                (loss * weight).backward()
             m.seconds = time.perf_counter() - t0
+            m.loss = float(loss.detach())
             del loss
-            m.peak_delta = self.meter.peak() - start - (grads if mode != "count" else 0)
+            m.peak = self.meter.peak()
+            m.peak_delta = m.peak - start - (grads if mode != "count" else 0)
         finally:
             for h in handles:
                 h.remove()
             if isinstance(ctx, compress):
                 ctx.close()
-            self.optimizer.zero_grad(set_to_none=True)
         return m
-
-    def _verify_inplace(self, part: Any) -> bool:
-        """One exact step with in-place activations; autograd raises where they are not allowed."""
-        with inplace_activations(self.model) as n:
-            if n == 0:
-                return False
-            try:
-                self.loss_fn(self.model, part).backward()
-            except RuntimeError as exc:
-                if "inplace" not in str(exc) and "in-place" not in str(exc):
-                    raise
-                return False
-            finally:
-                self.optimizer.zero_grad(set_to_none=True)
-        return True
-
-    def _grow(self, batch: Any, mode: Mode, first: _Measurement, m1: int, cap: int,
-              room: float) -> list[tuple[int, _Measurement]]:
-        """Measure ``mode`` on slices growing from ``m1`` while they fit ``room`` bytes and ``cap``
-        samples (see NOTE [ Growing probes ])."""
-        runs = [(m1, first)]
-        while True:
-            m, r = runs[-1]
-            per_sample = max(r.peak_delta, r.saved, 1.0) / m
-            nxt = min(cap, 4 * m, int(room / (1.3 * per_sample)))
-            if nxt < m + max(1, m // 2):
-                return runs
-            runs.append((nxt, self._measure(head_copy(batch, nxt), mode)))
 
     # -- the profile -----------------------------------------------------------------------------------
     def _profile(self, B: int, m1: int, count: _Measurement,
@@ -239,7 +350,7 @@ class Prober:
         work_fixed = 0.0
         for b in options:
             key = "ckpt" if b is None and "ckpt" in runs else b
-            series = runs[key]
+            series = sorted(runs[key], key=lambda r: r[0])
             (ma, a), (mb, g) = series[0], series[-1]
             if b is not None:
                 for n in names:
@@ -251,6 +362,12 @@ class Prober:
                 ra, rb = a.peak_delta - held / m1 * ma, g.peak_delta - held / m1 * mb
             else:
                 ra, rb = a.peak_delta - a.saved, g.peak_delta - g.saved
+            if mb == ma and b is not None and None in per_sample_s:
+                # one compressed slice: its intercepts are the exact step's (NOTE [ Measuring ...], 3.)
+                work[b] = max(0.0, (rb - work_fixed) / mb)
+                fixed_s[b] = fixed_s[None]
+                per_sample_s[b] = max(0.0, g.seconds - fixed_s[None]) / mb
+                continue
             slope_w = max(0.0, (rb - ra) / (mb - ma)) if mb > ma else max(0.0, rb / mb)
             work[b] = slope_w
             work_fixed = max(work_fixed, rb - slope_w * mb, ra - slope_w * ma)
@@ -262,14 +379,13 @@ class Prober:
             per_sample_s[b] = slope
         # Recompute cost per sample from the largest exact slice when there is one (a 1-sample forward
         # is dominated by per-call overhead).
-        tm, timing = runs[None][-1] if None in runs else (m1, count)
+        tm, timing = max(runs[None], key=lambda r: r[0]) if None in runs else (m1, count)
         if None in per_sample_s:  # a compressed step is never faster than the exact one (NOTE, 4.)
             for b in per_sample_s:
                 per_sample_s[b] = max(per_sample_s[b], per_sample_s[None])
                 fixed_s[b] = max(fixed_s[b], fixed_s[None])
         segments = tuple(SegmentProfile(name=n, saved=seg_saved[n], input_bytes=count.seg_input[n] / m1,
                                         forward_s=timing.seg_time.get(n, 0.0) / tm) for n in names)
-        largest = max((p.nbytes for p in self.model.parameters() if p.requires_grad), default=0)
         return Profile(batch_size=B, segments=segments, outside=outside, work_per_sample=work,
                        work_fixed=max(0.0, work_fixed), per_sample_s=per_sample_s, fixed_s=fixed_s,
-                       optimizer_transient=float(3 * largest))
+                       optimizer_transient=float(optimizer_transient_bytes(self.optimizer)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -28,10 +29,10 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..saved.hooks import compress
 from .batching import CountFn, balanced_sizes, batch_size, split_batch
 from .budgets import Budget
-from .distributed import agree_plan, ddp_of, grad_sync, unwrap
+from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
 from .planner import Plan, PlannerConfig, Profile, plan_step
-from .probe import LossFn, Prober
+from .probe import FirstStep, LossFn, Prober
 from .segments import checkpointing, find_segments, inplace_activations
 
 __all__ = ["BudgetedStep", "StepRecord"]
@@ -39,22 +40,26 @@ __all__ = ["BudgetedStep", "StepRecord"]
 # NOTE [ What the step does ]
 # 1. Measure: read ``budget.bytes()`` (a callable or system budget is read again every step) and what
 #    the process holds at the start of the step. On the first step (and whenever the batch size
-#    changes) probe: forward+backward on small slices of the batch, exactly and at every allowed
-#    bit-width (probe.py, NOTE [ Measuring the cost model ]). The probe sizes itself to the headroom,
-#    so it also runs when the process already holds more than the budget (one or two samples, every
-#    segment checkpointed): the planner then names a budget that fits, measured, not guessed.
+#    changes) the planning step trains slices of the batch that grow while they fit, measuring each,
+#    exactly and, where exact activations are bound, at every allowed bit-width (probe.py, NOTE [ The
+#    planning step trains ]). The slices size themselves to the headroom, so they also run when the
+#    process already holds more than the budget (one or two samples, every segment checkpointed): the
+#    planner then names a budget that fits, measured, not guessed.
 # 2. Plan from the profile (``planner.plan_step``), every step: cheap, and it is how a changed budget
 #    or a changed process footprint is honoured before the step runs.
-# 3. Run: ``k`` micro-batches, each forward under ``compress(bits)`` (if any) with the chosen segments
-#    checkpointed, backward of ``loss * share``; then ``optimizer.step()`` and ``zero_grad(set_to_none)``.
+# 3. Run: the samples the planning step did not train (all of them on later steps) in micro-batches
+#    of the plan, each forward under ``compress(bits)`` (if any) with the chosen segments checkpointed,
+#    backward of ``loss * share``; then ``optimizer.step()`` and ``zero_grad(set_to_none)``.
 # 4. Correct: the measured peak of the accumulation phase corrects the memory model (``alpha``) and the
 #    measured optimizer-step peak replaces its estimate.
 
 # NOTE [ One all-reduce per step ]
-# Under ``DistributedDataParallel`` every micro-batch but the last runs under ``no_sync()``: its
-# gradients accumulate in ``.grad`` locally, and the last micro-batch's backward all-reduces the
-# accumulated sums once, as DDP documents for gradient accumulation. Slices that a mean loss counts
-# nothing in are skipped, but never all of them: a rank must join the all-reduce once per step.
+# Under ``DistributedDataParallel`` every micro-batch but the last runs the wrapped module: its
+# gradients accumulate in ``.grad`` locally, and the last micro-batch, through the wrapper, all-reduces
+# the accumulated sums once, as ``no_sync()`` does for gradient accumulation (NOTE [ Probes do not
+# communicate ] in distributed.py says why not ``no_sync``). The planning step leaves at least one
+# sample for that last micro-batch. Slices that a mean loss counts nothing in are skipped, but never
+# all of them: a rank must join the all-reduce once per step.
 
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
@@ -82,6 +87,9 @@ class StepRecord:
     rank_plan: Plan | None = None
     """Under ``DistributedDataParallel``: the plan this rank would have run alone, before the ranks
     agreed on ``plan`` (NOTE [ Agreeing on one plan ] in distributed.py); ``None`` otherwise."""
+    planning: bool = False
+    """Whether this was a planning step (the first of a batch size): its measuring slices trained part
+    of the batch and ``plan`` the rest; ``step_s`` includes them."""
 
 
 class BudgetedStep:
@@ -180,21 +188,30 @@ class BudgetedStep:
             raise InvalidArgumentError(
                 "the batch given to BudgetedStep has 0 samples (dim 0 of its first tensor is 0), and a step "
                 "needs at least one; skip empty batches before calling the step")
+        total = float(self.count(batch)) if self.reduction == "mean" else 1.0
         budget = start_rss = persistent = 0
         own: Plan | None = None
+        first: FirstStep | None = None
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        missing_grads = missing_grad_bytes(self.model)
         try:
             # 1. measure
             budget = self.budget.bytes()
             start_rss = self._meter.start()
             persistent = start_rss + missing_state_bytes(self.model, self.optimizer)
             if self.profile is None or self.profile.batch_size != samples:
-                self.profile, self.inplace = self._prober.probe(batch, budget, persistent, inplace=self.inplace)
-                start_rss = self._meter.start()
-                persistent = start_rss + missing_state_bytes(self.model, self.optimizer)
+                first = self._prober.planning_step(
+                    batch, budget, persistent, inplace=self.inplace, share=self._share(total),
+                    keep=1 if self._ddp is not None and samples > 1 else 0)
+                self.profile, self.inplace = first.profile, first.inplace
+                # the slices' gradients are held now; the optimizer state is not yet
+                persistent = max(persistent, self._meter.start() + missing_state_bytes(self.model, self.optimizer))
             # 2. plan
             own = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent, config=self.config,
                             alpha=self.alpha)
         except Exception as exc:
+            self.optimizer.zero_grad(set_to_none=True)  # what the planning step trained is not stepped
             if self._ddp is None:
                 raise
             error: BaseException | None = exc
@@ -213,20 +230,26 @@ class BudgetedStep:
         self.plan = plan
         self._warn_batchnorm(plan)
         # 3. run
-        t0 = time.perf_counter()
-        missing_grads = missing_grad_bytes(self.model)
-        loss = self._accumulate(batch, plan)
-        acc_peak = self._meter.peak()
+        trained = first.trained if first is not None else 0
+        loss = first.loss if first is not None else 0.0
+        if trained < samples:
+            rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
+            k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
+            loss += self._accumulate(rest, plan, k, total)
+        elif self._ddp is not None:
+            all_reduce_grads(self._ddp)
+        acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
         opt_start = self._meter.start()
         new_state = missing_state_bytes(self.model, self.optimizer) - missing_grad_bytes(self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         opt_peak = self._meter.peak()
         step_s = time.perf_counter() - t0
-        # 4. correct
-        self._correct_model(plan, acc_peak - start_rss - missing_grads, opt_peak - opt_start - new_state)
+        # 4. correct (from planned steps only: the planning step's slices are not the plan)
+        self._correct_model(plan, acc_peak - start_rss - missing_grads if first is None else 0,
+                            opt_peak - opt_start - new_state)
         record = StepRecord(len(self.history), budget, plan, max(acc_peak, opt_peak), start_rss, step_s, loss,
-                            replanned, rank_plan)
+                            replanned, rank_plan, planning=first is not None)
         self.history.append(record)
         return loss
 
@@ -267,24 +290,30 @@ class BudgetedStep:
     def _inplace(self) -> contextlib.AbstractContextManager[Any]:
         return inplace_activations(self.model) if self.inplace else contextlib.nullcontext()
 
-    def _accumulate(self, batch: Any, plan: Plan) -> float:
-        """Forward+backward of ``plan``'s micro-batches, each loss weighted by its share of the batch
-        (NOTE [ Micro-batching keeps the math ]); return the full-batch loss. Under DDP only the last
-        micro-batch run all-reduces the gradients (NOTE [ One all-reduce per step ])."""
-        self.optimizer.zero_grad(set_to_none=True)
-        parts = split_batch(batch, balanced_sizes(plan.batch_size, plan.num_micro_batches))
-        counts = [float(self.count(p)) for p in parts] if self.reduction == "mean" else [1.0] * len(parts)
-        total = sum(counts) if self.reduction == "mean" else 1.0
-        run = [i for i, c in enumerate(counts) if self.reduction == "sum" or c > 0]
+    def _share(self, total: float) -> Callable[[Any], float]:
+        """The weight of a micro-batch's loss: its share of what the batch's mean counts (NOTE
+        [ Micro-batching keeps the math ]), or 1 for a sum."""
+        if self.reduction == "sum":
+            return lambda part: 1.0
+        return lambda part: float(self.count(part)) / total if total > 0 else 0.0
+
+    def _accumulate(self, batch: Any, plan: Plan, k: int, total: float) -> float:
+        """Forward+backward of ``batch`` in ``k`` balanced micro-batches under ``plan``, each loss
+        weighted by its share (NOTE [ Micro-batching keeps the math ]); return the summed weighted
+        loss. Under DDP only the last micro-batch runs through the wrapper and all-reduces the
+        gradients (NOTE [ One all-reduce per step ])."""
+        parts = split_batch(batch, balanced_sizes(batch_size(batch), max(1, min(k, batch_size(batch)))))
+        share = self._share(total)
+        weights = [share(p) for p in parts]
+        run = [i for i, w in enumerate(weights) if self.reduction == "sum" or w > 0]
         if not run and self._ddp is not None:
             run = [len(parts) - 1]  # the all-reduce must still happen once on this rank, with weight 0
         value = 0.0
         for i in run:
-            w = counts[i] / total if self.reduction == "mean" and total > 0 else float(self.reduction == "sum")
-            with grad_sync(self._ddp, i == run[-1]):
-                with checkpointing(self.segments, plan.checkpointed), self._inplace(), self._context(plan.bits):
-                    loss = self.loss_fn(self.model, parts[i])
-                (loss * w).backward()
-            value += float(loss.detach()) * w
+            model = micro_batch_model(self.model, self._ddp, i == run[-1])
+            with checkpointing(self.segments, plan.checkpointed), self._inplace(), self._context(plan.bits):
+                loss = self.loss_fn(model, parts[i])
+            (loss * weights[i]).backward()
+            value += float(loss.detach()) * weights[i]
             del loss  # free the graph's last references before the next slice
         return value

@@ -210,8 +210,8 @@ def check_version(tensor: torch.Tensor, saved_version: int) -> None:
         raise InPlaceModificationError(
             "one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version "
-            f"{saved_version} instead. Hint: the tensor was modified in place after autograd saved it (under "
-            "daftrain.compress); compute on a clone, or do the in-place operation out of place."
+            f"{saved_version} instead. Hint: the tensor was modified in place after autograd saved it (under a "
+            "daftrain saved-tensor hook); compute on a clone, or do the in-place operation out of place."
         )
 
 
@@ -311,10 +311,12 @@ class Normalized:
         with torch.no_grad():
             x = flat.view(self.view).float()
             mean = x.mean(self.reduce, keepdim=True) if self.center else None
+            if mean is not None:  # a constant row restores exactly: mean is its value, std 0
+                lo = x.amin(self.reduce, keepdim=True)
+                mean = torch.where(lo == x.amax(self.reduce, keepdim=True), lo, mean)
             dev = x - mean if mean is not None else x
             std = dev.square().mean(self.reduce, keepdim=True).sqrt_()
-            std = torch.where(std > 0, std, torch.ones_like(std))
-            x_hat = (dev / std).reshape(-1)
+            x_hat = torch.where(std > 0, dev / std, 0.0).reshape(-1)
             inner = encode(x_hat, "quantize", bits, group_size, seed)
             finite = bool(torch.isfinite(std).all()) and (mean is None or bool(torch.isfinite(mean).all()))
         if isinstance(inner, ExactRecord) or not finite:
