@@ -41,8 +41,10 @@ _ALLOWED_BITS = (None, 8, 4, 2, 1)
 # 2. Time. ``T = k * fixed_s[b] + B * (per_sample_s[b] + sum_{i ckpt} (forward_i - compress_i[b]))``:
 #    per-micro-batch overhead, per-sample forward+backward at those bits, one extra forward for every
 #    checkpointed segment, minus the compression work that checkpointed segments no longer do.
-# 3. ``alpha`` (>= 1) corrects the activation term after each step from the measured peak, so the
-#    model only becomes more conservative when reality disagrees with it.
+# 3. ``alpha`` corrects the activation term from the measured peaks: the largest ratio of measured to
+#    predicted over the last three planned steps (``BudgetedStep``), so a model that overestimates
+#    lets the plan grow back to what fits, and one that underestimates is corrected at the next step.
+#    A one-way ratchet kept a plan lean for ever after one noisy step or one tight budget.
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class PlannerConfig:
     loaded from numba's cache on CPU). Compressed plans are measured only when the headroom holds this
     much besides the measuring slice."""
     max_alpha: float = 4.0
-    """Upper bound on the measured correction of the activation-memory model."""
+    """Upper bound on the measured correction of the activation-memory model (its lower bound is 0.5)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, tuple) or not self.bits:

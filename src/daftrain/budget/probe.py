@@ -46,17 +46,20 @@ step), ``"ckpt"`` (exact step, every segment checkpointed) or a bit-width (step 
 #    segment, and each segment's input bytes. It trains nothing: buffers and the RNG are restored.
 # 2. Exact slices growing in size (NOTE [ Growing probes ]) give the transient working set: the peak
 #    above the start, less the saved bytes and the gradients the slice allocated, as a slope per
-#    sample (``work_per_sample``) and an intercept (``work_fixed``). Where one exact sample would not
-#    fit the headroom, slices with every segment checkpointed stand in: what they hold besides their
-#    working set (segment inputs, saved bytes outside segments, one segment's saved bytes) is
-#    subtracted instead, and the recomputation they paid is removed from their time.
+#    sample (``work_per_sample``) and an intercept (``work_fixed``, the largest over all slices).
+#    Where one exact sample would not fit the headroom, slices with every segment checkpointed stand
+#    in: what they hold besides their working set (segment inputs, saved bytes outside segments, one
+#    segment's saved bytes) is subtracted instead, and the recomputation they paid is removed from
+#    their time.
 # 3. Only where exact activations would need several micro-batches or checkpointing for the batch,
 #    one slice per allowed bit-width, under ``compress``, gives the compressed saved bytes, working
 #    set and time per sample; its intercepts (per-micro-batch time, fixed working set) are the exact
 #    slices'. Only where the kernels' one-time footprint (``compression_reserve``) fits too, and after
 #    the kernels ran once outside the model, so that their loading is not measured as the model's.
-# 4. Time: the slope between the smallest and the largest slice (``per_sample_s``, never less than
-#    half the average: a noise guard) and the intercept per micro-batch (``fixed_s``). A compressed step
+# 4. Time and working set: the slope between the two largest slices (``per_sample_s``, never less than
+#    half the average: a noise guard) and the intercept per micro-batch (``fixed_s``); the first
+#    slice is only used where there are two, since it pays the process's first backward (allocator
+#    growth, kernel primitives created), which no later micro-batch pays again. A compressed step
 #    runs the same forward and backward plus packing and unpacking, so it is never taken to be faster
 #    than the exact one, whatever a noisy machine measures.
 # 5. ``optimizer_transient`` starts at three times the largest parameter; ``BudgetedStep`` replaces it
@@ -351,7 +354,8 @@ class Prober:
         for b in options:
             key = "ckpt" if b is None and "ckpt" in runs else b
             series = sorted(runs[key], key=lambda r: r[0])
-            (ma, a), (mb, g) = series[0], series[-1]
+            # the two largest slices: the first (smallest) is the process's first backward (cold)
+            (ma, a), (mb, g) = series[-2] if len(series) >= 3 else series[0], series[-1]
             if b is not None:
                 for n in names:
                     seg_saved[n][b] = g.seg_saved.get(n, 0.0) / mb

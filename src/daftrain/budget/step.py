@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -37,6 +38,9 @@ from .segments import checkpointing, find_segments, inplace_activations
 
 __all__ = ["BudgetedStep", "StepRecord"]
 
+_ALPHA_WINDOW = 3  # steps whose measured/predicted ratio sets alpha (the largest of them)
+_MIN_ALPHA = 0.5
+
 # NOTE [ What the step does ]
 # 1. Measure: read ``budget.bytes()`` (a callable or system budget is read again every step) and what
 #    the process holds at the start of the step. On the first step (and whenever the batch size
@@ -50,8 +54,9 @@ __all__ = ["BudgetedStep", "StepRecord"]
 # 3. Run: the samples the planning step did not train (all of them on later steps) in micro-batches
 #    of the plan, each forward under ``compress(bits)`` (if any) with the chosen segments checkpointed,
 #    backward of ``loss * share``; then ``optimizer.step()`` and ``zero_grad(set_to_none)``.
-# 4. Correct: the measured peak of the accumulation phase corrects the memory model (``alpha``) and the
-#    measured optimizer-step peak replaces its estimate.
+# 4. Correct: the measured peak of the accumulation phase corrects the memory model (``alpha``, the
+#    largest measured/predicted ratio of the last three planned steps, so it follows reality both ways)
+#    and the measured optimizer-step peak replaces its estimate.
 
 # NOTE [ One all-reduce per step ]
 # Under ``DistributedDataParallel`` every micro-batch but the last runs the wrapped module: its
@@ -165,6 +170,7 @@ class BudgetedStep:
         self.profile: Profile | None = None
         self.plan: Plan | None = None
         self.alpha = 1.0
+        self._ratios: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._meter = meter_for(self.device)
@@ -261,13 +267,14 @@ class BudgetedStep:
 
     # -- correcting the model ------------------------------------------------------------------------
     def _correct_model(self, plan: Plan, measured_act: int, measured_opt: int) -> None:
-        """Raise ``alpha`` where the accumulation phase measured more than predicted, and take the
-        measured optimizer-step peak (with 10 % slack) as its transient."""
+        """Set ``alpha`` from what the last steps measured against what the model predicted (NOTE [ The
+        cost model ], 3.), and take the measured optimizer-step peak (with 10 % slack) as its transient."""
         if not self._meter.resettable or self.profile is None:
             return
         predicted = plan.predicted_activation_bytes / plan.alpha
         if measured_act > 0 and predicted > 0:
-            self.alpha = min(self.config.max_alpha, max(self.alpha, measured_act / predicted))
+            self._ratios.append(measured_act / predicted)
+            self.alpha = min(self.config.max_alpha, max(_MIN_ALPHA, max(self._ratios)))
         if measured_opt > 0:
             self.profile = dataclasses.replace(self.profile, optimizer_transient=float(measured_opt) * 1.1)
 
