@@ -65,10 +65,11 @@ class PlannerConfig:
     """Plans use at most this fraction of the headroom (budget minus what the process holds)."""
     prefer_exact_within: float = 0.05
     """Among plans at most this much slower than the fastest, take the one with the most bits."""
-    compression_reserve: int = 50_000_000
-    """Bytes the compression kernels may add to the process the first time they run (compiled code
-    loaded from numba's cache on CPU). Compressed plans are measured only when the headroom holds this
-    much besides the measuring slice."""
+    compression_reserve: int = 100_000_000
+    """Bytes the compression kernels add to the process the first time they run (on CPU: numba's
+    compiled code and LLVM, loaded from numba's cache, for good). Compressed plans are measured only
+    where the headroom holds this much besides the measuring slice and the exact plan's activations
+    are larger than it."""
     max_alpha: float = 4.0
     """Upper bound on the measured correction of the activation-memory model (its lower bound is 0.5)."""
 

@@ -52,7 +52,8 @@ step), ``"ckpt"`` (exact step, every segment checkpointed) or a bit-width (step 
 #    segment's saved bytes) is subtracted instead, and the recomputation they paid is removed from
 #    their time.
 # 3. Only where exact activations would need several micro-batches or checkpointing for the batch,
-#    one slice per allowed bit-width, under ``compress``, gives the compressed saved bytes, working
+#    and take more than the kernels' one-time footprint in the exact plan, one slice per allowed
+#    bit-width, under ``compress``, gives the compressed saved bytes, working
 #    set and time per sample; its intercepts (per-micro-batch time, fixed working set) are the exact
 #    slices'. Only where the kernels' one-time footprint (``compression_reserve``) fits too, and after
 #    the kernels ran once outside the model, so that their loading is not measured as the model's.
@@ -185,7 +186,7 @@ class Prober:
             self._grow(runs[mode], usable - trained - reserve, headroom, lambda n: train(n, mode, inplace))
         # 4. compressed slices, only where exact activations cannot train the batch in one slice
         if compressed and trained < usable and mode in runs and \
-                self._exact_is_bound(B, m1, count, runs, budget, persistent):
+                self._compression_may_pay(B, m1, count, runs, budget, persistent):
             free = budget - self.meter.start() - missing_state_bytes(self.model, self.optimizer)
             spare = free * self.config.safety - self.config.compression_reserve
             if self.compression_loaded or spare >= 0.25 * count.saved + max(count.peak_delta, 0):
@@ -262,11 +263,13 @@ class Prober:
             if measured is not None:
                 series.append((nxt, measured))
 
-    def _exact_is_bound(self, B: int, m1: int, count: _Measurement, runs: dict[Mode, list[tuple[int, _Measurement]]],
-                        budget: int, persistent: int) -> bool:
-        """Whether exact activations need several micro-batches or checkpointing for the batch: only
-        then can compression make the step faster, and only then are compressed slices worth training.
-        Always where exact activations are not allowed."""
+    def _compression_may_pay(self, B: int, m1: int, count: _Measurement,
+                             runs: dict[Mode, list[tuple[int, _Measurement]]], budget: int, persistent: int) -> bool:
+        """Whether compressed slices are worth training (NOTE [ Measuring the cost model ], 3.): always
+        where exact activations are not allowed; otherwise only where exact activations need several
+        micro-batches or checkpointing for the batch (only then can compression make the step faster)
+        and the exact plan's activations are larger than the kernels' one-time footprint
+        (``compression_reserve``), which compression could not otherwise pay back."""
         if None not in self.config.bits:
             return True
         exact = dataclasses.replace(self.config, bits=(None,))
@@ -275,7 +278,8 @@ class Prober:
                              config=exact)
         except BudgetTooSmallError:
             return True
-        return plan.num_micro_batches > 1 or bool(plan.checkpointed)
+        bound = plan.num_micro_batches > 1 or bool(plan.checkpointed)
+        return bound and plan.predicted_activation_bytes > self.config.compression_reserve
 
     def _load_kernels(self, bits: list[int]) -> None:
         """Run every bit-width's kernels once on a small product outside the model: their one-time cost

@@ -32,7 +32,7 @@ from .batching import CountFn, balanced_sizes, batch_size, split_batch
 from .budgets import Budget
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
-from .planner import Plan, PlannerConfig, Profile, plan_step
+from .planner import Plan, PlannerConfig, Profile, _activation_per_sample, plan_step
 from .probe import FirstStep, LossFn, Prober
 from .segments import checkpointing, find_segments, inplace_activations
 
@@ -238,10 +238,17 @@ class BudgetedStep:
         # 3. run
         trained = first.trained if first is not None else 0
         loss = first.loss if first is not None else 0.0
+        measured_act, predicted_act = 0, 0.0
         if trained < samples:
             rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
             k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
+            rest_start = self._meter.start() if first is not None else start_rss
             loss += self._accumulate(rest, plan, k, total)
+            rest_peak = self._meter.peak()
+            # what the plan's micro-batches measured against the model (the planning step's slices
+            # allocated the gradients already; a planned step allocates them itself)
+            measured_act = rest_peak - rest_start - (missing_grads if first is None else 0)
+            predicted_act = self._predicted_activation(plan, math.ceil((samples - trained) / k))
         elif self._ddp is not None:
             all_reduce_grads(self._ddp)
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
@@ -251,9 +258,8 @@ class BudgetedStep:
         self.optimizer.zero_grad(set_to_none=True)
         opt_peak = self._meter.peak()
         step_s = time.perf_counter() - t0
-        # 4. correct (from planned steps only: the planning step's slices are not the plan)
-        self._correct_model(plan, acc_peak - start_rss - missing_grads if first is None else 0,
-                            opt_peak - opt_start - new_state)
+        # 4. correct
+        self._correct_model(measured_act, predicted_act, opt_peak - opt_start - new_state)
         record = StepRecord(len(self.history), budget, plan, max(acc_peak, opt_peak), start_rss, step_s, loss,
                             replanned, rank_plan, planning=first is not None)
         self.history.append(record)
@@ -266,14 +272,20 @@ class BudgetedStep:
         self._contexts.clear()
 
     # -- correcting the model ------------------------------------------------------------------------
-    def _correct_model(self, plan: Plan, measured_act: int, measured_opt: int) -> None:
+    def _predicted_activation(self, plan: Plan, micro: int) -> float:
+        """The activation bytes the model predicts for ``plan`` at micro-batches of ``micro`` samples,
+        before the correction ``alpha``."""
+        assert self.profile is not None
+        per = _activation_per_sample(self.profile, plan.bits, frozenset(plan.checkpointed))
+        return self.profile.work_fixed + per * micro
+
+    def _correct_model(self, measured_act: int, predicted_act: float, measured_opt: int) -> None:
         """Set ``alpha`` from what the last steps measured against what the model predicted (NOTE [ The
         cost model ], 3.), and take the measured optimizer-step peak (with 10 % slack) as its transient."""
         if not self._meter.resettable or self.profile is None:
             return
-        predicted = plan.predicted_activation_bytes / plan.alpha
-        if measured_act > 0 and predicted > 0:
-            self._ratios.append(measured_act / predicted)
+        if measured_act > 0 and predicted_act > 0:
+            self._ratios.append(measured_act / predicted_act)
             self.alpha = min(self.config.max_alpha, max(_MIN_ALPHA, max(self._ratios)))
         if measured_opt > 0:
             self.profile = dataclasses.replace(self.profile, optimizer_transient=float(measured_opt) * 1.1)
