@@ -1,24 +1,34 @@
-"""Training within a memory budget: gradient accumulation vs checkpointing + accumulation vs daftrain's planner.
+"""Training within a memory budget: ``BudgetedStep`` against accumulation, checkpointing and torch.compile.
 
 CIFAR-style ResNet-18 (3x32x32, batch 256) and GPT-2 small (from a config, seq 256, batch 8, eager
-attention), Adam. Every configuration runs in a fresh process. Budgets are
+attention, dropout 0 in every method: see ``DROPOUT``), Adam. Budgets are
 
-    budget(f) = baseline + f * (plain_peak - baseline),   f in {0.5, 0.25, 0.125}
+    budget(f) = baseline + f * (plain_peak - baseline),   f in {0.5, 0.25, 0.125, 0.05}
 
-where ``baseline`` is what training holds before any activation: the process's RSS once model, batch
-and runtime are loaded, plus gradients and Adam's two states (computed from the parameter sizes), and
-``plain_peak`` is the peak RSS of plain PyTorch training at the full batch. Whole-process fractions
-(f * plain_peak) are recorded too; where they fall below ``baseline`` no method can meet them, and
-the JSON says so.
+where ``baseline`` is what training holds before any activation (the RSS once model, batch and runtime
+are loaded, plus gradients and Adam's two states, 3 x the parameter bytes) and ``plain_peak`` the peak
+RSS of plain PyTorch at the full batch. Peers, each at the largest power-of-two micro-batch whose
+measured peak fits:
 
-(a) accumulation: the largest power-of-two micro-batch whose measured peak fits (tried from the
-    linear estimate ``f * batch`` downwards, a fresh process per try);
-(b) every block checkpointed (non-reentrant) + accumulation, largest fitting micro-batch likewise;
-(c) ``daftrain.BudgetedStep`` with the budget (planner chooses micro-batches, checkpoints, bits).
+(a) gradient accumulation;
+(b) every block checkpointed (non-reentrant) plus accumulation;
+(c) ``torch.compile(model)`` with ``torch._functorch.config.activation_memory_budget = f`` plus
+    accumulation;
+(d) ``daftrain.BudgetedStep`` with the budget (it chooses micro-batches, checkpoints and bits).
 
-A budget-change run (ResNet-18) halves the headroom at one step and restores it later.
+Memory phase (plain and the peers): every try is a fresh process running two steps; its peak is the
+kernel's high-water mark (VmHWM) over both, the first (with compilation) included. Timing phase: one
+fresh, long-lived worker per configuration that fits (plain and (d) included), driven over a line
+protocol: each worker's first step (compilation; (d)'s planning step), then rounds in which each
+worker runs one step in turn, the load average read every round. (d) is checked at every step
+(``StepRecord.peak_bytes``) and over its whole process (``process_peak_bytes``). As many workers run
+together as their measured peaks fit ``--max-ram-gb`` (plain first, then budgets from the smallest);
+each result names its group. Every process runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (the setting
+``BudgetedStep`` makes) and one inductor compile thread (so compilation counts in the process's peak);
+the run has its own inductor cache, warmed for each compiled configuration by a one-step process
+before the one that is measured.
 
-    nice -n 10 python benchmarks/bench_budget.py [--quick] [--models resnet18,gpt2_small]
+    flock /tmp/daftrain-bench.lock python benchmarks/bench_budget.py [--quick] [--models resnet18,gpt2_small]
 """
 
 from __future__ import annotations
@@ -26,20 +36,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-FRACTIONS = (0.5, 0.25, 0.125)
-ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # same allocator setting for every method
+FRACTIONS = (0.5, 0.25, 0.125, 0.05)
+BATCH = {"resnet18": 256, "gpt2_small": 8}
+PEERS = ("accum", "ckpt", "compile")
+LABEL = {"plain": "plain", "accum": "(a)", "ckpt": "(b)", "compile": "(c)", "daftrain": "(d)"}
+DROPOUT = ("0 in every method, for comparability: (c) must run without it (a reported PyTorch gradient bug "
+           "with dropout under activation_memory_budget)")
+ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+MEMORY_STEPS = 2
 
 
-# -- child process -------------------------------------------------------------------------------------
+# -- worker process: one configuration, one step per "step" line on stdin -------------------------------
 
-def _case(name: str):
+def _case(name: str, batch: int):
     import torch
     import torch.nn.functional as F
 
@@ -49,15 +68,21 @@ def _case(name: str):
 
     torch.manual_seed(0)
     if name == "resnet18":
-        model = resnet18(num_classes=10)
-        batch = (torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,)))
-        return model, batch, (lambda m, b: F.cross_entropy(m(b[0]), b[1])), None
-    model = gpt2_lm(seed=0)
-    ids = torch.randint(0, 50257, (8, 256), generator=torch.Generator().manual_seed(0))
-    return model, {"input_ids": ids, "labels": ids}, (lambda m, b: m(**b).loss), token_count("labels")
+        data = (torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,)))
+        return resnet18(num_classes=10), data, (lambda m, b: F.cross_entropy(m(b[0]), b[1])), None
+    ids = torch.randint(0, 50257, (batch, 256), generator=torch.Generator().manual_seed(0))
+    return gpt2_lm(dropout=0.0, seed=0), {"input_ids": ids, "labels": ids}, (lambda m, b: m(**b).loss), \
+        token_count("labels")
 
 
-def child(spec: dict) -> dict:
+def worker(spec: dict) -> None:
+    # The protocol owns the real stdout; anything else printed (by C code too) goes to stderr.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+
+    def reply(obj: dict) -> None:
+        proto.write(json.dumps(obj, default=str) + "\n")
+
     import torch
 
     from daftrain.budget.batching import balanced_sizes, batch_size, split_batch
@@ -65,240 +90,359 @@ def child(spec: dict) -> dict:
     from daftrain.budget.segments import checkpointing, find_segments
     from daftrain.budget.step import BudgetedStep
 
-    model, batch, loss_fn, count = _case(spec["model"])
+    model, batch, loss_fn, count = _case(spec["model"], spec["batch"])
     count = count or batch_size
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    params = sum(p.nbytes for p in model.parameters())
     rss0 = current_rss_bytes()
-    baseline = rss0 + 3 * params  # + gradients + Adam's exp_avg and exp_avg_sq
-    B = batch_size(batch)
-    method = spec["method"]
-    segments = find_segments(model)
-    records = []
-
-    def manual_step(m: int, ckpt: bool) -> float:
-        opt.zero_grad(set_to_none=True)
-        parts = split_batch(batch, balanced_sizes(B, -(-B // m)))
-        counts = [float(count(p)) for p in parts]
-        total, value = sum(counts), 0.0
-        for p, c in zip(parts, counts, strict=True):
-            with checkpointing(segments, list(segments) if ckpt else []):
-                loss = loss_fn(model, p)
-            (loss * (c / total)).backward()
-            value += float(loss.detach()) * c / total
-            del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return value
-
-    if method in ("daftrain", "change"):
-        schedule = spec.get("schedule")
-        state = {"i": 0}
-        budget = (lambda: schedule[min(state["i"], len(schedule) - 1)]) if schedule else spec["budget"]
-        step = BudgetedStep(model, loss_fn, opt, budget=budget, count=count)
-        run = lambda: step(batch)  # noqa: E731
+    baseline = rss0 + 3 * sum(p.nbytes for p in model.parameters())
+    method, B = spec["method"], spec["batch"]
+    if method == "daftrain":
+        step = BudgetedStep(model, loss_fn, opt, budget=spec["budget"], count=count)
+        run, peak = (lambda: step(batch)), (lambda: step.process_peak_bytes)
     else:
-        m = B if method == "plain" else spec["micro"]
-        run = lambda: manual_step(m, method == "ckpt")  # noqa: E731
-    times, cpu, probe_s = [], [], None
-    for i in range(spec["steps"] + 1):
+        if method == "compile":
+            torch._functorch.config.activation_memory_budget = spec["memory_budget"]
+        fwd = torch.compile(model) if method == "compile" else model
+        segments = find_segments(model)
+        names = list(segments) if method == "ckpt" else []
+        parts = split_batch(batch, balanced_sizes(B, -(-B // spec.get("micro", B))))
+        counts = [float(count(p)) for p in parts]
+
+        def run() -> float:
+            value = 0.0
+            for p, c in zip(parts, counts, strict=True):
+                with checkpointing(segments, names):
+                    loss = loss_fn(fwd, p)
+                (loss * (c / sum(counts))).backward()
+                value += float(loss.detach()) * c / sum(counts)
+                del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return value
+
+        peak = peak_rss_bytes  # never reset in this process: the peak since it started
+    reply({"baseline": baseline, "rss_before_step": rss0})
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = run()
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        if i == 0:
-            probe_s = dt
-        else:
-            times.append(dt)
-            cpu.append(dc)
-        if method in ("daftrain", "change"):
+        try:
+            loss = run()
+        except Exception as exc:  # reported: BudgetTooSmallError, compile errors
+            reply({"error": f"{type(exc).__name__}: {exc}"[:2000], "peak": peak()})
+            return
+        out = {"s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "loss": loss, "peak": peak()}
+        if method == "daftrain":
             r = step.history[-1]
-            records.append({"step": i, "budget": r.budget_bytes, "peak": r.peak_bytes, "start_rss": r.start_rss_bytes,
-                            "step_s": dt, "micro_batch": r.plan.micro_batch_size,
-                            "checkpointed": len(r.plan.checkpointed), "bits": r.plan.bits, "loss": loss})
-            state["i"] = i + 1 if method == "change" else 0
-    peak = step.process_peak_bytes if method in ("daftrain", "change") else peak_rss_bytes()
-    out = {"loadavg_1min_after": os.getloadavg()[0], "peak_rss": peak, "baseline": baseline, "rss_before_step": rss0,
-           "first_step_s": probe_s,
-           "step_s": times, "samples_per_s": B * len(times) / sum(times) if times else None, "loss": loss,
-           # CPU seconds of the whole process (all threads): far less sensitive than wall time to other
-           # jobs sharing the machine's cores.
-           "step_cpu_s": cpu, "samples_per_cpu_s": B * len(cpu) / sum(cpu) if cpu else None}
-    if method in ("daftrain", "change"):
-        out["plan"] = str(step.plan)
-        out["steps"] = records
-        out["alpha"] = step.alpha
-    return out
+            out.update(step_peak=r.peak_bytes, budget=r.budget_bytes, micro=r.plan.micro_batch_size,
+                       checkpointed=len(r.plan.checkpointed), bits=r.plan.bits)
+        reply(out)
+    reply({"peak": peak()})
 
 
 # -- parent ---------------------------------------------------------------------------------------------
 
-def spawn(spec: dict) -> dict:
-    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
-    t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, check=False)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        return {"error": proc.stderr[-1500:], "spec": spec}
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    res["wall_s"] = time.time() - t0
-    return res
+class Worker:
+    """A configuration's process; ``step()`` runs one training step there and returns its report."""
+
+    def __init__(self, spec: dict) -> None:
+        self.spec, self.steps, self.error, self.info = spec, [], None, None
+        self.stderr = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=ENV, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
+
+    def _ask(self, command: str | None) -> dict | None:
+        if command:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.stderr.seek(0)
+            self.error = "worker died: " + self.stderr.read()[-1500:]
+            return None
+        msg = json.loads(line)
+        self.error = msg.get("error")
+        return None if self.error else msg
+
+    def ready(self) -> bool:
+        if self.info is None and self.error is None:
+            self.info = self._ask(None)
+        return self.error is None
+
+    def step(self) -> dict | None:
+        msg = self._ask("step") if self.ready() else None
+        self.steps += [msg] if msg else []
+        return msg
+
+    def end(self) -> dict:
+        final = self._ask("end") if self.ready() else None
+        self.proc.stdin.close()
+        self.proc.wait()
+        peaks = [s["peak"] for s in self.steps] + ([final["peak"]] if final else [])
+        return {"error": self.error, "peak": max(peaks, default=None), "steps": self.steps,
+                "baseline": (self.info or {}).get("baseline")}
 
 
-def largest_fitting(model: str, method: str, budget: int, start: int, steps: int) -> dict:
-    m, tries = start, []
-    while True:
-        r = spawn({"model": model, "method": method, "micro": m, "steps": steps})
-        r["micro"] = m
-        tries.append({"micro": m, "peak_rss": r.get("peak_rss")})
-        fits = "peak_rss" in r and r["peak_rss"] <= budget
-        print(f"    ({method}) micro {m}: peak {r.get('peak_rss', 0) / 1e6:.0f} MB vs budget {budget / 1e6:.0f} MB "
-              f"{'fits' if fits else 'over'}; {r.get('samples_per_s') or 0:.2f} samples/s", flush=True)
-        if fits or m == 1:
-            r["fits"], r["tries"] = fits, tries
-            return r
-        m //= 2
-
-
-def run_model(model: str, steps: int, batch: int, fractions: tuple[float, ...] = FRACTIONS) -> dict:
-    print(f"{model}: plain", flush=True)
-    plain = spawn({"model": model, "method": "plain", "steps": steps})
-    base, peak = plain["baseline"], plain["peak_rss"]
-    print(f"  plain peak {peak / 1e6:.0f} MB, baseline {base / 1e6:.0f} MB, {plain['samples_per_s']:.2f} samples/s",
-          flush=True)
-    out = {"plain": plain, "budgets": {}}
-    for f in fractions:
-        budget = int(base + f * (peak - base))
-        print(f"  budget {f:g}: {budget / 1e6:.0f} MB", flush=True)
-        m_a = max(1, 1 << (int(f * batch).bit_length() - 1)) if int(f * batch) >= 1 else 1
-        a = largest_fitting(model, "accum", budget, m_a, steps)
-        b = largest_fitting(model, "ckpt", budget, min(batch, 4 * m_a), steps)
-        c = spawn({"model": model, "method": "daftrain", "budget": budget, "steps": steps})
-        c["fits"] = "peak_rss" in c and c["peak_rss"] <= budget
-        best_ab = max(x.get("samples_per_s") or 0 for x in (a, b) if x.get("fits")) if (
-            a.get("fits") or b.get("fits")) else 0.0
-        ratio = (c.get("samples_per_s") or 0) / best_ab if best_ab else None
-        print(f"    (c) daftrain: peak {c.get('peak_rss', 0) / 1e6:.0f} MB {'fits' if c['fits'] else 'OVER'}; "
-              f"{c.get('samples_per_s') or 0:.2f} samples/s; vs best of (a),(b): {ratio}", flush=True)
-        if "plan" in c:
-            print("      " + c["plan"].splitlines()[0], flush=True)
-        out["budgets"][str(f)] = {
-            "fraction": f, "budget_bytes": budget, "whole_process_fraction_bytes": int(f * peak),
-            "whole_process_fraction_below_baseline": f * peak < base,
-            "a_accumulation": a, "b_checkpoint_accumulation": b, "c_daftrain": c,
-            "c_over_best_ab_throughput": ratio,
-        }
-    return out
-
-
-def change_run(steps: int, base: int, peak: int) -> dict:
-    high = int(base + 0.5 * (peak - base))
-    low = int(base + 0.25 * (peak - base))
-    n = max(6, steps * 3)
-    third = n // 3
-    schedule = [high] * third + [low] * third + [high] * (n - 2 * third)
-    print(f"budget change: {high / 1e6:.0f} MB -> {low / 1e6:.0f} MB at step {third} -> back at {2 * third}",
-          flush=True)
-    r = spawn({"model": "resnet18", "method": "change", "schedule": schedule, "steps": n})
-    r["schedule"] = schedule
-    r["fits_every_step"] = all(s["peak"] <= s["budget"] for s in r.get("steps", []))
+def measure(spec: dict, log: list, cold: bool = False) -> dict:
+    """Peak of a fresh process over ``MEMORY_STEPS`` steps, the first included."""
+    w = Worker(spec)
+    for _ in range(MEMORY_STEPS):
+        w.step()
+    r = w.end()
+    log.append({**spec, "cold_cache": cold, "peak": r["peak"], "error": r["error"],
+                "step_s": [s["s"] for s in r["steps"]]})
+    print(f"    {LABEL[spec['method']]} micro {spec.get('micro', '-')}{' (cold cache)' if cold else ''}: peak "
+          f"{(r['peak'] or 0) / 1e6:.0f} MB" + (f"  ERROR {r['error'][:200]}" if r["error"] else ""), flush=True)
     return r
 
 
-def plot(change: dict, path: Path) -> None:
-    import matplotlib
+def largest_fitting(peak_of, budget: int, start: int, batch: int) -> int | None:
+    """The largest power-of-two micro-batch (<= ``batch``) whose peak fits, searched from ``start``.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Going down stops early where the peak, linear in the micro-batch, cannot fit even at 0: its
+    intercept from the last two tries, ``2 * peak(m) - peak(2m)``, is over the budget."""
+    seen: dict[int, int | None] = {}
 
-    steps = change["steps"]
-    x = [s["step"] for s in steps]
-    fig, ax = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax[0].step(x, [s["budget"] / 1e6 for s in steps], where="mid", label="budget")
-    ax[0].plot(x, [s["peak"] / 1e6 for s in steps], "o-", label="peak RSS of step")
-    ax[0].plot(x, [s["start_rss"] / 1e6 for s in steps], "x--", label="RSS at step start")
-    ax[0].set_ylabel("MB")
-    ax[0].legend()
-    ax[0].set_title("ResNet-18 batch 256 under a changing budget (daftrain planner)")
-    ax[1].plot(x, [s["step_s"] for s in steps], "o-")
-    for s in steps:
-        ax[1].annotate(f"m={s['micro_batch']},ck={s['checkpointed']},b={s['bits']}", (s["step"], s["step_s"]),
-                       fontsize=6, rotation=30)
-    ax[1].set_ylabel("step time (s)")
-    ax[1].set_xlabel("step (0 includes planning)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    def fits(m: int) -> bool:
+        seen[m] = peak_of(m)
+        return seen[m] is not None and seen[m] <= budget
+
+    m = start
+    if fits(m):
+        while m < batch and fits(min(2 * m, batch)):
+            m = min(2 * m, batch)
+        return m
+    while m > 1:
+        m //= 2
+        if fits(m):
+            return m
+        if seen[m] and seen.get(2 * m) and 2 * seen[m] - seen[2 * m] > budget:
+            print(f"    stop: the peak would not fit at any micro-batch (intercept "
+                  f"{(2 * seen[m] - seen[2 * m]) / 1e6:.0f} MB)", flush=True)
+            return None
+    return None
 
 
-def summarize(path: Path) -> None:
-    """Add CPU-time throughput ratios and a table to an existing result file (``--summarize``)."""
-    data = json.loads(path.read_text())
-    lines, ratios = [], {}
-    for name, res in data["results"].items():
-        for f, row in res["budgets"].items():
-            cfgs = {"a": row["a_accumulation"], "b": row["b_checkpoint_accumulation"], "c": row["c_daftrain"]}
-            for k, r in cfgs.items():
-                lines.append(f"{name:<11} {float(f):>6.3f} ({k}) micro {r.get('micro', '-')!s:>4} "
-                             f"peak {r.get('peak_rss', 0) / 1e6:7.0f} MB / budget {row['budget_bytes'] / 1e6:6.0f} MB "
-                             f"{'fits' if r.get('fits') else 'OVER'}  {r.get('samples_per_s') or 0:6.2f} samples/s  "
-                             f"{r.get('samples_per_cpu_s') or 0:6.2f} samples/cpu-s")
-            fit_ab = [x.get("samples_per_cpu_s") for x in (cfgs["a"], cfgs["b"]) if x.get("fits")]
-            c = cfgs["c"].get("samples_per_cpu_s")
-            if fit_ab and all(fit_ab) and c:
-                ratios[f"{name}@{f}"] = c / max(fit_ab)
-    data["c_over_best_ab_cpu_time_throughput"] = ratios
-    data["table"] = lines
-    path.write_text(json.dumps(data, indent=2, default=str))
-    print("\n".join(lines))
-    print("c / best(a, b), samples per CPU-second:", json.dumps(ratios, indent=1))
+def memory_phase(name: str, B: int, fractions: list[float]) -> dict:
+    print(f"{name}: memory phase (fresh processes, {MEMORY_STEPS} steps each)", flush=True)
+    tries: list[dict] = []
+    plain = measure({"model": name, "batch": B, "method": "plain"}, tries)
+    base, peak = plain["baseline"], plain["peak"]
+    cache: dict[tuple, dict] = {("accum", None, B): plain}
+
+    def peak_of(method: str, f: float | None):
+        def at(m: int) -> int | None:
+            key = (method, f, m)
+            if key not in cache:
+                spec = {"model": name, "batch": B, "method": method, "micro": m}
+                if method == "compile":  # compiled once with a cold cache, then measured warm
+                    spec["memory_budget"] = f
+                    cold = measure(spec, tries, cold=True)
+                cache[key] = measure(spec, tries) if method != "compile" or not cold["error"] else cold
+            return None if cache[key]["error"] else cache[key]["peak"]
+        return at
+
+    out = {"baseline": base, "plain_peak": peak, "budgets": {}, "tries": tries}
+    fractions = sorted(fractions, reverse=True)
+    start = 1 << max(0, int(fractions[0] * B).bit_length() - 1)  # the linear estimate, as a power of two
+    previous = dict.fromkeys(PEERS, start)
+    compile_error = None
+    for f in fractions:
+        budget = int(base + f * (peak - base))
+        print(f"  budget {f:g}: {budget / 1e6:.0f} MB", flush=True)
+        row = {"budget_bytes": budget}
+        for method in PEERS:
+            if method == "compile" and compile_error:
+                row[method] = {"micro": None, "error": compile_error}
+                continue
+            g = f if method == "compile" else None
+            m = largest_fitting(peak_of(method, g), budget, min(B, previous[method]), B)
+            tried = [t for (k, h, _), t in cache.items() if k == method and h == g]
+            errors = [t["error"] for t in tried if t["error"]]
+            if method == "compile" and errors and len(errors) == len(tried):
+                compile_error = errors[0]  # compile does not run here: record it once and go on
+            row[method] = {"micro": m, "peak": cache[(method, g, m)]["peak"] if m else None,
+                           "error": errors[0] if errors and m is None else None}
+            previous[method] = m or 1
+        out["budgets"][str(f)] = row
+    return out
+
+
+def ram_available() -> int:
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+    return int(line.split()[1]) * 1024
+
+
+def timing_phase(name: str, B: int, mem: dict, rounds: int, max_ram: int) -> dict:
+    """One worker per configuration that fits, and plain; as many run together (interleaved) as fit
+    ``max_ram`` by their measured peaks (budgets from the smallest, plain with the first)."""
+    configs = [(None, "plain", {"method": "plain"}, mem["plain_peak"])]  # (fraction, method, spec, RSS)
+    for f in sorted(mem["budgets"], key=float):
+        row = mem["budgets"][f]
+        for method in PEERS:
+            if row[method]["micro"]:
+                spec = {"method": method, "micro": row[method]["micro"]}
+                spec.update({"memory_budget": float(f)} if method == "compile" else {})
+                configs.append((f, method, spec, row[method]["peak"]))
+        configs.append((f, "daftrain", {"method": "daftrain", "budget": row["budget_bytes"]}, row["budget_bytes"]))
+    groups: list[list] = [[]]
+    for c in configs:
+        if groups[-1] and sum(g[3] for g in groups[-1]) + c[3] > max_ram:
+            groups.append([])
+        groups[-1].append(c)
+    out: dict = {"load_average_per_round": [], "configs": []}
+    for gi, group in enumerate(groups):
+        print(f"{name}: timing group {gi + 1}/{len(groups)}: " + ", ".join(
+            f"{LABEL[m]}@{f or 1}" for f, m, _, _ in group), flush=True)
+        workers = [Worker({"model": name, "batch": B, **spec}) for _, _, spec, _ in group]
+        for w in workers:  # all loaded before any step is timed
+            w.ready()
+        firsts = [w.step() for w in workers]  # first step: compilation, daftrain's probing and planning
+        loads = []
+        for r in range(rounds):
+            loads.append(os.getloadavg())
+            for w in workers:
+                w.step()
+            print(f"  round {r + 1}/{rounds}, load average {loads[-1][0]:.2f}", flush=True)
+        out["load_average_per_round"].append(loads)
+        for (f, method, _, _), w, first in zip(group, workers, firsts, strict=True):
+            r = w.end()
+            wall, cpu = [s["s"] for s in r["steps"][1:]], [s["cpu_s"] for s in r["steps"][1:]]
+            res = {"fraction": f, "method": method, "group": gi, "micro": w.spec.get("micro"), "peak": r["peak"],
+                   "error": r["error"], "first_step_s": first["s"] if first else None, "step_s": wall,
+                   "step_cpu_s": cpu, "samples_per_s": B / statistics.median(wall) if wall else None,
+                   "samples_per_cpu_s": B / statistics.median(cpu) if cpu else None}
+            if method == "daftrain":
+                budget, steps = w.spec["budget"], r["steps"]
+                res["steps"] = steps
+                res["every_step_under_budget"] = bool(steps) and r["error"] is None and all(
+                    s["step_peak"] <= budget for s in steps)
+                res["process_peak_under_budget"] = r["peak"] is not None and r["peak"] <= budget
+                plan = (lambda s: (s["micro"], s["bits"], s["checkpointed"]))  # noqa: E731
+                same = [s["s"] for s in steps[1:] if plan(s) == plan(steps[0])]
+                res["first_over_steady_same_plan"] = first["s"] / statistics.median(same) if first and same else None
+            out["configs"].append(res)
+    return out
+
+
+def summarize(mem: dict, timing: dict) -> dict:
+    """Per-budget ratios to the best fitting peer, (d)'s fit at 12.5 %, and the moonshot figure."""
+    base, plain_peak = mem["baseline"], mem["plain_peak"]
+    plain = next(c for c in timing["configs"] if c["method"] == "plain")
+    budgets: dict = {}
+    for c in timing["configs"]:
+        if c["fraction"] is not None:
+            budgets.setdefault(c["fraction"], {"budget_bytes": mem["budgets"][c["fraction"]]["budget_bytes"]})
+            budgets[c["fraction"]][c["method"]] = c
+    moon = None
+    for f in sorted(budgets, key=float, reverse=True):
+        row, budget = budgets[f], budgets[f]["budget_bytes"]
+        for m in PEERS:
+            if m not in row:  # no micro-batch fitted in the memory phase
+                row[m] = {"micro": None, "peak": None, "error": mem["budgets"][f][m]["error"], "samples_per_s": None}
+            # fits: where the memory phase chose it; its timing worker's peak (more steps) is recorded too
+            row[m]["fits"] = row[m]["error"] is None and row[m]["micro"] is not None
+            row[m]["timing_peak_under_budget"] = row[m]["peak"] is not None and row[m]["peak"] <= budget
+        best = max((row[m] for m in PEERS if row[m]["fits"] and row[m]["samples_per_s"]),
+                   key=lambda c: c["samples_per_s"], default=None)
+        d = row["daftrain"]
+        d["fits"] = d["every_step_under_budget"] and d["process_peak_under_budget"]
+        ok = bool(d["fits"] and d["samples_per_s"])
+        last = d["steps"][-1] if d["steps"] else {"bits": None}
+        larger = bool(best and last["bits"] is not None and last["micro"] > best["micro"])
+        row["best_peer"] = best["method"] if best else None
+        row["d_over_best_peer"] = d["samples_per_s"] / best["samples_per_s"] if ok and best else None
+        row["d_over_best_peer_cpu_time"] = (d["samples_per_cpu_s"] / best["samples_per_cpu_s"]
+                                            if ok and best else None)
+        row["same_timing_group"] = bool(best) and best["group"] == d["group"]
+        row["target"] = 1.3 if larger else 0.95  # 1.3x where compression lets a larger micro-batch fit
+        row["target_met"] = ok and (best is None or row["d_over_best_peer"] >= row["target"])
+        row["first_step_target_met"] = (d["first_over_steady_same_plan"] or float("inf")) <= 1.5
+        if ok:
+            moon = {"fraction": float(f), "step_memory_vs_plain": (d["peak"] - base) / (plain_peak - base),
+                    "throughput_vs_plain": d["samples_per_s"] / plain["samples_per_s"],
+                    "same_timing_group": d["group"] == plain["group"]}
+    if moon:
+        moon["met"] = moon["step_memory_vs_plain"] <= 0.05 and moon["throughput_vs_plain"] >= 0.5
+    return {"plain": plain, "budgets": budgets, "moonshot": moon,
+            "d_under_budget_every_step": all(r["daftrain"]["fits"] for r in budgets.values()),
+            "d_fits_at_0.125": budgets.get("0.125", {}).get("daftrain", {}).get("fits")}
+
+
+def table(name: str, summary: dict) -> list[str]:
+    lines = []
+    for f, row in summary["budgets"].items():
+        for m in (*PEERS, "daftrain"):
+            c = row[m]
+            last = c.get("steps", [])[-1:] or [None]
+            plan = (f"m={last[0]['micro']} ck={last[0]['checkpointed']} bits={last[0]['bits']}" if m == "daftrain"
+                    and last[0] else f"micro {c['micro']}")
+            lines.append(f"{name:<10} {float(f):>6.3f} {LABEL[m]} {plan:<22} peak {(c['peak'] or 0) / 1e6:6.0f} / "
+                         f"{row['budget_bytes'] / 1e6:6.0f} MB {'fits' if c['fits'] else 'OVER':<4} "
+                         f"{c['samples_per_s'] or 0:6.2f} samples/s {c.get('samples_per_cpu_s') or 0:6.2f} per cpu-s "
+                         f"first {c.get('first_step_s') or 0:6.1f} s"
+                         + (f"  {c['error'][:80]}" if c["error"] else ""))
+        ratio, first = row["d_over_best_peer"], row["daftrain"]["first_over_steady_same_plan"]
+        cpu = row["d_over_best_peer_cpu_time"]
+        lines.append(f"{'':<17} (d) / best peer {row['best_peer']}: {ratio and round(ratio, 3)} (target "
+                     f"{row['target']}; CPU time {cpu and round(cpu, 3)}); (d) first / steady "
+                     f"{first and round(first, 2)}")
+    m = summary["moonshot"] or {"fraction": 0, "step_memory_vs_plain": 0, "throughput_vs_plain": 0}
+    lines.append(f"{name}: moonshot at {m['fraction']:g}: (d)'s step memory {m['step_memory_vs_plain']:.3f} of "
+                 f"plain's, throughput {m['throughput_vs_plain']:.2f}x plain's")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--summarize", action="store_true", help="add CPU-time ratios and a table to --out")
-    parser.add_argument("--quick", action="store_true", help="one timed step per configuration")
-    parser.add_argument("--models", default="resnet18,gpt2_small")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 2; 1 quick)")
-    parser.add_argument("--gpt2-fractions", default="0.5,0.25,0.125",
-                        help="budget fractions for GPT-2 (each costs several slow steps on a small CPU)")
-    parser.add_argument("--out", default=str(RESULTS / "budget.json"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="smoke test: ResNet-18 at batch 64, 2 budgets, 2 rounds")
+    parser.add_argument("--models", default=None, help="comma-separated, default resnet18,gpt2_small")
+    parser.add_argument("--fractions", default=None, help="budget fractions, default 0.5,0.25,0.125,0.05")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; 2 with --quick)")
+    parser.add_argument("--max-ram-gb", type=float, default=None,
+                        help="RAM the workers of one timing group may hold together (default 0.7 x MemAvailable)")
+    parser.add_argument("--out", default=None, help="default results/budget.json (budget_quick.json with --quick)")
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(args.child)), default=str))
+    if args.worker:
+        worker(json.loads(args.worker))
         return
-    if args.summarize:
-        summarize(Path(args.out))
-        return
+    models = (args.models or ("resnet18" if args.quick else "resnet18,gpt2_small")).split(",")
+    fractions = [float(f) for f in args.fractions.split(",")] if args.fractions else (
+        [0.5, 0.25] if args.quick else list(FRACTIONS))
+    rounds = args.rounds or (2 if args.quick else 5)
+    max_ram = int(args.max_ram_gb * 1e9) if args.max_ram_gb else int(0.7 * ram_available())
+    t0, results, lines = time.time(), {}, []
+    ENV["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_budget_inductor_")
+    for name in models:
+        B = 64 if args.quick and name == "resnet18" else BATCH[name]
+        mem = memory_phase(name, B, fractions)
+        timing = timing_phase(name, B, mem, rounds, max_ram)
+        results[name] = {"memory": mem, "timing": timing, "summary": summarize(mem, timing)}
+        lines += table(name, results[name]["summary"])
+    shutil.rmtree(ENV["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    print("\n".join(lines))
+    keys = ("d_over_best_peer", "target", "target_met", "first_step_target_met")
+    targets = {name: {**{k: res["summary"][k] for k in ("d_under_budget_every_step", "d_fits_at_0.125", "moonshot")},
+                      **{f: {k: r[k] for k in keys} for f, r in res["summary"]["budgets"].items()}}
+               for name, res in results.items()}
     sys.path.insert(0, str(HERE))
     from common import write_json
 
-    steps = args.steps or (1 if args.quick else 2)
-    results, targets = {}, {}
-    t0 = time.time()
-    for name in args.models.split(","):
-        fractions = FRACTIONS if name == "resnet18" else tuple(float(f) for f in args.gpt2_fractions.split(","))
-        results[name] = run_model(name, steps, 256 if name == "resnet18" else 8, fractions)
-        r = results[name]["budgets"]
-        targets[name] = {
-            "c_under_every_budget": all(v["c_daftrain"].get("fits") for v in r.values()),
-            "ratio_at_12.5pct": r["0.125"]["c_over_best_ab_throughput"] if "0.125" in r else None,
-            "target_ratio": 1.3,
-        }
-        targets[name]["ratio_target_met"] = (targets[name]["ratio_at_12.5pct"] or 0) >= 1.3
-    change = None
-    if "resnet18" in results:
-        p = results["resnet18"]["plain"]
-        change = change_run(steps, p["baseline"], p["peak_rss"])
-        if "steps" in change:
-            plot(change, RESULTS / "budget_change.png")
-    write_json(args.out, {
+    write_json(args.out or RESULTS / ("budget_quick.json" if args.quick else "budget.json"), {
+        "command": " ".join(["python", *sys.argv]),
         "definition": "budget(f) = baseline + f * (plain_peak - baseline); baseline = RSS with model, batch and "
-                      "runtime loaded + gradients + Adam state (3 x parameter bytes); peaks are whole-process "
-                      "VmHWM of a fresh process (daftrain: kept across its per-step resets); all processes run with "
-                      "MALLOC_MMAP_THRESHOLD_=65536",
-        "steps_timed": steps, "wall_s": time.time() - t0, "results": results, "budget_change": change,
-        "targets": targets,
+                      "runtime loaded + 3 x parameter bytes (gradients, Adam's two states); peaks are whole-process "
+                      f"VmHWM over every step of a fresh process, the first included ({MEMORY_STEPS} steps in the "
+                      "memory phase, every step in the timing phase); (d)'s is kept across its per-phase resets",
+        "dropout": DROPOUT, "environment_variables": {k: ENV[k] for k in ("MALLOC_MMAP_THRESHOLD_",
+                                                                            "TORCHINDUCTOR_COMPILE_THREADS")},
+        "compile": "(c) sets torch._functorch.config.activation_memory_budget = f; the run has its own inductor "
+                   "cache, and each compiled configuration runs once (cold cache, in memory.tries with "
+                   "cold_cache true) before the process whose peak decides (warm cache, as a repeated run finds it)",
+        "rounds": rounds, "max_ram_bytes": max_ram, "wall_s": time.time() - t0, "methods": LABEL,
+        "targets": targets, "results": results, "table": lines,
     })
 
 

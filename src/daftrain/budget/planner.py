@@ -41,10 +41,12 @@ _ALLOWED_BITS = (None, 8, 4, 2, 1)
 # 2. Time. ``T = k * fixed_s[b] + B * (per_sample_s[b] + sum_{i ckpt} (forward_i - compress_i[b]))``:
 #    per-micro-batch overhead, per-sample forward+backward at those bits, one extra forward for every
 #    checkpointed segment, minus the compression work that checkpointed segments no longer do.
-# 3. ``alpha`` corrects the activation term from the measured peaks: the largest ratio of measured to
-#    predicted over the last three planned steps (``BudgetedStep``), so a model that overestimates
-#    lets the plan grow back to what fits, and one that underestimates is corrected at the next step.
-#    A one-way ratchet kept a plan lean for ever after one noisy step or one tight budget.
+# 3. ``alpha`` (>= 1) corrects the activation term from the measured peaks: the largest ratio of
+#    measured to predicted over the last three planned steps (``BudgetedStep``), so an
+#    underestimate is corrected at the next step and the correction goes away once three steps agree
+#    with the model again (a one-way ratchet kept a plan lean for ever after one tight step). It does
+#    not go below 1: a measurement at one micro-batch size says little about the split between the
+#    fixed and per-sample terms, and scaling both down at once went over budget at larger ones.
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class PlannerConfig:
     where the headroom holds this much besides the measuring slice and the exact plan's activations
     are larger than it."""
     max_alpha: float = 4.0
-    """Upper bound on the measured correction of the activation-memory model (its lower bound is 0.5)."""
+    """Upper bound on the measured correction of the activation-memory model (its lower bound is 1)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, tuple) or not self.bits:

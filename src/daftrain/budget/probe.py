@@ -57,10 +57,12 @@ step), ``"ckpt"`` (exact step, every segment checkpointed) or a bit-width (step 
 #    set and time per sample; its intercepts (per-micro-batch time, fixed working set) are the exact
 #    slices'. Only where the kernels' one-time footprint (``compression_reserve``) fits too, and after
 #    the kernels ran once outside the model, so that their loading is not measured as the model's.
-# 4. Time and working set: the slope between the two largest slices (``per_sample_s``, never less than
-#    half the average: a noise guard) and the intercept per micro-batch (``fixed_s``); the first
-#    slice is only used where there are two, since it pays the process's first backward (allocator
-#    growth, kernel primitives created), which no later micro-batch pays again. A compressed step
+# 4. Time and working set: the slope between the second smallest and the largest slice
+#    (``per_sample_s``, ``work_per_sample``; never less than half the largest slice's average, a guard
+#    against allocator noise, which can flatten the working set of small slices) and the intercept
+#    (``fixed_s``, ``work_fixed``); the smallest slice is only used where there are two, since it pays
+#    the process's first backward (allocator growth, kernel primitives created), which no later
+#    micro-batch pays again, and the widest span left keeps allocator noise out of the slope. A compressed step
 #    runs the same forward and backward plus packing and unpacking, so it is never taken to be faster
 #    than the exact one, whatever a noisy machine measures.
 # 5. ``optimizer_transient`` starts at three times the largest parameter; ``BudgetedStep`` replaces it
@@ -358,8 +360,8 @@ class Prober:
         for b in options:
             key = "ckpt" if b is None and "ckpt" in runs else b
             series = sorted(runs[key], key=lambda r: r[0])
-            # the two largest slices: the first (smallest) is the process's first backward (cold)
-            (ma, a), (mb, g) = series[-2] if len(series) >= 3 else series[0], series[-1]
+            # the second smallest and the largest slice: the smallest is the process's first backward
+            (ma, a), (mb, g) = series[1] if len(series) >= 3 else series[0], series[-1]
             if b is not None:
                 for n in names:
                     seg_saved[n][b] = g.seg_saved.get(n, 0.0) / mb
@@ -377,6 +379,7 @@ class Prober:
                 per_sample_s[b] = max(0.0, g.seconds - fixed_s[None]) / mb
                 continue
             slope_w = max(0.0, (rb - ra) / (mb - ma)) if mb > ma else max(0.0, rb / mb)
+            slope_w = max(slope_w, 0.5 * rb / mb)  # noise guard: never less than half the average
             work[b] = slope_w
             work_fixed = max(work_fixed, rb - slope_w * mb, ra - slope_w * ma)
             slope = (g.seconds - a.seconds) / (mb - ma) if mb > ma else g.seconds / mb

@@ -39,7 +39,7 @@ from .segments import checkpointing, find_segments, inplace_activations
 __all__ = ["BudgetedStep", "StepRecord"]
 
 _ALPHA_WINDOW = 3  # steps whose measured/predicted ratio sets alpha (the largest of them)
-_MIN_ALPHA = 0.5
+_MIN_ALPHA = 1.0  # below the profile's own prediction only by re-measuring it (a new planning step)
 
 # NOTE [ What the step does ]
 # 1. Measure: read ``budget.bytes()`` (a callable or system budget is read again every step) and what
@@ -55,7 +55,8 @@ _MIN_ALPHA = 0.5
 #    of the plan, each forward under ``compress(bits)`` (if any) with the chosen segments checkpointed,
 #    backward of ``loss * share``; then ``optimizer.step()`` and ``zero_grad(set_to_none)``.
 # 4. Correct: the measured peak of the accumulation phase corrects the memory model (``alpha``, the
-#    largest measured/predicted ratio of the last three planned steps, so it follows reality both ways)
+#    largest measured/predicted ratio of the last three planned steps, at least 1, so it comes back
+#    down once reality agrees again)
 #    and the measured optimizer-step peak replaces its estimate.
 
 # NOTE [ One all-reduce per step ]
