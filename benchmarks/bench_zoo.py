@@ -8,7 +8,15 @@ the default, each with the op rules (``saved/op_rules.py``) and without them; th
 tensors quantized and kept; and, at 2 bits with the rules, which op class carries the largest error
 (only that class quantized, the rest exact, the lowest cosine). An exception is a row marked ``error``.
 
+Plain PyTorch is run twice: ``cos_plain`` is the cosine between the two. A model whose own two plain runs
+differ by more than a target allows is listed under ``plain_noise`` for that target, not as a miss
+(``zoo_gradient`` seeds torch's and numpy's generators, so no model is there now).
+
+``--attribute BITS`` (with ``--models``) also quantizes one saved tensor at a time, the rest exact, and
+reports the ``--top`` tensors with the largest error: which saved tensor carries a model's error.
+
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py
+    .venv/bin/python benchmarks/bench_zoo.py --models t5 --attribute 4 --out /tmp/t5.json
 """
 
 from __future__ import annotations
@@ -54,6 +62,38 @@ class _OneClass(daftrain.compress):
         return super()._pack(t)
 
 
+class _OneTensor(daftrain.compress):
+    """Quantizes only the ``index``-th tensor that would be quantized; ``log`` notes each one's op and shape."""
+
+    def __init__(self, index: int | None, log: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.index, self.log, self.seen = index, log, 0
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        call = self._op_tracer.current()
+        decision = decide(t, self.config, self.registry, call)
+        if decision.treatment is Treatment.QUANTIZE:
+            index, self.seen = self.seen, self.seen + 1
+            if self.log is not None:
+                self.log.append({"index": index, "node": type(t.grad_fn).__name__ if t.grad_fn is not None else "",
+                                 "shape": list(t.shape), "rule": decision.rule,
+                                 "inside": call.rule.name if call is not None else ""})
+            if self.index is not None and index != self.index:
+                return t.detach()
+        return super()._pack(t)
+
+
+def attribute(model: torch.nn.Module, inputs: dict[str, torch.Tensor], bits: int, top: int) -> list[dict[str, Any]]:
+    """The ``top`` saved tensors whose quantization alone (at ``bits``) moves the gradient most."""
+    ref = zoo_gradient(model, inputs, None)
+    log: list[dict[str, Any]] = []
+    zoo_gradient(model, inputs, _OneTensor(None, log, bits=bits, model=model))
+    for entry in log:
+        grad = zoo_gradient(model, inputs, _OneTensor(entry["index"], bits=bits, model=model))
+        entry["error"] = 1.0 - _cos(grad, ref)
+    return sorted(log, key=lambda e: -e["error"])[:top]
+
+
 def _step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ctx: Any) -> tuple[torch.Tensor, Any]:
     return zoo_gradient(model, inputs, ctx), (ctx.stats if ctx is not None else None)
 
@@ -78,6 +118,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any]) -> dict[str
         ref, _ = _step(model, inputs, None)
         again, _ = _step(model, inputs, None)
         row["plain_deterministic"] = bool(torch.equal(ref, again))
+        row["cos_plain"] = _cos(again, ref)
         exact, _ = _step(model, inputs, daftrain.compress(bits=None, model=model))
         row["exact_identical"] = bool(torch.equal(exact, ref))
         for rules in (False, True):
@@ -108,20 +149,26 @@ def summarize(rows: list[dict[str, Any]], tag: str) -> dict[str, Any]:
     ok = [r for r in rows if r["status"] == "ok"]
     def col(k: str) -> list[float]:
         return [r[f"{k}_{tag}"] for r in ok]
+    def misses(k: str, target: float, noise: bool) -> list[str]:
+        return [r["model"] for r in ok if r[f"cos{k}_{tag}"] < target and (r["cos_plain"] < target) == noise]
     summary = {
         "models": len(rows), "errors": len(rows) - len(ok),
         "exact_identical": sum(r["exact_identical"] for r in ok),
         "bits8_min": min(col("cos8")), "bits4_min": min(col("cos4")),
         "bits2_median": statistics.median(col("cos2")), "bits2_min": min(col("cos2")),
         "default_min": min(col("cosdefault")), "default_ratio_median": statistics.median(col("ratiodefault")),
-        "below": {k: [r["model"] for r in ok if r[f"cos{k}_{tag}"] < t]
-                  for k, t in (("8", TARGETS["bits8_min"]), ("4", TARGETS["bits4_min"]), ("2", TARGETS["bits2_min"]),
-                               ("default", TARGETS["default_min"]))},
     }
+    limits = (("8", TARGETS["bits8_min"]), ("4", TARGETS["bits4_min"]), ("2", TARGETS["bits2_min"]),
+              ("default", TARGETS["default_min"]))
+    summary["below"] = {k: misses(k, t, noise=False) for k, t in limits}
+    summary["plain_noise"] = {k: misses(k, t, noise=True) for k, t in limits}
     summary["met"] = {
         "no_exception": summary["errors"] == 0, "exact_identical": summary["exact_identical"] == len(rows),
         **{k: summary[k] >= TARGETS[k] for k in TARGETS},
     }
+    for k, _ in limits:  # a minimum below its target only through plain PyTorch's own noise is met
+        key = "default_min" if k == "default" else f"bits{k}_min"
+        summary["met"][key] = summary["met"][key] or not summary["below"][k]
     return summary
 
 
@@ -135,7 +182,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         def c(k: str, r: dict = r) -> str:
             return f"{r[f'cos{k}_norules']:.4f} → {r[f'cos{k}_rules']:.4f}"
-        lines.append(f"| {r['model']} | {'yes' if r['exact_identical'] else 'NO'} | {c('8')} | {c('4')} | {c('2')} | "
+        exact = "yes" if r["exact_identical"] else f"NO (two plain runs: cosine 1 - {1 - r['cos_plain']:.0e})"
+        lines.append(f"| {r['model']} | {exact} | {c('8')} | {c('4')} | {c('2')} | "
                      f"{c('default')} | {r['ratiodefault_rules']:.1f}x | {r['quantized']}+{r['bool_packed']}/"
                      f"{r['kept']} | {r['largest_error']} |")
     return "\n".join(lines)
@@ -145,6 +193,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", help="model types (default: all of TINY_ZOO)")
     parser.add_argument("--out", default="benchmarks/results/zoo.json")
+    parser.add_argument("--attribute", type=int, metavar="BITS",
+                        help="also quantize one saved tensor at a time at BITS (slow: use with --models)")
+    parser.add_argument("--top", type=int, default=8, help="tensors listed per model by --attribute")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -152,6 +203,13 @@ def main() -> None:
     rows = []
     for model_type, kind, overrides in zoo:
         row = run_model(model_type, kind, overrides)
+        if args.attribute and row["status"] == "ok":
+            model = tiny_model(model_type, overrides)
+            found = attribute(model, tiny_inputs(model, kind), args.attribute, args.top)
+            row[f"attribution{args.attribute}"] = found
+            for e in found:
+                print(f"  {e['error']:.5f} #{e['index']} {e['node']} {e['shape']} rule={e['rule']!r} "
+                      f"in={e['inside']!r}")
         rows.append(row)
         print(row["model"], row["status"], row.get("error", ""),
               {k: round(v, 4) for k, v in row.items() if k.startswith("cos")}, flush=True)

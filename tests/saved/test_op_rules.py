@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import daftrain
-from daftrain.saved.op_rules import RULES, OpTracer
+from daftrain.saved.op_rules import RULES, Derivative, OpTracer
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -152,3 +153,79 @@ def test_exact_mode_traces_nothing() -> None:
     ctx = daftrain.compress(bits=None)
     with ctx:
         assert not torch._C._is_torch_function_mode_enabled()
+
+
+def test_layer_norm_constant_rows_are_restored_exactly() -> None:
+    # A ViT's class and distillation tokens: rows of zeros (and a constant) under LayerNorm with eps 1e-12,
+    # so rstd = 1e6 and any rounding of those rows is multiplied by a million.
+    ln = torch.nn.LayerNorm(64, eps=1e-12)
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    x[::16] = 0.0
+    x[1::16] = 0.3
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return ln(x * 1.0)
+
+    ref = _grads(fn, [x], None)[0]
+    for bits in (8, 2):
+        got = _grads(fn, [x], _ctx(bits))[0]
+        assert torch.equal(got[::16], ref[::16]) and torch.equal(got[1::16], ref[1::16]), bits
+        assert _cos(got, ref) >= 0.999, bits
+
+
+def _deep_activation_stack(act: torch.nn.Module) -> torch.nn.Module:
+    """Linear -> LayerNorm -> activation, 12 times, no residual path (a positional conv stack)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(12):
+        layers += [torch.nn.Linear(64, 64), torch.nn.LayerNorm(64, elementwise_affine=False), act]
+    return torch.nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("act", [torch.nn.GELU(), torch.nn.GELU(approximate="tanh"), torch.nn.SiLU()],
+                         ids=["gelu", "gelu_tanh", "silu"])
+def test_activation_derivative_does_not_compound(act: torch.nn.Module) -> None:
+    net = _deep_activation_stack(act)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+
+    def weight_grads(ctx: daftrain.compress | None) -> torch.Tensor:
+        net.zero_grad(set_to_none=True)
+        _grads(net, [x], ctx)
+        return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+
+    ref = weight_grads(None)
+    without_ctx = _ctx(4)
+    without_ctx._op_tracer = OpTracer(rules=tuple(r for r in RULES if r.name != "activation_derivative"))
+    with_rule, without = _cos(weight_grads(_ctx(4)), ref), _cos(weight_grads(without_ctx), ref)
+    # f'(x) at 4 bits has a step of ~0.08, x's rounding moves f'(x) by up to (x's step) * 0.8: the error
+    # compounding through the 12 layers shrinks; what is left is the linear and LayerNorm inputs'.
+    assert with_rule >= 0.98 and (1 - with_rule) < 0.5 * (1 - without), (with_rule, without)
+
+
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "silu"])
+def test_derivative_record_restores_the_derivative(kind: str) -> None:
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 3
+    enc = Derivative(kind)
+    record = enc.encode(x.reshape(-1), 8, 256, seed=5)
+    restored, decoded = record.decode(), record.inner.decode()
+    ones = torch.ones_like(x.reshape(-1))
+    grad = (torch.ops.aten.silu_backward(ones, restored) if kind == "silu" else
+            torch.ops.aten.gelu_backward(ones, restored, approximate="tanh" if kind == "gelu_tanh" else "none"))
+    table_lo, table_hi = float(grad.min()), float(grad.max())
+    inside = (decoded >= table_lo) & (decoded <= table_hi)
+    # Backward's f'(x') is the decoded value (within the table's resolution) wherever f' can take it.
+    assert (grad - decoded)[inside].abs().max() < 1e-5
+    assert record.nbytes <= x.numel() * 1.05  # 8 bits per value plus 6 bytes per group
+    assert restored.shape == x.reshape(-1).shape and torch.isfinite(restored).all()
+
+
+def test_derivative_rule_matches_gelu_and_silu_not_inplace() -> None:
+    x = torch.randn(64, 256)
+    for fn, rule in ((lambda x: F.gelu(x * 1.0), "activation_derivative"),
+                     (lambda x: F.silu(x * 1.0), "activation_derivative"),
+                     (lambda x: F.silu(x * 1.0, inplace=True), "")):
+        ctx = _ctx(4)
+        with ctx:
+            y = fn(x.clone().requires_grad_())
+        y.sum().backward()
+        assert ctx.stats.compressed == 1, rule

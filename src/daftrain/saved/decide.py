@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CompressionConfig
+from ..config import AUTO_BITS, CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
-from .op_rules import OpMatch, keeps, match_saved
+from .op_rules import Derivative, OpMatch, keeps, match_saved
 from .records import Encoding
 
 
@@ -28,7 +28,7 @@ class Decision:
     """Why a tensor is kept: parameter, layout, empty, tiny, integer, bool, dtype, exact, constant."""
     min_bits: int = 1
     """The fewest bits this tensor may be quantized to (see NOTE [ Nonlinear backward ])."""
-    encoding: Encoding | None = None
+    encoding: Encoding | Derivative | None = None
     """How an op rule stores it instead of plain quantization (``NOTE [ Op rules ]`` in ``op_rules.py``)."""
     rule: str = ""
     """The op rule that applied, if any."""
@@ -86,14 +86,23 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
         return Decision(Treatment.KEEP, "op_rule", rule=call.rule.name if call is not None else "")
     match = match_saved(call, t)
     if match is not None:
-        return _by_rule(t, match)
+        return _by_rule(t, match, config)
     return Decision(Treatment.QUANTIZE, "")
 
 
-def _by_rule(t: torch.Tensor, match: OpMatch) -> Decision:
-    """A tensor an op rule treats; an encoding needs its memory order to be its logical order."""
+# NOTE [ Derivative encoding under bits="auto" ]
+# bits="auto" estimates each slot's gradient variance from the values it saves, and its calibration
+# pass perturbs those values (``auto/calibration.py``); it measures GELU's and SiLU's f'' landing on
+# their input's rounding itself. Storing f'(x) instead (``NOTE [ Activations stored as their
+# derivative ]`` in ``op_rules.py``) would quantize another quantity than the one estimated, so under
+# bits="auto" those inputs are quantized as values.
+def _by_rule(t: torch.Tensor, match: OpMatch, config: CompressionConfig) -> Decision:
+    """A tensor an op rule treats; an encoding by rows needs its memory order to be its logical order
+    (``Derivative`` is elementwise)."""
+    if isinstance(match.encoding, Derivative) and config.bits == AUTO_BITS:
+        return Decision(Treatment.QUANTIZE, "")
     if match.encoding is None:
         return Decision(Treatment.QUANTIZE, "", min_bits=match.rule.min_bits, rule=match.rule.name)
-    if not t.is_contiguous():
+    if not t.is_contiguous() and not isinstance(match.encoding, Derivative):
         return Decision(Treatment.KEEP, "op_rule")
     return Decision(Treatment.QUANTIZE, "", encoding=match.encoding, rule=match.rule.name)

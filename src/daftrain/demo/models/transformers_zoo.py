@@ -321,9 +321,13 @@ def zoo_gradient(model: nn.Module, inputs: dict[str, torch.Tensor],
                  ctx: contextlib.AbstractContextManager[object] | None = None) -> torch.Tensor:
     """All parameter gradients, as one float64 vector, of a fixed random projection of the model's first
     float output, with the forward under ``ctx`` and the same dropout masks in every run: what the zoo
-    benchmark and tests compare between plain PyTorch and daftrain."""
+    benchmark and tests compare between plain PyTorch and daftrain (the speech models draw their
+    SpecAugment masks from numpy's global generator, seeded too)."""
+    import numpy as np
+
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1234)
+    np.random.seed(1234)
     with ctx if ctx is not None else contextlib.nullcontext():
         out = model(**inputs)
     values = out.values() if hasattr(out, "values") else out
