@@ -23,10 +23,10 @@ protocol: each worker's first step (compilation; (d)'s planning step), then roun
 worker runs one step in turn, the load average read every round. (d) is checked at every step
 (``StepRecord.peak_bytes``) and over its whole process (``process_peak_bytes``). As many workers run
 together as their measured peaks fit ``--max-ram-gb`` (plain first, then budgets from the smallest);
-each result names its group. Every process runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (the setting
-``BudgetedStep`` makes) and one inductor compile thread (so compilation counts in the process's peak);
-the run has its own inductor cache, warmed for each compiled configuration by a one-step process
-before the one that is measured.
+each result names its group. Every process runs with the default allocator settings (``BudgetedStep``
+sets glibc's mmap threshold itself, as a user gets it) and one inductor compile thread (so compilation
+counts in the process's peak); the run has its own inductor cache, warmed for each compiled
+configuration by a one-step process before the one that is measured.
 
     flock /tmp/daftrain-bench.lock python benchmarks/bench_budget.py [--quick] [--models resnet18,gpt2_small]
 """
@@ -52,7 +52,8 @@ PEERS = ("accum", "ckpt", "compile")
 LABEL = {"plain": "plain", "accum": "(a)", "ckpt": "(b)", "compile": "(c)", "daftrain": "(d)"}
 DROPOUT = ("0 in every method, for comparability: (c) must run without it (a reported PyTorch gradient bug "
            "with dropout under activation_memory_budget)")
-ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # default allocator settings
+ENV["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 MEMORY_STEPS = 2
 
 
@@ -436,8 +437,8 @@ def main() -> None:
                       "runtime loaded + 3 x parameter bytes (gradients, Adam's two states); peaks are whole-process "
                       f"VmHWM over every step of a fresh process, the first included ({MEMORY_STEPS} steps in the "
                       "memory phase, every step in the timing phase); (d)'s is kept across its per-phase resets",
-        "dropout": DROPOUT, "environment_variables": {k: ENV[k] for k in ("MALLOC_MMAP_THRESHOLD_",
-                                                                            "TORCHINDUCTOR_COMPILE_THREADS")},
+        "dropout": DROPOUT, "environment_variables": {"TORCHINDUCTOR_COMPILE_THREADS": "1",
+                                                      "allocator": "default (no MALLOC_* variables)"},
         "compile": "(c) sets torch._functorch.config.activation_memory_budget = f; the run has its own inductor "
                    "cache, and each compiled configuration runs once (cold cache, in memory.tries with "
                    "cold_cache true) before the process whose peak decides (warm cache, as a repeated run finds it)",

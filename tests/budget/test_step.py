@@ -249,7 +249,7 @@ class FixedMeter:
     def __init__(self, held: int) -> None:
         self.held = held
 
-    def start(self) -> int:
+    def start(self, *, trim: bool = True) -> int:
         return self.held
 
     def peak(self) -> int:

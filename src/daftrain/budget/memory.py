@@ -99,10 +99,10 @@ def _malloc_trim() -> bool:
     return True
 
 
-def reset_peak_rss() -> bool:
+def reset_peak_rss(*, trim: bool = True) -> bool:
     """Reset the kernel's peak-RSS counter (``VmHWM``) to the current RSS.
 
-    First returns freed heap memory to the OS with glibc ``malloc_trim(0)`` (if
+    With ``trim``, first returns freed heap memory to the OS with glibc ``malloc_trim(0)`` (if
     available) so the new baseline is as low as possible, then writes ``"5"``
     to /proc/self/clear_refs (Linux >= 4.0). Returns False where resetting is
     not possible (non-Linux, no permission); ``peak_rss_bytes`` is then the
@@ -111,8 +111,11 @@ def reset_peak_rss() -> bool:
     # NOTE [ Why malloc_trim before clear_refs ]
     # glibc keeps freed memory in its arenas, so RSS (and thus the new VmHWM
     # baseline) would still include memory of earlier, already freed runs.
-    # Trimming first makes consecutive measurements in one process comparable.
-    _malloc_trim()
+    # Trimming first makes consecutive measurements in one process comparable. It has a price: the
+    # pages it returns are faulted in (and zeroed) again by the next allocations, so a training step
+    # meters without it (NOTE [ Metering a planned step ] in step.py).
+    if trim:
+        _malloc_trim()
     try:
         with _PROC_CLEAR_REFS.open("w") as f:
             f.write("5")
@@ -170,10 +173,11 @@ class RssMeter:
         self.process_peak = peak_rss_bytes()
         self.resettable = True
 
-    def start(self) -> int:
-        """Begin a phase: reset the peak; return the memory held now."""
+    def start(self, *, trim: bool = True) -> int:
+        """Begin a phase: reset the peak (returning freed heap memory first, with ``trim``); return the
+        memory held now."""
         self.process_peak = max(self.process_peak, peak_rss_bytes())
-        self.resettable = reset_peak_rss()
+        self.resettable = reset_peak_rss(trim=trim)
         return current_rss_bytes()
 
     def peak(self) -> int:
@@ -196,11 +200,13 @@ class CudaMeter:
         self.process_peak = torch.cuda.max_memory_reserved(device)
         self.resettable = True
 
-    def start(self) -> int:
-        """Begin a phase: release cached blocks, reset the peak; return the memory reserved now."""
+    def start(self, *, trim: bool = True) -> int:
+        """Begin a phase: release cached blocks (with ``trim``), reset the peak; return the memory
+        reserved now."""
         self.process_peak = max(self.process_peak, torch.cuda.max_memory_reserved(self.device))
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        if trim:
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         return torch.cuda.memory_reserved(self.device)
 

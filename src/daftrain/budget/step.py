@@ -67,6 +67,18 @@ _MIN_ALPHA = 1.0  # below the profile's own prediction only by re-measuring it (
 # sample for that last micro-batch. Slices that a mean loss counts nothing in are skipped, but never
 # all of them: a rank must join the all-reduce once per step.
 
+# NOTE [ Metering a planned step ]
+# Phase peaks come from resetting the kernel's high-water mark (memory.py). Returning freed heap memory
+# to the OS first (``malloc_trim``; ``empty_cache`` on CUDA) makes the measurements of the planning step
+# comparable with each other, but every page it returns is faulted in and zeroed again by the next
+# step's allocations, and glibc's fixed mmap threshold (``tighten_allocator``) does the same to every
+# large block; on a CPU either costs more than all of a plan's own choices (docs/budget.md). So a step
+# trims once, at its start, where what the process holds must be read for the plan (without it, freed
+# memory the allocator keeps would count as held and shrink every later plan), and its later phases
+# (the optimizer step, the planning step's remainder) reset the mark without trimming; and
+# ``tune_allocator`` is off by default. The step's peak, the figure the budget is checked against, is
+# the whole process's either way.
+
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
 # counts: ``count(micro) / count(batch)``. ``count`` defaults to the number of samples; for token
@@ -116,7 +128,9 @@ class BudgetedStep:
         inplace: run activation modules in place where autograd allows it (verified on the first
             step, see ``inplace_activations``).
         tune_allocator: fix glibc's mmap threshold so RSS follows live memory (see
-            NOTE [ Freed memory goes back to the OS ] in ``allocator.py``; process-wide).
+            NOTE [ Freed memory goes back to the OS ] in ``allocator.py``; process-wide). Off by default:
+            it makes a step slower (NOTE [ Metering a planned step ]); the compression contexts of
+            compressed plans follow this setting, not ``compression.tune_allocator``.
 
     Under ``DistributedDataParallel`` every call is a collective: all ranks agree on one plan, each
     staying under its own budget, and micro-batches all-reduce gradients once, after the last of them
@@ -139,7 +153,7 @@ class BudgetedStep:
                  budget: Budget | str | int | float | Callable[[], str | int | float], *,
                  config: PlannerConfig | None = None, segments: Mapping[str, nn.Module] | None = None,
                  count: CountFn | None = None, reduction: str = "mean",
-                 compression: CompressionConfig | None = None, tune_allocator: bool = True,
+                 compression: CompressionConfig | None = None, tune_allocator: bool = False,
                  inplace: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentTypeError(f"BudgetedStep model must be a torch.nn.Module, got {type(model).__name__}")
@@ -166,7 +180,8 @@ class BudgetedStep:
         self.segments = dict(segments) if segments is not None else find_segments(local)
         self.count = count if count is not None else batch_size
         self.reduction = reduction
-        self._compression = compression if compression is not None else CompressionConfig()
+        self._compression = dataclasses.replace(compression if compression is not None else CompressionConfig(),
+                                                tune_allocator=tune_allocator)
         self._contexts: dict[int, compress] = {}
         self.profile: Profile | None = None
         self.plan: Plan | None = None
@@ -243,7 +258,7 @@ class BudgetedStep:
         if trained < samples:
             rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
             k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
-            rest_start = self._meter.start() if first is not None else start_rss
+            rest_start = self._meter.start(trim=False) if first is not None else start_rss
             loss += self._accumulate(rest, plan, k, total)
             rest_peak = self._meter.peak()
             # what the plan's micro-batches measured against the model (the planning step's slices
@@ -253,7 +268,7 @@ class BudgetedStep:
         elif self._ddp is not None:
             all_reduce_grads(self._ddp)
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
-        opt_start = self._meter.start()
+        opt_start = self._meter.start(trim=False)
         new_state = missing_state_bytes(self.model, self.optimizer) - missing_grad_bytes(self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
