@@ -87,9 +87,9 @@ def worker(spec: dict) -> None:
     import torch
 
     from daftrain.budget.batching import balanced_sizes, batch_size, split_batch
-    from daftrain.budget.memory import current_rss_bytes, peak_rss_bytes
     from daftrain.budget.segments import checkpointing, find_segments
     from daftrain.budget.step import BudgetedStep
+    from daftrain.rss import current_rss_bytes, peak_rss_bytes
 
     model, batch, loss_fn, count = _case(spec["model"], spec["batch"])
     count = count or batch_size

@@ -34,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import median, timed, write_json
 
 import daftrain
-from daftrain.budget.memory import SavedBytesCounter, peak_rss_bytes, reset_peak_rss
+from daftrain.budget.memory import SavedBytesCounter
 from daftrain.demo.models.resnet import resnet18
 from daftrain.demo.models.transformers_zoo import gpt2_lm
+from daftrain.rss import peak_rss_bytes, reset_peak_rss
 
 CONFIGS = ("eager", "compiled", "compiled_2bit")
 BITS = 2

@@ -1,13 +1,25 @@
-"""Process peak memory a user sees: plain PyTorch against daftrain, per phase.
+"""Process peak memory a user sees: plain PyTorch against daftrain, per phase, and the step time.
 
 Each (model, configuration) runs in a fresh process with default allocator settings (unless the
 configuration is an allocator setting). Once the model, optimizer and batch exist, the RSS is the
 baseline; then ``--steps`` training steps run and each phase's peak RSS above that baseline is read from
 the kernel's high-water mark (``/proc/self/status`` VmHWM, reset with ``/proc/self/clear_refs`` at each
-phase start): forward, backward, optimizer step. The step's peak is the largest. Step time is the median
-of the steps after the first two. Configurations are interleaved, ``--repeats`` rounds.
+phase start): forward, backward, optimizer step. The step's peak is the largest. Step time (wall and
+process CPU) and minor page faults per step are medians over the steps after the first two.
+Configurations are interleaved, ``--repeats`` rounds.
+
+The allocator configurations (``ALLOCATOR_CONFIGS``) compare glibc settings: ``+mmap64k``,
+``+mmap1m``, ``+mmap4m`` fix the mmap threshold (``mallopt(M_MMAP_THRESHOLD)``); ``+trim`` keeps glibc's
+defaults and calls ``malloc_trim(0)`` when each forward ends and each step starts, ``+trim16m``,
+``+trim64m``, ``+trim256m`` also whenever that many more bytes went through the pack and unpack hooks;
+``+hugetlb`` starts the process with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc advises transparent
+huge pages for what it maps), ``+thp`` with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch does, for its tensors of
+2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``.
 
     .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18,gpt2 --repeats 1
+    flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18 \
+        --configs plain,plain+mmap64k,plain+hugetlb,bits2+untuned,bits2,bits2+hugetlb --steps 7 --repeats 3 \
+        --out benchmarks/results/allocator_step_time.json
 """
 
 from __future__ import annotations
@@ -28,6 +40,30 @@ CONFIGS = {
     "bits2+ckpt": {"bits": 2, "checkpoint": True},
     "plain+ckpt": {"checkpoint": True},
 }
+_HUGETLB = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+_TORCH_THP = {"THP_MEM_ALLOC_ENABLE": "1"}
+ALLOCATOR_CONFIGS = {
+    "plain+mmap64k": {"mmap_threshold": 1 << 16},
+    "plain+mmap1m": {"mmap_threshold": 1 << 20},
+    "plain+trim": {"trim": True},
+    "plain+hugetlb": {"env": _HUGETLB},
+    "bits2+untuned": {"bits": 2, "tune": False},
+    "bits2+mmap64k": {"bits": 2, "tune": False, "mmap_threshold": 1 << 16},
+    "bits2+mmap1m": {"bits": 2, "tune": False, "mmap_threshold": 1 << 20},
+    "bits2+mmap4m": {"bits": 2, "tune": False, "mmap_threshold": 4 << 20},
+    "bits2+trim": {"bits": 2, "tune": False, "trim": True},
+    "bits2+mmap64k+trim": {"bits": 2, "tune": False, "mmap_threshold": 1 << 16, "trim": True},
+    "bits2+trim16m": {"bits": 2, "tune": False, "trim": True, "trim_every": 16 << 20},
+    "bits2+trim64m": {"bits": 2, "tune": False, "trim": True, "trim_every": 64 << 20},
+    "bits2+trim256m": {"bits": 2, "tune": False, "trim": True, "trim_every": 256 << 20},
+    "bits2+mmap32m+trim64m": {"bits": 2, "tune": False, "mmap_threshold": 32 << 20, "trim": True,
+                              "trim_every": 64 << 20},
+    "bits2+hugetlb": {"bits": 2, "env": _HUGETLB},
+    "bits2+untuned+hugetlb": {"bits": 2, "tune": False, "env": _HUGETLB},
+    "plain+thp": {"env": _TORCH_THP},
+    "bits2+thp": {"bits": 2, "env": _TORCH_THP},
+}
+CONFIGS.update(ALLOCATOR_CONFIGS)
 
 
 def build(model_name: str):  # type: ignore[no-untyped-def]
@@ -68,31 +104,104 @@ def build(model_name: str):  # type: ignore[no-untyped-def]
     return model, batch, loss_fn
 
 
-def worker(model_name: str, config_name: str, steps: int) -> dict:
+def instrument() -> dict[str, float]:
+    """Wrap daftrain's pack and unpack hooks, and the op-aware encoding of normalisation inputs inside them,
+    with timers; returns the dict of seconds they add to (cumulative, nested: ``pack`` includes
+    ``pack_normalized``)."""
+    from collections import defaultdict
+
+    from daftrain.saved import hooks, records
+
+    acc: dict[str, float] = defaultdict(float)
+
+    def timed(owner: object, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[label] += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+    timed(hooks.compress, "_pack", "pack")
+    timed(hooks.compress, "_unpack", "unpack")
+    timed(records.Normalized, "encode", "pack_normalized")
+    timed(records.NormalizedRecord, "decode", "unpack_normalized")
+    return acc
+
+
+def trim_in_hooks(trim, every: int) -> None:  # type: ignore[no-untyped-def]
+    """Call ``trim(0)`` from the pack and unpack hooks whenever ``every`` more bytes went through them."""
+    from daftrain.saved import hooks
+
+    seen = [0]
+
+    def counted(fn, nbytes):  # type: ignore[no-untyped-def]
+        def wrapper(self, arg):  # type: ignore[no-untyped-def]
+            out = fn(self, arg)
+            seen[0] += nbytes(arg, out)
+            if seen[0] >= every:
+                seen[0] = 0
+                trim(0)
+            return out
+
+        return wrapper
+
+    hooks.compress._pack = counted(hooks.compress._pack, lambda t, _: t.numel() * t.element_size())
+    hooks.compress._unpack = counted(hooks.compress._unpack, lambda _, t: t.numel() * t.element_size())
+
+
+def worker(model_name: str, config_name: str, steps: int, breakdown: bool = False) -> dict:
     import contextlib
+    import ctypes
+    import resource
 
     import torch
 
     import daftrain
-    from daftrain.budget.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from daftrain.allocator import glibc
     from daftrain.budget.segments import checkpointing, find_segments
+    from daftrain.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = CONFIGS[config_name]
+    if "mmap_threshold" in cfg:
+        glibc().mallopt(-3, cfg["mmap_threshold"])  # M_MMAP_THRESHOLD
+    trim = glibc().malloc_trim if cfg.get("trim") else None
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+    if cfg.get("trim_every"):
+        trim_in_hooks(trim, cfg["trim_every"])
     model, batch, loss_fn = build(model_name)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    ctx = daftrain.compress(bits=cfg["bits"], model=model) if "bits" in cfg else contextlib.nullcontext()
+    ctx = (daftrain.compress(bits=cfg["bits"], model=model, tune_allocator=cfg.get("tune", True)) if "bits" in cfg
+           else contextlib.nullcontext())
     segments = find_segments(model) if cfg.get("checkpoint") else {}
+    hook_times = instrument() if breakdown and "bits" in cfg else None
+    per_step_hooks: list[dict[str, float]] = []
     reset_peak_rss()
     baseline = current_rss_bytes()
     phases: list[dict[str, int]] = []
     times: list[float] = []
+    cpu_times: list[float] = []
+    sys_times: list[float] = []
+    faults: list[int] = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        if hook_times is not None:
+            hook_times.clear()
+        if trim is not None:
+            trim(0)
         reset_peak_rss()
         with checkpointing(segments, list(segments)) if segments else contextlib.nullcontext(), ctx:
             loss = loss_fn(model, batch)
+        if trim is not None:
+            trim(0)
         fwd = peak_rss_bytes() - baseline
         reset_peak_rss()
         loss.backward()
@@ -103,12 +212,25 @@ def worker(model_name: str, config_name: str, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         opt = peak_rss_bytes() - baseline
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        end_usage = resource.getrusage(resource.RUSAGE_SELF)
+        sys_times.append(end_usage.ru_stime - usage.ru_stime)  # kernel time: page faults, unmapping
+        if hook_times is not None:
+            per_step_hooks.append(dict(hook_times))
+        faults.append(end_usage.ru_minflt - usage.ru_minflt)
         phases.append({"forward": fwd, "backward": bwd, "optimizer": opt})
     peak = max(max(p.values()) for p in phases)
     out = {"model": model_name, "config": config_name, "baseline_mb": baseline / 1e6, "peak_mb": peak / 1e6,
            "phases_mb": {k: max(p[k] for p in phases) / 1e6 for k in phases[0]},
            "first_step_s": times[0], "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
-           "end_rss_mb": (current_rss_bytes() - baseline) / 1e6}
+           "step_cpu_s": statistics.median(cpu_times[2:]) if len(times) > 2 else cpu_times[-1],
+           "step_sys_s": statistics.median(sys_times[2:]) if len(times) > 2 else sys_times[-1],
+           "minor_faults": statistics.median(faults[2:]) if len(times) > 2 else faults[-1],
+           "steps_s": times, "end_rss_mb": (current_rss_bytes() - baseline) / 1e6,
+           "load_average": list(os.getloadavg())}
+    if per_step_hooks:
+        later = per_step_hooks[2:] or per_step_hooks
+        out["hooks_s"] = {k: statistics.median(h.get(k, 0.0) for h in later) for k in per_step_hooks[-1]}
     if hasattr(ctx, "stats"):
         s = ctx.stats
         out["saved_mb"] = {"raw": s.raw_bytes / 1e6, "stored": (s.packed_bytes + s.kept_bytes) / 1e6}
@@ -122,10 +244,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "peak_memory.json"))
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time daftrain's pack and unpack hooks inside each step (adds a little overhead)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps)))
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.breakdown)))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from common import write_json
@@ -135,28 +259,39 @@ def main() -> None:
         for model in args.models.split(","):
             for config in args.configs.split(","):  # interleaved: every configuration once per round
                 cmd = [sys.executable, __file__, "--worker", model, config, "--steps", str(args.steps)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+                cmd += ["--breakdown"] if args.breakdown else []
+                env = {**os.environ, **CONFIGS[config].get("env", {})}
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     raise SystemExit(proc.stderr[-3000:])
                 rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 r = rows[-1]
                 print(f"{model:>12} {config:>11}: peak {r['peak_mb']:8.1f} MB above baseline "
                       f"(fwd {r['phases_mb']['forward']:.0f}, bwd {r['phases_mb']['backward']:.0f}, "
-                      f"opt {r['phases_mb']['optimizer']:.0f}); step {r['step_s']:.3f} s, "
-                      f"first {r['first_step_s']:.2f} s",
+                      f"opt {r['phases_mb']['optimizer']:.0f}); step {r['step_s']:.3f} s "
+                      f"(cpu {r['step_cpu_s']:.2f} s, sys {r['step_sys_s']:.2f} s, {r['minor_faults']:.0f} faults), "
+                      f"first {r['first_step_s']:.2f} s; load {r['load_average'][0]:.2f}",
                       flush=True)
+                if "hooks_s" in r:
+                    print(" " * 26 + ", ".join(f"{k} {v:.3f} s" for k, v in r["hooks_s"].items()), flush=True)
     summary = {}
     for model in args.models.split(","):
         def med(config: str, key: str, m: str = model) -> float:
             return statistics.median(r[key] for r in rows if r["model"] == m and r["config"] == config)
         plain_peak, plain_time = med("plain", "peak_mb"), med("plain", "step_s")
-        summary[model] = {c: {"peak_reduction_x": plain_peak / med(c, "peak_mb"),
-                              "time_ratio": med(c, "step_s") / plain_time,
+        plain_cpu = med("plain", "step_cpu_s")
+        summary[model] = {c: {"peak_mb": med(c, "peak_mb"), "peak_reduction_x": plain_peak / med(c, "peak_mb"),
+                              "step_s": med(c, "step_s"), "time_ratio": med(c, "step_s") / plain_time,
+                              "cpu_time_ratio": med(c, "step_cpu_s") / plain_cpu,
+                              "step_cpu_s": med(c, "step_cpu_s"), "step_sys_s": med(c, "step_sys_s"),
+                              "minor_faults": med(c, "minor_faults"),
                               "first_over_steady": med(c, "first_step_s") / med(c, "step_s")}
                           for c in args.configs.split(",")}
         for c, v in summary[model].items():
             print(f"{model:>12} {c:>11}: {v['peak_reduction_x']:.2f}x less peak than plain, "
-                  f"{v['time_ratio']:.2f}x plain's step time, first step {v['first_over_steady']:.1f}x steady")
+                  f"{v['time_ratio']:.2f}x plain's step time ({v['cpu_time_ratio']:.2f}x its CPU time), "
+                  f"{v['minor_faults']:.0f} faults and {v['step_sys_s']:.2f} s in the kernel a step, "
+                  f"first step {v['first_over_steady']:.1f}x steady")
     write_json(args.out, {"command": " ".join(sys.argv), "rows": rows, "summary": summary})
 
 

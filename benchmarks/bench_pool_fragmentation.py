@@ -56,8 +56,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json
 
-from daftrain.budget.memory import current_rss_bytes, format_bytes
+from daftrain.budget.memory import format_bytes
 from daftrain.pool import AdaptiveGrowth, FixedGrowth, PagePool, PoolConfig, TrackingGrowth
+from daftrain.rss import current_rss_bytes
 
 MIB = 1 << 20
 PHASE_MEDIANS_MIB = (1.0, 2.0, 0.5, 1.0)

@@ -43,7 +43,7 @@ def run_pattern(pattern: str, steps: int, warmup: int, every: int, batch: int) -
     from torch import nn
 
     import daftrain
-    from daftrain.budget.memory import current_rss_bytes
+    from daftrain.rss import current_rss_bytes
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

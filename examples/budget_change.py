@@ -40,9 +40,10 @@ from torch import nn
 import daftrain
 from daftrain.allocator import tighten_allocator
 from daftrain.budget.budgets import read_system_memory
-from daftrain.budget.memory import current_rss_bytes, meter_for
+from daftrain.budget.memory import meter_for
 from daftrain.demo.data import image_dataset
 from daftrain.demo.models import resnet18
+from daftrain.rss import current_rss_bytes
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "budget_change.json"
 FRACTION = 0.9

@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from daftrain.budget.budgets import BudgetTooSmallError
-from daftrain.budget.memory import current_rss_bytes, meter_for, missing_state_bytes
+from daftrain.budget.memory import meter_for, missing_state_bytes
 from daftrain.budget.planner import PlannerConfig
 from daftrain.budget.probe import Prober
 from daftrain.budget.segments import find_segments
 from daftrain.budget.step import BudgetedStep
 from daftrain.config import CompressionConfig
+from daftrain.rss import current_rss_bytes
 
 
 def prober(model: nn.Module, loss_fn, config: PlannerConfig) -> Prober:

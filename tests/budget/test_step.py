@@ -13,11 +13,11 @@ from torch import nn
 import daftrain.budget.step as step_module
 from daftrain.budget.batching import token_count
 from daftrain.budget.budgets import BudgetTooSmallError
-from daftrain.budget.memory import current_rss_bytes, reset_peak_rss
 from daftrain.budget.planner import PlannerConfig, plan_step
 from daftrain.budget.segments import batchnorm_to_groupnorm
 from daftrain.budget.step import BudgetedStep
 from daftrain.errors import ArgumentTypeError, InvalidArgumentError
+from daftrain.rss import current_rss_bytes, reset_peak_rss
 
 
 @pytest.fixture(autouse=True)

@@ -112,7 +112,7 @@ def test_tracking_growth_follows_each_step_peak():
 
 
 def test_shrinking_returns_memory_to_the_os():
-    from daftrain.budget.memory import current_rss_bytes
+    from daftrain.rss import current_rss_bytes
 
     chunk = 64 << 20
     with pool(page_size=64 << 10, growth=FixedGrowth(chunk)) as p:

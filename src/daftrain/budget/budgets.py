@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..errors import DaftrainError, InvalidArgumentError, UnsupportedError
-from .memory import current_rss_bytes, format_bytes
+from ..rss import current_rss_bytes
+from .memory import format_bytes
 
 __all__ = [
     "Budget",

@@ -13,12 +13,13 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..allocator import tighten_allocator
+from ..allocator import HeapTrimmer
 from ..auto.calibration import CalibrationPass, calibrate
 from ..auto.policy import Assignment, make_bit_policy
 from ..auto.report import AllocationReport
 from ..config import CompressionConfig
 from ..errors import ArgumentTypeError
+from ..kernels import load_fast_kernels
 from ..layout import record_seed
 from ..params import ParameterRegistry
 from ..pool import PagePool
@@ -143,11 +144,13 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             raise ArgumentTypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         self.registry = ParameterRegistry(model)
         on_cpu = model is None or any(p.device.type == "cpu" for p in model.parameters())
-        if self.config.tune_allocator and on_cpu:
-            tighten_allocator()  # NOTE [ Freed memory goes back to the OS ] in allocator.py
+        # NOTE [ Freed memory goes back to the OS ] in allocator.py
+        self._trimmer = HeapTrimmer() if self.config.tune_allocator and on_cpu else None
         if pool is not None and not isinstance(pool, PagePool):
             raise ArgumentTypeError(f"pool must be a PagePool or None, got {type(pool).__name__}")
         self.pool = pool
+        if on_cpu:
+            load_fast_kernels(warmup=True)  # NOTE [ Kernels load before the first step ] in kernels/cpu.py
         base = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._base_seed = base & ((1 << 64) - 1)
         self.step = -1
@@ -207,6 +210,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._hooks.activate(self)
         self._op_tracer.start()
         self._bit_policy.enter(self.step)
+        if self._trimmer is not None:
+            self._trimmer.trim()
         return self
 
     @property
@@ -216,6 +221,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._packer.drain()
             self._stats.peak_pending_bytes = self._packer.peak_pending_bytes
         self._hooks.fill(self._stats)
+        self._stats.read_peak_memory()
         return self._stats
 
     def _warn_if_untraceable(self) -> None:
@@ -231,6 +237,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(exc_type, exc, tb)
         self._hooks.deactivate(self)
         self._forget_saves()
+        if self._trimmer is not None:
+            self._trimmer.trim()
 
     def _forget_saves(self) -> None:
         """Drop the dedup table and the storages counted: they only matter within one forward pass."""
@@ -239,6 +247,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     # -- the hooks ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor | KeptTensor | SavedHandle:
+        if self._trimmer is not None:
+            self._trimmer.note(t.numel() * t.element_size())
         stats = self._stats
         stats.tensors_seen += 1
         stats.by_dtype[str(t.dtype).removeprefix("torch.")] += 1
@@ -302,6 +312,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if shared is not None:
             shared.unpacked += 1
             shared.flat = flat if shared.unpacked % shared.uses else None
+        if self._trimmer is not None:
+            self._trimmer.note(flat.numel() * flat.element_size())
         return packed.restore(flat)
 
     # -- helpers -----------------------------------------------------------------------------------

@@ -1,9 +1,13 @@
-"""Counters of what one compressed forward pass saved."""
+"""Counters of what one compressed forward pass saved, and the process's peak memory next to them."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+import torch
+
+from ..rss import peak_rss_bytes
 
 
 @dataclass
@@ -51,6 +55,22 @@ class CompressionStats:
     kept_reasons: Counter[str] = field(default_factory=Counter)
     by_dtype: Counter[str] = field(default_factory=Counter)
     """Pack calls per dtype."""
+    peak_rss_bytes: int = 0
+    """The process's peak resident memory when ``ctx.stats`` was last read (so, read after backward, it
+    includes backward): ``VmHWM`` on Linux, which ``/proc/self/clear_refs`` resets, else ``ru_maxrss``.
+    What a user sees in ``top`` and what an OOM killer acts on; 0 until read."""
+    peak_cuda_allocated_bytes: int = 0
+    """``torch.cuda.max_memory_allocated()`` of the current device when ``ctx.stats`` was last read (since
+    the last ``torch.cuda.reset_peak_memory_stats``); 0 where CUDA is not initialised."""
+    peak_cuda_reserved_bytes: int = 0
+    """``torch.cuda.max_memory_reserved()`` likewise: what PyTorch's caching allocator held at its peak."""
+
+    def read_peak_memory(self) -> None:
+        """Set the ``peak_*`` fields from the process's counters now (``ctx.stats`` calls it)."""
+        self.peak_rss_bytes = peak_rss_bytes()
+        if torch.cuda.is_initialized():
+            self.peak_cuda_allocated_bytes = torch.cuda.max_memory_allocated()
+            self.peak_cuda_reserved_bytes = torch.cuda.max_memory_reserved()
 
     @property
     def stored_bytes(self) -> int:
@@ -63,6 +83,7 @@ class CompressionStats:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
     def summary(self) -> str:
+        """One line: what was saved and how, the bytes before and after, and the process's peak memory."""
         return (
             f"saved tensors: {self.tensors_seen} seen, {self.compressed} quantized, {self.bool_packed} bool-packed, "
             f"{self.deduplicated} deduplicated, {self.kept} kept ({dict(self.kept_reasons)}), "
@@ -72,4 +93,7 @@ class CompressionStats:
                 f"saved tensors quantized, {self.compiled_bool_packed} bool-packed, "
                 f"{self.compiled_raw_bytes / 1e6:.2f} MB -> {self.compiled_stored_bytes / 1e6:.2f} MB"
                 if self.compiled_graphs else "")
+            + (f"; process peak: RSS {self.peak_rss_bytes / 1e6:.0f} MB" if self.peak_rss_bytes else "")
+            + (f", CUDA {self.peak_cuda_allocated_bytes / 1e6:.0f} MB allocated "
+               f"({self.peak_cuda_reserved_bytes / 1e6:.0f} MB reserved)" if self.peak_cuda_reserved_bytes else "")
         )

@@ -1,0 +1,55 @@
+"""The CPU kernels load when ``compress`` is constructed, not inside the first training step
+(``NOTE [ Kernels load before the first step ]`` in kernels/cpu.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from daftrain.kernels import cpu
+
+_CHILD = """
+import json, torch
+from numba.core.registry import CPUDispatcher
+import daftrain
+from daftrain.kernels import cpu
+
+def loaded():
+    return sum(sum(d.stats.cache_hits.values()) + sum(d.stats.cache_misses.values())
+               for d in vars(cpu).values() if isinstance(d, CPUDispatcher))
+
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+before = loaded()
+ctx = daftrain.compress(bits=2, model=model)
+constructed = loaded()
+with ctx:
+    loss = model(torch.randn(64, 256)).sum()
+loss.backward()
+print(json.dumps({"before": before, "constructed": constructed, "after_step": loaded(),
+                  "warmed": bool(cpu._warmed), "quantized": ctx.stats.compressed}))
+"""
+
+
+def _run_child() -> dict[str, int]:
+    env = {**os.environ, "PYTHONPATH": str(Path(cpu.__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_compress_loads_the_kernels_so_the_first_step_loads_none() -> None:
+    out = _run_child()
+    assert out["quantized"] > 0, out  # the step did run the kernels
+    assert out["before"] == 0 and out["constructed"] > 0 and out["warmed"], out
+    assert out["after_step"] == out["constructed"], f"the first step loaded or compiled kernels: {out}"
+
+
+def test_warmup_runs_once_per_process(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    cpu.warmup()
+    calls = []
+    monkeypatch.setattr(cpu, "quantize_pack_with", lambda *a: calls.append(a))
+    cpu.warmup()
+    assert calls == []
