@@ -342,9 +342,10 @@ def summarize(mem: dict, timing: dict) -> dict:
         for m in PEERS:
             if m not in row:  # no micro-batch fitted in the memory phase
                 row[m] = {"micro": None, "peak": None, "error": mem["budgets"][f][m]["error"], "samples_per_s": None}
-            # fits: where the memory phase chose it; its timing worker's peak (more steps) is recorded too
-            row[m]["fits"] = row[m]["error"] is None and row[m]["micro"] is not None
+            # fits: the memory phase chose a micro-batch and the timing worker (more steps) stayed under too
             row[m]["timing_peak_under_budget"] = row[m]["peak"] is not None and row[m]["peak"] <= budget
+            row[m]["fits"] = (row[m]["error"] is None and row[m]["micro"] is not None
+                              and row[m]["timing_peak_under_budget"])
         best = max((row[m] for m in PEERS if row[m]["fits"] and row[m]["samples_per_s"]),
                    key=lambda c: c["samples_per_s"], default=None)
         d = row["daftrain"]

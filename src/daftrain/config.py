@@ -53,9 +53,10 @@ class CompressionConfig:
     held during backward."""
 
     tune_allocator: bool = True
-    """On CPU, fix glibc's mmap threshold (once per process) so the memory of freed activations and
-    backward's transients returns to the OS instead of staying in the heap: the process peak a user
-    sees follows live memory (``NOTE [ Freed memory goes back to the OS ]`` in ``allocator.py``)."""
+    """On CPU, hand glibc's free heap back to the OS (``malloc_trim``) when a forward starts and ends and
+    every 64 MB through the hooks, so the memory of freed activations and backward's transients does not
+    stay in the heap: the process peak a user sees follows live memory (``NOTE [ Freed memory goes back
+    to the OS ]`` in ``allocator.py``). It changes no allocator setting of the process."""
 
     avg_bits: float | None = None
     """``bits="auto"`` only: the budget as average bits per value over the tensors it allocates, counted

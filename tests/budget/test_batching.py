@@ -7,7 +7,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from daftrain.budget.batching import balanced_sizes, batch_size, head_copy, split_batch, token_count
+from daftrain.budget.batching import balanced_sizes, batch_size, head_copy, slice_copy, split_batch, token_count
 from daftrain.errors import ArgumentTypeError
 
 
@@ -42,6 +42,14 @@ def test_head_copy_owns_its_storage():
     assert torch.equal(head[0], x[:2]) and head[1] == "tag"
     assert head[0].untyped_storage().nbytes() == 2 * 2 * 4  # the slice, not the whole batch
     assert head_copy(x, 10).shape == (6, 2)
+
+
+def test_slice_copy_owns_its_storage_and_stops_at_the_end():
+    x = torch.arange(12.0).view(6, 2)
+    middle = slice_copy({"x": x}, 2, 3)["x"]
+    assert torch.equal(middle, x[2:5])
+    assert middle.untyped_storage().nbytes() == 3 * 2 * 4
+    assert torch.equal(slice_copy(x, 4, 10), x[4:])
 
 
 @pytest.mark.parametrize(("total", "k", "sizes"), [(10, 3, [4, 3, 3]), (8, 4, [2, 2, 2, 2]), (3, 3, [1, 1, 1])])

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import daftrain
-from daftrain.saved.op_rules import RULES, Derivative, OpTracer
+from daftrain.saved.op_rules import RULES, OpTracer
+from daftrain.saved.records import Derivative
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -64,19 +64,18 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
 
 
 def slice_copy(batch: Any, start: int, n: int) -> Any:
-    """Samples ``start`` to ``start + n`` of ``batch`` as a copy with its own storage (see ``head_copy``)."""
+    """Samples ``start`` to ``start + n`` of ``batch`` (at most its end) as a copy with its own storage, so
+    storage-based byte counts see the slice, not the whole batch it views."""
     total = batch_size(batch)
+    n = min(n, total - start)
     if start == 0 and n == total:
         return _clone(batch)
     return _clone(split_batch(batch, [start, n, total - start - n])[1])
 
 
 def head_copy(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of ``batch`` as a copy with its own storage (so storage-based byte
-    counts see the slice, not the whole batch it views)."""
-    total = batch_size(batch)
-    part = split_batch(batch, [n, total - n])[0] if n < total else batch
-    return _clone(part)
+    """The first ``n`` samples of ``batch`` (all of it if it has fewer) as a copy with its own storage."""
+    return slice_copy(batch, 0, n)
 
 
 def _clone(x: Any) -> Any:

@@ -10,8 +10,8 @@ import torch
 from ..config import AUTO_BITS, CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
-from .op_rules import Derivative, OpMatch, keeps, match_saved
-from .records import Encoding
+from .op_rules import OpMatch, keeps, match_saved
+from .records import Derivative, Encoding
 
 
 class Treatment(enum.Enum):
@@ -28,7 +28,7 @@ class Decision:
     """Why a tensor is kept: parameter, layout, empty, tiny, integer, bool, dtype, exact, constant."""
     min_bits: int = 1
     """The fewest bits this tensor may be quantized to (see NOTE [ Nonlinear backward ])."""
-    encoding: Encoding | Derivative | None = None
+    encoding: Encoding | None = None
     """How an op rule stores it instead of plain quantization (``NOTE [ Op rules ]`` in ``op_rules.py``)."""
     rule: str = ""
     """The op rule that applied, if any."""

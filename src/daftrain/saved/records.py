@@ -286,7 +286,7 @@ class SavedHandle:
 
 
 # NOTE [ Op-aware encodings ]
-# Two encodings store what an op's backward consumes rather than the saved values as they are (the op
+# Three encodings store what an op's backward consumes rather than the saved values as they are (the op
 # rules that choose them are in ``op_rules.py``):
 #   1. ``Normalized``: the input of a normalisation. Backward re-normalises it with the op's exact
 #      statistics, so a rounding error ``e`` reaches it as ``e * rstd``: a row (or channel) whose own
@@ -299,6 +299,8 @@ class SavedHandle:
 #      The record is that mask, bit-packed, exactly; restoring writes one value strictly inside the
 #      bounds where the mask is set and one outside elsewhere, so backward's comparisons give the
 #      exact mask. The record is keyed apart from the values other ops save of the same storage.
+#   3. ``Derivative``: the input of GELU or SiLU, stored as the derivative its backward multiplies by
+#      (``NOTE [ Activations stored as their derivative ]``).
 @dataclass(frozen=True)
 class Normalized:
     """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact."""
@@ -399,5 +401,84 @@ class ClipMaskRecord:
         return ClipMaskRecord(self.bitmap.to_pool(pool, importance, seed), self.encoding, self.dtype)
 
 
-Encoding = Normalized | ClipMask
-Record = PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord
+# NOTE [ Activations stored as their derivative ]
+# GELU (exact or tanh) and SiLU save their input x and compute ``grad * f'(x)`` from it. f' is bounded
+# (GELU: [-0.13, 1.13], SiLU: [-0.10, 1.10]) and f'(-x) = 1 - f'(x); it increases on [-a, a], between
+# the zeros of f'' (GELU a = sqrt(2), SiLU a = 2.40), where it takes all its values. The record
+# stores d = f'(x) (computed by the op's own backward) quantized: backward is linear in d, so the
+# gradient stays unbiased, with a step of ~1.26 / (2**bits - 1) in d instead of (the group's range of
+# x) * |f''|. Restoring inverts f' on [-a, a] through a table of x at ``_INVERSE_POINTS`` equally spaced
+# values of d (nearest entry): f'(x') is within half a table step (2.4e-6) of the decoded d. A decoded
+# d can lie outside f''s range by up to 2**-8 of its group's range (the step is rounded up to
+# bfloat16, ``layout.py``); it restores to -a or a, a bias of at most that much. x' is not x (the
+# branches outside [-a, a] fold onto it); only f'(x'), all that backward reads, is kept. The encoding
+# is elementwise, so any memory order will do.
+_INVERSE_POINTS = (1 << 18) + 1
+
+
+def _derivative_of(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """f'(x), as the op's backward computes it."""
+    ones = torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
+    if kind == "silu":
+        return torch.ops.aten.silu_backward(ones, x)
+    return torch.ops.aten.gelu_backward(ones, x, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
+@functools.cache
+def _inverse_table(kind: str, device: torch.device) -> tuple[torch.Tensor, float, float]:
+    """x at ``_INVERSE_POINTS`` equally spaced values of f' on [f'(-a), f'(a)], and those two bounds."""
+    lo, hi = torch.tensor(0.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)
+    for _ in range(100):  # a: the maximum of f' on [0, 4] (f' rises to it, then falls towards 1)
+        m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (m1, hi) if _derivative_of(kind, m1) < _derivative_of(kind, m2) else (lo, m2)
+    a = float((lo + hi) / 2)
+    xs = torch.linspace(-a, a, 1 << 21, dtype=torch.float64)
+    fx = _derivative_of(kind, xs).cummax(0).values  # increasing on [-a, a]; cummax irons out rounding
+    d = torch.linspace(float(fx[0]), float(fx[-1]), _INVERSE_POINTS, dtype=torch.float64)
+    j = torch.searchsorted(fx, d).clamp_(1, len(xs) - 1)
+    f0, f1 = fx[j - 1], fx[j]
+    w = torch.where(f1 > f0, (d - f0) / (f1 - f0), 0.5).clamp_(0, 1)
+    x = torch.lerp(xs[j - 1], xs[j], w)
+    return x.float().to(device), float(fx[0]), float(fx[-1])
+
+
+@dataclass(frozen=True)
+class Derivative:
+    """Store an activation's input ``x`` as ``f'(x)``; see ``NOTE [ Activations stored as their derivative ]``."""
+
+    kind: str
+
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> ExactRecord | DerivativeRecord:
+        with torch.no_grad():
+            inner = encode(_derivative_of(self.kind, flat.float()), "quantize", bits, group_size, seed)
+        if isinstance(inner, ExactRecord):  # a non-finite input
+            return ExactRecord(flat, "nonfinite")
+        return DerivativeRecord(inner, self, flat.dtype)
+
+
+class DerivativeRecord:
+    """An activation's input stored as its derivative (packed), restored as an input with that derivative."""
+
+    __slots__ = ("__weakref__", "dtype", "encoding", "inner")
+    is_bool = False
+
+    def __init__(self, inner: PackedRecord, encoding: Derivative, dtype: torch.dtype) -> None:
+        self.inner, self.encoding, self.dtype = inner, encoding, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        d = self.inner.decode(buffers)  # float32, a fresh decode: turned into table positions in place
+        table, d_min, d_max = _inverse_table(self.encoding.kind, d.device)
+        pos = d.sub_(d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
+        x = table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
+        return x if self.dtype == torch.float32 else x.to(self.dtype)
+
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> DerivativeRecord:
+        return DerivativeRecord(self.inner.to_pool(pool, importance, seed), self.encoding, self.dtype)
+
+
+Encoding = Normalized | ClipMask | Derivative
+Record = PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord | DerivativeRecord
