@@ -61,6 +61,8 @@ ALLOCATOR_CONFIGS = {
     "bits2+hugetlb": {"bits": 2, "env": _HUGETLB},
     "bits2+untuned+hugetlb": {"bits": 2, "tune": False, "env": _HUGETLB},
     "plain+thp": {"env": _TORCH_THP},
+    "bits2+ckpt+mmap64k": {"bits": 2, "checkpoint": True, "tune": False, "mmap_threshold": 1 << 16},
+    "plain+ckpt+mmap64k": {"checkpoint": True, "mmap_threshold": 1 << 16},
     "bits2+thp": {"bits": 2, "env": _TORCH_THP},
 }
 CONFIGS.update(ALLOCATOR_CONFIGS)
@@ -154,6 +156,22 @@ def trim_in_hooks(trim, every: int) -> None:  # type: ignore[no-untyped-def]
     hooks.compress._unpack = counted(hooks.compress._unpack, lambda _, t: t.numel() * t.element_size())
 
 
+def largest_saved_bytes(model, batch, loss_fn) -> int:  # type: ignore[no-untyped-def]
+    """The bytes of the largest tensor one forward saves for backward (plain PyTorch)."""
+    import torch
+
+    largest = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        largest[0] = max(largest[0], t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(model, batch)
+    del loss
+    return largest[0]
+
+
 def worker(model_name: str, config_name: str, steps: int, breakdown: bool = False) -> dict:
     import contextlib
     import ctypes
@@ -231,6 +249,13 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
     if per_step_hooks:
         later = per_step_hooks[2:] or per_step_hooks
         out["hooks_s"] = {k: statistics.median(h.get(k, 0.0) for h in later) for k in per_step_hooks[-1]}
+    if "bits" not in cfg and not cfg.get("checkpoint"):
+        out["largest_saved_mb"] = largest_saved_bytes(model, batch, loss_fn) / 1e6
+    # What no activation scheme removes: the gradients of the trainable parameters and the optimizer's
+    # state, both created by the first step and resident (above the baseline) at the optimizer step.
+    out["floor_mb"] = (sum(p.numel() * p.element_size() for p in params)
+                       + sum(t.numel() * t.element_size() for st in optimizer.state.values()
+                             for t in st.values() if torch.is_tensor(t))) / 1e6
     if hasattr(ctx, "stats"):
         s = ctx.stats
         out["saved_mb"] = {"raw": s.raw_bytes / 1e6, "stored": (s.packed_bytes + s.kept_bytes) / 1e6}
@@ -287,7 +312,21 @@ def main() -> None:
                               "minor_faults": med(c, "minor_faults"),
                               "first_over_steady": med(c, "first_step_s") / med(c, "step_s")}
                           for c in args.configs.split(",")}
+        floor = med("plain", "floor_mb")
+        print(f"{model:>12} floor (gradients + optimizer state) {floor:.0f} MB: no activation scheme gets under it, "
+              f"so at most {plain_peak / floor:.1f}x less than plain; 4x needs <= {plain_peak / 4:.0f} MB, "
+              f"10x <= {plain_peak / 10:.0f} MB")
+        summary[model]["floor_mb"] = floor
+        largest = med("plain", "largest_saved_mb")
+        bound = floor + largest
+        print(f"{model:>12} largest saved tensor {largest:.0f} MB: backward decodes it whole, so a scheme that "
+              f"runs PyTorch's backward ops on decoded tensors peaks at >= {bound:.0f} MB "
+              f"(at most {plain_peak / bound:.1f}x less than plain)")
+        summary[model]["largest_saved_mb"] = largest
+        summary[model]["decode_bound_mb"] = bound
         for c, v in summary[model].items():
+            if c in ("floor_mb", "largest_saved_mb", "decode_bound_mb"):
+                continue
             print(f"{model:>12} {c:>11}: {v['peak_reduction_x']:.2f}x less peak than plain, "
                   f"{v['time_ratio']:.2f}x plain's step time ({v['cpu_time_ratio']:.2f}x its CPU time), "
                   f"{v['minor_faults']:.0f} faults and {v['step_sys_s']:.2f} s in the kernel a step, "
