@@ -258,6 +258,12 @@ class FixedMeter:
     def lifetime_peak(self) -> int:
         return self.held
 
+    def current(self) -> int:
+        return self.held
+
+    def release(self) -> int:
+        return self.held
+
 
 @pytest.mark.parametrize("profiled_first", [False, True])
 def test_budget_of_exactly_the_named_floor_runs(monkeypatch, profiled_first):
@@ -293,3 +299,34 @@ def test_constructor_errors_name_the_argument():
         BudgetedStep(model, ce, opt, budget="1GB", config={"bits": (None,)})
     with pytest.raises(ArgumentTypeError, match="compression must be a CompressionConfig"):
         BudgetedStep(model, ce, opt, budget="1GB", compression=2)
+
+
+class CountingMeter(FixedMeter):
+    """Reads ``held`` now, and counts the releases asked of it."""
+
+    def __init__(self, held: int) -> None:
+        super().__init__(held)
+        self.releases = 0
+
+    def release(self) -> int:
+        self.releases += 1
+        return self.held
+
+
+@pytest.mark.parametrize(("held", "releases"), [(1000, 7), (10, 0)])
+def test_a_micro_batch_that_would_start_above_its_ceiling_releases_free_memory_first(held, releases):
+    """Four micro-batches: every backward, and every micro-batch after the first, release the allocator's
+    free memory when what is held is above the ceiling, and never when it is under (NOTE [ Metering a
+    planned step ])."""
+    from daftrain.budget.planner import Plan
+
+    model = mlp()
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB", tune_allocator=False)
+    meter = CountingMeter(held)
+    step._meter = meter
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    plan = Plan(budget_bytes=0, persistent_bytes=0, batch_size=16, micro_batch_size=4, num_micro_batches=4,
+                checkpointed=(), bits=None, predicted_peak_bytes=0, predicted_step_s=0.0, alpha=1.0)
+    step._accumulate(batch, plan, 4, 16.0, ceiling=100.0)
+    assert meter.releases == releases
+

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..allocator import malloc_trim
 from ..errors import UnsupportedError
 from ..params import ParameterRegistry, is_parameter_or_view
 from ..rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
@@ -95,6 +96,15 @@ class RssMeter:
         """Peak of the whole process so far."""
         return max(self.process_peak, peak_rss_bytes())
 
+    def current(self) -> int:
+        """The memory held now."""
+        return current_rss_bytes()
+
+    def release(self) -> int:
+        """Return the allocator's free memory to the OS (the peak is kept); the memory held after."""
+        malloc_trim()
+        return current_rss_bytes()
+
 
 class CudaMeter:
     """The same for a CUDA device: memory reserved by PyTorch's caching allocator (what the device
@@ -125,6 +135,16 @@ class CudaMeter:
     def lifetime_peak(self) -> int:
         """Peak of the whole process so far."""
         return max(self.process_peak, torch.cuda.max_memory_reserved(self.device))
+
+    def current(self) -> int:
+        """The memory reserved now."""
+        return torch.cuda.memory_reserved(self.device)
+
+    def release(self) -> int:
+        """Release the caching allocator's free blocks (the peak is kept); the memory reserved after."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
 
 
 def meter_for(device: torch.device) -> RssMeter | CudaMeter:

@@ -77,7 +77,12 @@ _MIN_ALPHA = 1.0  # below the profile's own prediction only by re-measuring it (
 # memory the allocator keeps would count as held and shrink every later plan), and its later phases
 # (the optimizer step, the planning step's remainder) reset the mark without trimming; and
 # ``tune_allocator`` is off by default. The step's peak, the figure the budget is checked against, is
-# the whole process's either way.
+# the whole process's either way. What the allocator keeps between micro-batches is not in the model:
+# glibc's dynamic mmap threshold keeps a freed micro-batch's activations as free heap that the next one
+# reuses only in part (and a backward what its forward freed), so a step could go over its budget at a
+# plan the model says fits. So a micro-batch, its backward, or the optimizer step, that would start
+# with less room than the model gives it below the budget first returns the free memory
+# (``meter.release()``): a trim only where the budget needs one, none where the plan leaves room.
 
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
@@ -259,7 +264,9 @@ class BudgetedStep:
             rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
             k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
             rest_start = self._meter.start(trim=False) if first is not None else start_rss
-            loss += self._accumulate(rest, plan, k, total)
+            micro = math.ceil((samples - trained) / k)
+            loss += self._accumulate(rest, plan, k, total,
+                                     ceiling=budget - self.alpha * self._predicted_activation(plan, micro))
             rest_peak = self._meter.peak()
             # what the plan's micro-batches measured against the model (the planning step's slices
             # allocated the gradients already; a planned step allocates them itself)
@@ -268,8 +275,11 @@ class BudgetedStep:
         elif self._ddp is not None:
             all_reduce_grads(self._ddp)
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
-        opt_start = self._meter.start(trim=False)
         new_state = missing_state_bytes(self.model, self.optimizer) - missing_grad_bytes(self.model)
+        assert self.profile is not None
+        if self._meter.current() > budget - self.profile.optimizer_transient - new_state:
+            self._meter.release()  # NOTE [ Metering a planned step ]
+        opt_start = self._meter.start(trim=False)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         opt_peak = self._meter.peak()
@@ -332,11 +342,13 @@ class BudgetedStep:
             return lambda part: 1.0
         return lambda part: float(self.count(part)) / total if total > 0 else 0.0
 
-    def _accumulate(self, batch: Any, plan: Plan, k: int, total: float) -> float:
+    def _accumulate(self, batch: Any, plan: Plan, k: int, total: float, ceiling: float | None = None) -> float:
         """Forward+backward of ``batch`` in ``k`` balanced micro-batches under ``plan``, each loss
         weighted by its share (NOTE [ Micro-batching keeps the math ]); return the summed weighted
-        loss. Under DDP only the last micro-batch runs through the wrapper and all-reduces the
-        gradients (NOTE [ One all-reduce per step ])."""
+        loss. A micro-batch, or its backward, that would start above ``ceiling`` bytes held first returns
+        the allocator's free memory (NOTE [ Metering a planned step ]). Under DDP only the last
+        micro-batch runs through the wrapper and all-reduces the gradients (NOTE [ One all-reduce per
+        step ])."""
         parts = split_batch(batch, balanced_sizes(batch_size(batch), max(1, min(k, batch_size(batch)))))
         share = self._share(total)
         weights = [share(p) for p in parts]
@@ -345,9 +357,13 @@ class BudgetedStep:
             run = [len(parts) - 1]  # the all-reduce must still happen once on this rank, with weight 0
         value = 0.0
         for i in run:
+            if ceiling is not None and i != run[0] and self._meter.current() > ceiling:
+                self._meter.release()
             model = micro_batch_model(self.model, self._ddp, i == run[-1])
             with checkpointing(self.segments, plan.checkpointed), self._inplace(), self._context(plan.bits):
                 loss = self.loss_fn(model, parts[i])
+            if ceiling is not None and self._meter.current() > ceiling:
+                self._meter.release()  # what the forward freed, before the backward allocates
             (loss * weights[i]).backward()
             value += float(loss.detach()) * weights[i]
             del loss  # free the graph's last references before the next slice
