@@ -296,7 +296,7 @@ def train(args: argparse.Namespace, steps: int, take_at: int, free_at: int, widt
     batches = [(images[i:i + args.batch_size], labels[i:i + args.batch_size]) for i in range(0, n, args.batch_size)]
     model = daftrain.batchnorm_to_groupnorm(resnet18(num_classes=classes, width=width))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    tighten_allocator()  # what BudgetedStep does too: the warm-up step measures what the steps will
+    tighten_allocator()  # as BudgetedStep(tune_allocator=True): the cgroup's usage follows live memory
 
     with hog_process() as hog:  # started after joining: the hog is in the trainer's cgroup
         activation = plain_activation_bytes(model, optimizer, *batches[0])
