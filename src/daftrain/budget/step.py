@@ -277,8 +277,7 @@ class BudgetedStep:
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
         new_state = missing_state_bytes(self.model, self.optimizer) - missing_grad_bytes(self.model)
         assert self.profile is not None
-        if self._meter.current() > budget - self.profile.optimizer_transient - new_state:
-            self._meter.release()  # NOTE [ Metering a planned step ]
+        self._make_room(budget - self.profile.optimizer_transient - new_state)
         opt_start = self._meter.start(trim=False)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -342,6 +341,12 @@ class BudgetedStep:
             return lambda part: 1.0
         return lambda part: float(self.count(part)) / total if total > 0 else 0.0
 
+    def _make_room(self, ceiling: float) -> None:
+        """Return the allocator's free memory if more than ``ceiling`` bytes are held (NOTE [ Metering a
+        planned step ])."""
+        if self._meter.current() > ceiling:
+            self._meter.release()
+
     def _accumulate(self, batch: Any, plan: Plan, k: int, total: float, ceiling: float | None = None) -> float:
         """Forward+backward of ``batch`` in ``k`` balanced micro-batches under ``plan``, each loss
         weighted by its share (NOTE [ Micro-batching keeps the math ]); return the summed weighted
@@ -357,13 +362,13 @@ class BudgetedStep:
             run = [len(parts) - 1]  # the all-reduce must still happen once on this rank, with weight 0
         value = 0.0
         for i in run:
-            if ceiling is not None and i != run[0] and self._meter.current() > ceiling:
-                self._meter.release()
+            if ceiling is not None and i != run[0]:
+                self._make_room(ceiling)
             model = micro_batch_model(self.model, self._ddp, i == run[-1])
             with checkpointing(self.segments, plan.checkpointed), self._inplace(), self._context(plan.bits):
                 loss = self.loss_fn(model, parts[i])
-            if ceiling is not None and self._meter.current() > ceiling:
-                self._meter.release()  # what the forward freed, before the backward allocates
+            if ceiling is not None:
+                self._make_room(ceiling)  # what the forward freed, before the backward allocates
             (loss * weights[i]).backward()
             value += float(loss.detach()) * weights[i]
             del loss  # free the graph's last references before the next slice

@@ -36,13 +36,14 @@ trust ]``).
 
 Module state: ``_pool_started`` (numba's thread pool, see NOTE [ numba's thread pool and
 PyTorch's OpenMP runtime ]), ``_WORKQUEUE_LOCK`` / ``_layer_checked`` (whether numba runs its non-thread-safe
-workqueue layer, then calls are serialised), ``_warmed`` (``warmup`` ran, see NOTE [ Kernels load before
-the first step ]), ``_madvise`` (libc handle). Nothing else is global.
+workqueue layer, then calls are serialised), ``warmup``'s cache (it ran, see NOTE [ Kernels load
+before the first step ]), ``_madvise`` (libc handle). Nothing else is global.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -1220,20 +1221,13 @@ def quantize_pack_with(
 # constructed, so ``warmup`` runs there, once per process: it loads the float32 specialisations every
 # float32 model calls and starts numba's thread pool. Other dtypes load at their first call, in
 # milliseconds each once numba is up. The measurements are in docs/memory.md.
-_WARMUP_LOCK = threading.Lock()
-_warmed: list[bool] = []
-
-
+@functools.cache
 def warmup() -> None:
     """Compile (or load from numba's cache) the float32 specialisations of every kernel; once per process
     (``NOTE [ Kernels load before the first step ]``)."""
-    with _WARMUP_LOCK:
-        if _warmed:
-            return
-        x = torch.linspace(-1, 1, 100)
-        for strategy in STRATEGIES:
-            c, lo, s = quantize_pack_with(strategy, x, 2, 32, 0)
-            STRATEGIES[strategy](x, 32)
-        unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32)
-        unpack_bool(pack_bool(x > 0), 100)
-        _warmed.append(True)
+    x = torch.linspace(-1, 1, 100)
+    for strategy in STRATEGIES:
+        c, lo, s = quantize_pack_with(strategy, x, 2, 32, 0)
+        STRATEGIES[strategy](x, 32)
+    unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32)
+    unpack_bool(pack_bool(x > 0), 100)

@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import torch
 
@@ -378,27 +378,36 @@ class ClipMask:
         return ClipMaskRecord(bitmap, self, flat.dtype)
 
 
-class ClipMaskRecord:
-    """A clip's backward mask, bit-packed, restored as values that compare the same way."""
+class _EncodedRecord:
+    """One packed record holding what an op-aware ``encoding`` stored, restored by the subclass's ``decode``
+    as a tensor of ``dtype``."""
 
-    __slots__ = ("__weakref__", "bitmap", "dtype", "encoding")
-    is_bool = True
+    __slots__ = ("__weakref__", "dtype", "encoding", "inner")
+    is_bool: bool
 
-    def __init__(self, bitmap: PackedRecord, encoding: ClipMask, dtype: torch.dtype) -> None:
-        self.bitmap, self.encoding, self.dtype = bitmap, encoding, dtype
+    def __init__(self, inner: PackedRecord, encoding: ClipMask | Derivative, dtype: torch.dtype) -> None:
+        self.inner, self.encoding, self.dtype = inner, encoding, dtype
 
     @property
     def nbytes(self) -> int:
-        return self.bitmap.nbytes
+        return self.inner.nbytes
+
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> Self:
+        return type(self)(self.inner.to_pool(pool, importance, seed), self.encoding, self.dtype)
+
+
+class ClipMaskRecord(_EncodedRecord):
+    """A clip's backward mask, bit-packed, restored as values that compare the same way."""
+
+    __slots__ = ()
+    is_bool = True
+    encoding: ClipMask
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        keep = self.bitmap.decode()
+        keep = self.inner.decode()
         enc = self.encoding
         inside = torch.tensor(enc.inside, dtype=self.dtype, device=keep.device)
         return torch.where(keep, inside, torch.tensor(enc.outside, dtype=self.dtype, device=keep.device))
-
-    def to_pool(self, pool: PagePool, importance: float, seed: int) -> ClipMaskRecord:
-        return ClipMaskRecord(self.bitmap.to_pool(pool, importance, seed), self.encoding, self.dtype)
 
 
 # NOTE [ Activations stored as their derivative ]
@@ -456,18 +465,12 @@ class Derivative:
         return DerivativeRecord(inner, self, flat.dtype)
 
 
-class DerivativeRecord:
+class DerivativeRecord(_EncodedRecord):
     """An activation's input stored as its derivative (packed), restored as an input with that derivative."""
 
-    __slots__ = ("__weakref__", "dtype", "encoding", "inner")
+    __slots__ = ()
     is_bool = False
-
-    def __init__(self, inner: PackedRecord, encoding: Derivative, dtype: torch.dtype) -> None:
-        self.inner, self.encoding, self.dtype = inner, encoding, dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
+    encoding: Derivative
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         d = self.inner.decode(buffers)  # float32, a fresh decode: turned into table positions in place
@@ -475,9 +478,6 @@ class DerivativeRecord:
         pos = d.sub_(d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
         x = table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
         return x if self.dtype == torch.float32 else x.to(self.dtype)
-
-    def to_pool(self, pool: PagePool, importance: float, seed: int) -> DerivativeRecord:
-        return DerivativeRecord(self.inner.to_pool(pool, importance, seed), self.encoding, self.dtype)
 
 
 Encoding = Normalized | ClipMask | Derivative
