@@ -12,7 +12,9 @@ from daftrain.auto.allocation import (
     choices_for,
     lower_hull,
     solve,
+    solve_for_variance,
 )
+from daftrain.errors import InvalidArgumentError
 from daftrain.layout import PackedLayout
 
 
@@ -21,6 +23,14 @@ def brute_force(items, budget):
     for picks in itertools.product(*(range(len(c)) for c in items)):
         if sum(items[i][p].nbytes for i, p in enumerate(picks)) <= budget:
             best = min(best, math.fsum(items[i][p].variance for i, p in enumerate(picks)))
+    return best
+
+
+def fewest_bytes(items, max_variance):
+    best = math.inf
+    for picks in itertools.product(*(range(len(c)) for c in items)):
+        if math.fsum(items[i][p].variance for i, p in enumerate(picks)) <= max_variance:
+            best = min(best, sum(items[i][p].nbytes for i, p in enumerate(picks)))
     return best
 
 
@@ -116,3 +126,37 @@ def test_a_large_budget_keeps_everything_exact():
     solution = solve(items, 10**12)
     assert all(c[p].bits is None for c, p in zip(items, solution.picks, strict=True))
     assert solution.variance == 0.0
+
+
+def test_variance_bound_is_met_with_the_fewest_bytes_up_to_one_upgrade():
+    # NOTE [ Fewest bytes under a variance bound ]: the walk's previous point is optimal for its bytes and
+    # misses the bound, so the optimum costs more than that point; the answer costs one upgrade more.
+    rng = random.Random(3)
+    for _ in range(60):
+        items = random_items(rng, rng.randint(2, 4))
+        worst = math.fsum(min(c.variance for c in cs[:-1]) for cs in items)  # least variance short of exact
+        bound = worst * 10 ** rng.uniform(-4, 0.5)
+        solution = solve_for_variance(items, bound)
+        assert solution.variance <= bound * (1 + 1e-12)
+        opt = fewest_bytes(items, bound)
+        assert opt <= solution.nbytes
+        hulls = [lower_hull(c) for c in items]
+        largest_upgrade = max(c[h[k + 1]].nbytes - c[h[k]].nbytes for c, h in zip(items, hulls, strict=True)
+                              for k in range(len(h) - 1))
+        assert solution.nbytes <= opt + largest_upgrade
+        # at every breakpoint of the walk, the bytes are the fewest for that variance
+        if solution.variance > 0:
+            assert fewest_bytes(items, solution.variance) == solution.nbytes
+
+
+def test_variance_bound_at_or_above_the_cheapest_choices_takes_them():
+    items = random_items(random.Random(4), 3)
+    cheapest = math.fsum(c[lower_hull(c)[0]].variance for c in items)
+    solution = solve_for_variance(items, cheapest)
+    assert solution.picks == tuple(lower_hull(c)[0] for c in items)
+    assert solve_for_variance(items, 0.0).variance == 0.0  # exact everywhere
+
+
+def test_a_negative_variance_bound_is_refused():
+    with pytest.raises(InvalidArgumentError, match="max_variance"):
+        solve_for_variance([choices_for(8192, 4, 256, NoiseProfile(1.0, 0.0), 1.0)], -1.0)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from ..errors import InvalidArgumentError
 from ..layout import SUPPORTED_BITS, PackedLayout
 
-__all__ = ["AllocationError", "Choice", "NoiseProfile", "Solution", "budget_for_avg_bits", "choices_for", "solve"]
+__all__ = ["AllocationError", "Choice", "NoiseProfile", "Solution", "budget_for_avg_bits", "choices_for", "solve",
+           "solve_for_variance"]
 
 _LO_SCALE_BYTES = 4 + 2  # float32 lo + bfloat16 scale per group (layout.py)
 
@@ -160,7 +161,6 @@ def solve(items: Sequence[Sequence[Choice]], budget: int) -> Solution:
         AllocationError: when even the cheapest choice of every item exceeds ``budget``.
     """
     hulls = [lower_hull(c) for c in items]
-    pos = [0] * len(items)
     used = sum(c[h[0]].nbytes for c, h in zip(items, hulls, strict=True))
     if used > budget:
         raise AllocationError(
@@ -168,6 +168,33 @@ def solve(items: Sequence[Sequence[Choice]], budget: int) -> Solution:
             f"bits ({len(items)} tensors); raise avg_bits/packed_bytes or save fewer activations "
             "(e.g. with torch.utils.checkpoint)"
         )
+    return _greedy(items, hulls, budget, -math.inf)
+
+
+# NOTE [ Fewest bytes under a variance bound ]
+# ``solve_for_variance`` is the same greedy walk as ``solve`` with the other constraint: it takes the
+# upgrades in order of variance removed per byte, with no byte limit, and stops at the first point whose
+# total variance is at most the bound. Every point of that walk is optimal for its own bytes (the first
+# claim of ``NOTE [ Greedy allocation and when it is optimal ]``, which holds until an upgrade is
+# skipped, and none is here), so no assignment with fewer bytes than the walk's previous point meets
+# the bound: the answer costs at most one upgrade more than the optimum.
+def solve_for_variance(items: Sequence[Sequence[Choice]], max_variance: float) -> Solution:
+    """Pick one choice per item with total variance <= ``max_variance`` and the fewest bytes the greedy
+    walk finds; see ``NOTE [ Fewest bytes under a variance bound ]``. Items whose every choice keeps
+    some variance may leave the bound unmet: the answer is then every item at its least variance."""
+    if not (max_variance >= 0):
+        raise InvalidArgumentError(f"max_variance must be a non-negative number, got {max_variance!r}")
+    hulls = [lower_hull(c) for c in items]
+    return _greedy(items, hulls, math.inf, max_variance)
+
+
+def _greedy(items: Sequence[Sequence[Choice]], hulls: list[list[int]], budget: float,
+            max_variance: float) -> Solution:
+    """The marginal-gain walk from every item's cheapest hull point: upgrades that fit ``budget``, until
+    the total variance is at most ``max_variance`` (``-inf``: as far as the budget goes)."""
+    pos = [0] * len(items)
+    used = sum(c[h[0]].nbytes for c, h in zip(items, hulls, strict=True))
+    total = math.fsum(c[h[0]].variance for c, h in zip(items, hulls, strict=True))
     heap: list[tuple[float, int]] = []
 
     def push(i: int) -> None:
@@ -180,6 +207,10 @@ def solve(items: Sequence[Sequence[Choice]], budget: int) -> Solution:
         push(i)
     skipped_gain = 0.0
     while heap:
+        if total <= max_variance:  # subtracting gains can cancel: check on the exact sum before stopping
+            total = math.fsum(items[k][h[p]].variance for k, (h, p) in enumerate(zip(hulls, pos, strict=True)))
+            if total <= max_variance:
+                break
         _, i = heapq.heappop(heap)
         a, b = items[i][hulls[i][pos[i]]], items[i][hulls[i][pos[i] + 1]]
         if used + b.nbytes - a.nbytes > budget:
@@ -187,8 +218,9 @@ def solve(items: Sequence[Sequence[Choice]], budget: int) -> Solution:
                 skipped_gain = a.variance - b.variance
             continue
         used += b.nbytes - a.nbytes
+        total -= a.variance - b.variance
         pos[i] += 1
         push(i)
     picks = tuple(h[p] for h, p in zip(hulls, pos, strict=True))
     variance = math.fsum(c[p].variance for c, p in zip(items, picks, strict=True))
-    return Solution(picks, used, variance, budget, skipped_gain)
+    return Solution(picks, used, variance, int(budget) if math.isfinite(budget) else used, skipped_gain)

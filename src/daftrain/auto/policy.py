@@ -23,7 +23,7 @@ from ..config import CompressionConfig
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..layout import SUPPORTED_BITS
 from ..params import ParameterRegistry
-from .allocation import AllocationError, Choice, budget_for_avg_bits, choices_for, solve
+from .allocation import AllocationError, Choice, Solution, budget_for_avg_bits, choices_for, solve, solve_for_variance
 from .report import AllocationReport, SlotAllocation, SlotEstimate, SlotKey
 from .state import (
     auto_config,
@@ -34,10 +34,14 @@ from .state import (
     parse_auto_state,
     refuse,
 )
-from .tracing import Observation, SaveTracer, floor_bits, observe
+from .tracing import NONLINEAR_SAVER_MIN_BITS, Observation, SaveTracer, floor_bits, observe
 from .variance import GradProbe, check_variance
 
-__all__ = ["Assignment", "AutoBits", "BitPolicy", "FixedBits", "make_bit_policy"]
+__all__ = ["UNCALIBRATED_BITS", "Assignment", "AutoBits", "BitPolicy", "FixedBits", "make_bit_policy"]
+
+UNCALIBRATED_BITS = 4
+"""With ``error_share``, every quantized tensor's bits until the first calibration; see
+``NOTE [ A variance target ]``."""
 
 
 class Assignment(NamedTuple):
@@ -69,6 +73,11 @@ class BitPolicy(Protocol):
 
     def report(self) -> AllocationReport | None:
         """The allocation in force (``None`` with fixed bits)."""
+        ...
+
+    def wants_calibration(self, *, pending: bool = False) -> bool:
+        """True when the context should calibrate this step on its loss (``NOTE [ A variance target ]``);
+        with ``pending``, also when it may once this step's first record is assigned."""
         ...
 
     def state_dict(self, step: int) -> dict[str, Any]:
@@ -119,6 +128,10 @@ class FixedBits:
         """Fixed bits allocate nothing."""
         return None
 
+    def wants_calibration(self, *, pending: bool = False) -> bool:
+        """Fixed bits calibrate nothing."""
+        return False
+
     def state_dict(self, step: int) -> dict[str, Any]:
         """The step counter (the rounding seeds follow it)."""
         return fixed_state_dict(self.config, step)
@@ -128,6 +141,20 @@ class FixedBits:
         return load_fixed_state(self.config, state)
 
 
+# NOTE [ A variance target ]
+# ``error_share`` turns the allocation around: instead of the least variance under a byte budget, the
+# fewest bytes whose estimated quantization variance is at most ``error_share`` times the gradient's
+# squared norm ``||g||^2`` (``solve_for_variance``). For a gradient ``g`` and an added zero-mean error
+# ``e``, ``cos(g, g + e) ~= 1 - ||e||^2 / (2 ||g||^2)``, so the bound holds the cosine to the exact
+# gradient near ``1 - error_share / 2``; where the minibatch gradient's own noise dominates ``||g||^2``,
+# the bound is also a small share of that noise (the quantity ``variance_warning`` watches).
+# A bound in absolute terms needs the estimate in absolute terms, which only calibration gives: the
+# analytic estimate counts noise where it first lands and is 10 to 1000 times low on transformers
+# (``NOTE [ Calibration ]``; docs/zoo.md). So until the first calibration every quantized tensor gets
+# ``UNCALIBRATED_BITS``; ``calibrate`` measures the class corrections and ``||g||^2`` (its base pass) on
+# the step after an adaptation step, and the allocation follows from them. The ``compress`` context
+# calibrates by itself on that step when the loss is computed under it (``wants_calibration``, and
+# ``LossCatcher`` in ``calibration.py``); otherwise the user calls ``ctx.calibrate(loss)``.
 class AutoBits:
     """The bit policy of ``compress(bits="auto")``; see the module docstring and the NOTEs it names.
 
@@ -137,11 +164,19 @@ class AutoBits:
     def __init__(self, config: CompressionConfig, model: nn.Module | None = None) -> None:
         if not config.auto:
             raise InvalidArgumentError(f"AutoBits needs CompressionConfig(bits='auto'), got bits={config.bits!r}")
+        if config.error_share is not None and model is None:
+            raise InvalidArgumentError("bits='auto' with error_share measures the gradient it bounds: create the "
+                                       "context with compress(model=...)")
         self.config = config
         self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self._fingerprint = model_fingerprint(model) if model is not None else None
-        if config.packed_bytes is not None:
+        self._gradient_sq: float | None = None
+        self._calibrated_for: int | None = None  # the estimate (its step) the last calibration measured
+        if config.error_share is not None:
             self.avg_bits: float | None = None
+            self._fallback = UNCALIBRATED_BITS
+        elif config.packed_bytes is not None:
+            self.avg_bits = None
             self._fallback = 1
         else:
             self.avg_bits = float(config.avg_bits) if config.avg_bits is not None else 2.0
@@ -303,16 +338,22 @@ class AutoBits:
         unmeasured = self._unmeasured_calibration()
         factors = [self._calibration.get(e.slot_class, unmeasured) for e in slots]
 
+        least = NONLINEAR_SAVER_MIN_BITS if self.config.error_share is not None else 1  # NOTE [ A variance target ]
+
         def choices(floored: bool) -> list[tuple[Choice, ...]]:
             return [choices_for(e.key.numel, e.itemsize, group, e.noise, e.sensitivity * f,
-                                min_bits=e.min_bits if floored else 1)
+                                min_bits=max(e.min_bits, least) if floored else 1)
                     for e, f in zip(slots, factors, strict=True)]
 
         items = choices(floored=True)
-        budget = self._budget([e.key.numel for e in slots])
-        if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
-            items = choices(floored=False)
-        solution = solve(items, budget)
+        if self.config.error_share is not None:
+            solution = self._solve_for_variance(items)
+            budget = solution.nbytes
+        else:
+            budget = self._budget([e.key.numel for e in slots])
+            if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
+                items = choices(floored=False)
+            solution = solve(items, budget)
         allocated = []
         for e, f, c, pick in zip(slots, factors, items, solution.picks, strict=True):
             ch = c[pick]
@@ -320,8 +361,20 @@ class AutoBits:
             allocated.append(SlotAllocation(**estimate, calibration=f, bits=ch.bits, nbytes=ch.nbytes,
                                             variance=ch.variance))
         report = AllocationReport(estimated_at, next_adapt, budget, solution.nbytes, tuple(allocated),
-                                  solution.variance, grad_variance)
+                                  solution.variance, grad_variance, self._gradient_sq)
         return {a.key: a.bits for a in allocated}, report
+
+    def _solve_for_variance(self, items: list[tuple[Choice, ...]]) -> Solution:
+        """``error_share``'s allocation; every tensor at ``UNCALIBRATED_BITS`` (or its floor) before the
+        first calibration. See ``NOTE [ A variance target ]``."""
+        if self._gradient_sq is None:
+            picks = tuple(next(k for k, c in enumerate(cs) if c.bits is not None and c.bits >= self._fallback)
+                          for cs in items)
+            chosen = [cs[k] for cs, k in zip(items, picks, strict=True)]
+            nbytes = sum(c.nbytes for c in chosen)
+            return Solution(picks, nbytes, math.fsum(c.variance for c in chosen), nbytes, 0.0)
+        assert self.config.error_share is not None
+        return solve_for_variance(items, self.config.error_share * self._gradient_sq)
 
     # -- calibration (see NOTE [ Calibration ] in calibration.py) -----------------------------------
     def _unmeasured_calibration(self) -> float:
@@ -344,15 +397,56 @@ class AutoBits:
             targets.setdefault(a.slot_class, []).append((a.key, a.sensitivity))
         return targets
 
-    def set_calibration(self, factors: Mapping[str, float]) -> None:
-        """Adopt measured class corrections and re-solve the allocation in force with them."""
+    @property
+    def calibration(self) -> dict[str, float]:
+        """The class corrections in force (a copy)."""
+        with self._lock:
+            return dict(self._calibration)
+
+    def variance_bound(self) -> float | None:
+        """``error_share``'s bound on the estimated variance (``None`` before a calibration, or with a byte
+        budget)."""
+        share = self.config.error_share
+        return None if share is None or self._gradient_sq is None else share * self._gradient_sq
+
+    def scale_calibration(self, factor: float) -> None:
+        """Multiply every class correction by ``factor`` and re-solve (``NOTE [ Verifying a variance target ]``
+        in ``calibration.py``)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise InvalidArgumentError(f"factor must be a positive finite float, got {factor!r}")
+        with self._lock:
+            unmeasured = self._unmeasured_calibration()
+            classes = {a.slot_class for a in self._report.slots} if self._report is not None else set()
+            scaled = {cls: self._calibration.get(cls, unmeasured) * factor for cls in classes | set(self._calibration)}
+        self.set_calibration(scaled)
+
+    def wants_calibration(self, *, pending: bool = False) -> bool:
+        """True when ``error_share``'s allocation in force follows from an estimate no calibration has
+        measured yet; with ``pending``, also when an estimate awaits its allocation (it comes with this
+        step's first record). See ``NOTE [ A variance target ]``."""
+        with self._lock:
+            if self.config.error_share is None:
+                return False
+            report = self._report
+            return ((pending and self._pending)
+                    or (report is not None and self._calibrated_for != report.estimated_at_step))
+
+    def set_calibration(self, factors: Mapping[str, float], gradient_sq: float | None = None) -> None:
+        """Adopt measured class corrections (and the gradient's squared norm ``gradient_sq`` they were
+        measured on) and re-solve the allocation in force with them."""
         for cls, f in factors.items():
             if not (isinstance(f, float) and math.isfinite(f) and f > 0):
                 raise InvalidArgumentError(f"calibration of {cls!r} must be a positive finite float, got {f!r}")
+        if gradient_sq is not None and not (isinstance(gradient_sq, float) and math.isfinite(gradient_sq)
+                                            and gradient_sq >= 0):
+            raise InvalidArgumentError(f"gradient_sq must be a non-negative finite float, got {gradient_sq!r}")
         with self._lock:
             self._calibration.update(factors)
+            if gradient_sq is not None and gradient_sq > 0:
+                self._gradient_sq = gradient_sq
             report = self._report
             if report is not None:
+                self._calibrated_for = report.estimated_at_step
                 self._bits, self._report = self._solve(list(report.slots), report.estimated_at_step,
                                                        report.next_adapt_step, self._grad_variance)
 
@@ -376,7 +470,8 @@ class AutoBits:
                 self._finalize()
             return auto_state_dict(step=step, config=self._config_dict(), fingerprint=self._fingerprint,
                                    next_adapt=self._next_adapt, reestimate=self._reestimate, report=self._report,
-                                   grad_variance=self._grad_variance, calibration=self._calibration)
+                                   grad_variance=self._grad_variance, calibration=self._calibration,
+                                   gradient_sq=self._gradient_sq, calibrated_for=self._calibrated_for)
 
     def _config_dict(self) -> dict[str, Any]:
         return auto_config(self.config, self.avg_bits)
@@ -392,8 +487,8 @@ class AutoBits:
                              "it belongs to another model")
             bits: dict[SlotKey, int | None] = {}
             report = None
-            current = self._calibration
-            self._calibration = parsed.calibration
+            current = self._calibration, self._gradient_sq
+            self._calibration, self._gradient_sq = parsed.calibration, parsed.gradient_sq
             try:
                 if parsed.slots:
                     assert parsed.estimated_at is not None
@@ -407,8 +502,9 @@ class AutoBits:
                         raise refuse("its bits do not follow from its importance estimates (corrupted, or "
                                      "saved by another daftrain version)")
             except BaseException:
-                self._calibration = current
+                self._calibration, self._gradient_sq = current
                 raise
+            self._calibrated_for = parsed.calibrated_for
             self._bits, self._report, self._grad_variance = bits, report, parsed.grad_variance
             self._next_adapt, self._reestimate = parsed.next_adapt, parsed.reestimate
             self._step = parsed.step

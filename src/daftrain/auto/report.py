@@ -86,6 +86,9 @@ class AllocationReport:
     quant_variance: float
     grad_variance: float | None
     """Minibatch gradient variance measured around the last adaptation (needs ``model``)."""
+    gradient_sq: float | None = None
+    """The gradient's squared norm measured by the last ``calibrate`` (``None`` before one); the bound of
+    ``error_share`` is a share of it."""
 
     @property
     def avg_bits(self) -> float:
@@ -100,13 +103,21 @@ class AllocationReport:
             return None
         return self.quant_variance / self.grad_variance
 
+    @property
+    def error_share(self) -> float | None:
+        """``quant_variance / gradient_sq``: the estimated share of the gradient's squared norm that
+        quantization adds (``None`` before ``calibrate``)."""
+        if self.gradient_sq is None or self.gradient_sq <= 0:
+            return None
+        return self.quant_variance / self.gradient_sq
+
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values, one entry per slot."""
         return {
             "estimated_at_step": self.estimated_at_step, "next_adapt_step": self.next_adapt_step,
             "target_bytes": self.target_bytes, "used_bytes": self.used_bytes, "avg_bits": self.avg_bits,
             "quant_variance": self.quant_variance, "grad_variance": self.grad_variance,
-            "variance_share": self.variance_share,
+            "variance_share": self.variance_share, "gradient_sq": self.gradient_sq, "error_share": self.error_share,
             "slots": [
                 {"index": s.key.index, "shape": list(s.shape), "dtype": s.key.dtype, "numel": s.key.numel,
                  "op": s.op, "producer": s.producer, "min_bits": s.min_bits, "bits": s.bits, "nbytes": s.nbytes,
@@ -133,6 +144,7 @@ class AllocationReport:
             f"{len(self.slots)} slots, {self.used_bytes:,} of {self.target_bytes:,} target bytes "
             f"({self.avg_bits:.2f} bits/value); est. quantization variance {self.quant_variance:.3e}"
             + (f", {share:.1%} of the gradient variance" if share is not None else "")
+            + (f", {self.error_share:.2%} of the gradient's squared norm" if self.error_share is not None else "")
             + f"; estimated at step {self.estimated_at_step}, next at {self.next_adapt_step}"
         )
         return "\n".join(lines)

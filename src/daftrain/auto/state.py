@@ -23,11 +23,11 @@ __all__ = ["STATE_FORMAT", "STATE_VERSION", "AutoState", "StateDictError", "auto
            "checksum", "fixed_state_dict", "load_fixed_state", "model_fingerprint", "parse_auto_state", "refuse"]
 
 STATE_FORMAT = "daftrain.compress"
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 _FIXED_FIELDS = ("format", "version", "step", "config", "checksum")
 _AUTO_FIELDS = ("format", "version", "step", "config", "model", "next_adapt", "reestimate", "estimated_at",
-                "grad_variance", "calibration", "slots", "checksum")
+                "grad_variance", "calibration", "gradient_sq", "calibrated_for", "slots", "checksum")
 _SLOT_FIELDS = ("index", "numel", "dtype", "shape", "itemsize", "op", "producer", "min_bits", "grad_sq",
                 "plain_r2", "zero_r2", "sensitivity", "bits")
 _ITEMSIZE = {str(d).removeprefix("torch."): d.itemsize for d in QUANTIZABLE_DTYPES}
@@ -126,12 +126,13 @@ def load_fixed_state(config: CompressionConfig, state: Mapping[str, Any]) -> int
 def auto_config(config: CompressionConfig, avg_bits: float | None) -> dict[str, Any]:
     """The part of an auto context's config its state must match (``avg_bits`` as resolved)."""
     return {"group_size": config.group_size, "avg_bits": avg_bits, "packed_bytes": config.packed_bytes,
-            "adapt_interval": config.adapt_interval}
+            "error_share": config.error_share, "adapt_interval": config.adapt_interval}
 
 
 def auto_state_dict(*, step: int, config: Mapping[str, Any], fingerprint: str | None, next_adapt: int,
                     reestimate: bool, report: AllocationReport | None, grad_variance: float | None,
-                    calibration: Mapping[str, float]) -> dict[str, Any]:
+                    calibration: Mapping[str, float], gradient_sq: float | None = None,
+                    calibrated_for: int | None = None) -> dict[str, Any]:
     """The state of an auto context: the allocation in force with the estimates it follows from."""
     slots = []
     if report is not None:
@@ -146,7 +147,8 @@ def auto_state_dict(*, step: int, config: Mapping[str, Any], fingerprint: str | 
         "format": STATE_FORMAT, "version": STATE_VERSION, "step": step, "config": dict(config),
         "model": fingerprint, "next_adapt": next_adapt, "reestimate": reestimate,
         "estimated_at": report.estimated_at_step if report is not None else None,
-        "grad_variance": grad_variance, "calibration": dict(calibration), "slots": slots,
+        "grad_variance": grad_variance, "calibration": dict(calibration), "gradient_sq": gradient_sq,
+        "calibrated_for": calibrated_for, "slots": slots,
     })
 
 
@@ -160,6 +162,8 @@ class AutoState:
     estimated_at: int | None
     grad_variance: float | None
     calibration: dict[str, float]
+    gradient_sq: float | None
+    calibrated_for: int | None
     slots: tuple[tuple[SlotEstimate, int | None], ...]
 
 
@@ -214,7 +218,14 @@ def parse_auto_state(state: Mapping[str, Any], *, config: Mapping[str, Any],
         isinstance(k, str) and isinstance(v, float) and math.isfinite(v) and v > 0 for k, v in calibration.items()
     ):
         raise refuse("calibration must map slot classes to positive finite floats")
-    return AutoState(step, next_adapt, state["reestimate"], estimated_at, variance, dict(calibration), slots)
+    gradient_sq = state["gradient_sq"]
+    if gradient_sq is not None:
+        gradient_sq = _number(gradient_sq, "gradient_sq")
+    calibrated_for = state["calibrated_for"]
+    if calibrated_for is not None:
+        calibrated_for = _int(calibrated_for, "calibrated_for", 0, step)
+    return AutoState(step, next_adapt, state["reestimate"], estimated_at, variance, dict(calibration), gradient_sq,
+                     calibrated_for, slots)
 
 
 def _parse_slot(s: Any, name: str) -> tuple[SlotEstimate, int | None]:

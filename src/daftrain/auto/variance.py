@@ -65,7 +65,8 @@ def check_variance(report: AllocationReport, grad_variance: float, threshold: fl
             f"daftrain: the estimated quantization variance ({report.quant_variance:.3e}) is "
             f"{report.quant_variance / grad_variance:.1%} of the minibatch gradient variance "
             f"({grad_variance:.3e}), above the {threshold:.0%} threshold; training may converge worse. "
-            "Raise avg_bits (or packed_bytes), or lower the learning rate; ctx.report() lists the tensors.",
+            "Raise avg_bits (or packed_bytes), lower error_share, or lower the learning rate; ctx.report() lists "
+            "the tensors.",
             QuantizationVarianceWarning, stacklevel=2,
         )
     return report

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import warnings
 import weakref
 from types import TracebackType
 from typing import Any
@@ -14,11 +15,11 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..allocator import HeapTrimmer
-from ..auto.calibration import CalibrationPass, calibrate
+from ..auto.calibration import CalibrationPass, LossCatcher, calibrate
 from ..auto.policy import Assignment, make_bit_policy
 from ..auto.report import AllocationReport
 from ..config import CompressionConfig
-from ..errors import ArgumentTypeError
+from ..errors import ArgumentTypeError, UnsupportedError
 from ..kernels import load_fast_kernels
 from ..layout import record_seed
 from ..params import ParameterRegistry
@@ -169,6 +170,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # calibrate(); entries go with their records.
         self._record_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._calibration_pass: CalibrationPass | None = None
+        self._loss_catcher: LossCatcher | None = None
+        self._calibration_warned = False
         # NOTE [ Hooks inside compiled graphs ] in compiled.py: one hook pair per configuration.
         self._untraceable = untraceable_reason(self.config, pool)
         self._compile_warned = False
@@ -210,6 +213,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._hooks.activate(self)
         self._op_tracer.start()
         self._bit_policy.enter(self.step)
+        if self._bit_policy.wants_calibration(pending=True):  # NOTE [ A variance target ] in auto/policy.py
+            self._loss_catcher = LossCatcher()
+            self._loss_catcher.__enter__()
         if self._trimmer is not None:
             self._trimmer.trim()
         return self
@@ -232,13 +238,34 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        catcher, self._loss_catcher = self._loss_catcher, None
+        if catcher is not None:
+            catcher.__exit__(None, None, None)
         self._bit_policy.exit()
         self._op_tracer.stop()
         super().__exit__(exc_type, exc, tb)
         self._hooks.deactivate(self)
         self._forget_saves()
+        if catcher is not None and exc_type is None and self._bit_policy.wants_calibration():
+            self._calibrate_on(catcher.loss())
         if self._trimmer is not None:
             self._trimmer.trim()
+
+    def _calibrate_on(self, loss: torch.Tensor | None) -> None:
+        """Calibrate on the loss computed under the context, when the policy wants it (``error_share``)."""
+        if loss is not None:
+            try:
+                self.calibrate(loss)
+                return
+            except UnsupportedError:
+                pass
+        if not self._calibration_warned:
+            self._calibration_warned = True
+            warnings.warn(
+                "daftrain: compress(bits='auto', error_share=...) calibrates its estimate on the loss, and no "
+                "scalar loss computed under the context was found in the saved tensors' graph; compute the "
+                "loss inside 'with ctx:' or call ctx.calibrate(loss) before loss.backward() (until then every "
+                "quantized tensor gets 4 bits)", stacklevel=3)
 
     def _forget_saves(self) -> None:
         """Drop the dedup table and the storages counted: they only matter within one forward pass."""

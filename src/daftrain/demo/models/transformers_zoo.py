@@ -317,12 +317,21 @@ def tiny_inputs(model: nn.Module, kind: str, *, batch: int = 4, length: int = 64
     raise InvalidArgumentError(f"kind must be text, seq2seq, image, audio or speech_seq2seq, got {kind!r}")
 
 
+def _projection_loss(out: object) -> torch.Tensor:
+    values = out.values() if hasattr(out, "values") else out  # type: ignore[attr-defined]
+    y = next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad)
+    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
+    return (y * proj).sum()
+
+
 def zoo_gradient(model: nn.Module, inputs: dict[str, torch.Tensor],
-                 ctx: contextlib.AbstractContextManager[object] | None = None) -> torch.Tensor:
+                 ctx: contextlib.AbstractContextManager[object] | None = None, *,
+                 loss_under_context: bool = False) -> torch.Tensor:
     """All parameter gradients, as one float64 vector, of a fixed random projection of the model's first
     float output, with the forward under ``ctx`` and the same dropout masks in every run: what the zoo
     benchmark and tests compare between plain PyTorch and daftrain (the speech models draw their
-    SpecAugment masks from numpy's global generator, seeded too)."""
+    SpecAugment masks from numpy's global generator, seeded too). With ``loss_under_context`` the loss is
+    computed inside ``ctx`` too, where ``compress(bits="auto", error_share=...)`` calibrates on it."""
     import numpy as np
 
     model.zero_grad(set_to_none=True)
@@ -330,8 +339,9 @@ def zoo_gradient(model: nn.Module, inputs: dict[str, torch.Tensor],
     np.random.seed(1234)
     with ctx if ctx is not None else contextlib.nullcontext():
         out = model(**inputs)
-    values = out.values() if hasattr(out, "values") else out
-    y = next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad)
-    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
-    (y * proj).sum().backward()
+        if loss_under_context:
+            loss = _projection_loss(out)
+    if not loss_under_context:
+        loss = _projection_loss(out)
+    loss.backward()
     return torch.cat([p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None])
