@@ -68,7 +68,9 @@ class Run:
 
 def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int, seed: int = 0) -> daftrain.compress | None:
     """``fp32``; ``fixed<b>`` (``fixed2``, ``fixed4``, ``fixed8``); ``auto<b>`` at ``b`` average bits
-    (``auto2``), and ``auto<b>cal``, which also calls ``ctx.calibrate`` (``--calibrate-every``). Suffix
+    (``auto2``), and ``auto<b>cal``, which also calls ``ctx.calibrate`` (``--calibrate-every``); ``share<p>``
+    for ``bits="auto", error_share=p/100`` (its saved bytes are read on step 2, the first after the
+    context's own calibration). Suffix
     ``_g<G>`` for group size G (``fixed2_g64``); ``seed`` seeds the stochastic rounding."""
     if config == "fp32":
         return None
@@ -81,6 +83,9 @@ def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int, seed: int
             raise ValueError(f"unknown configuration option {option!r} in {config!r}")
     if name.startswith("fixed"):
         return daftrain.compress(bits=int(name.removeprefix("fixed")), model=model, seed=seed, **extra)
+    if name.startswith("share"):  # share1 = error_share 1 %: the context calibrates on the loss by itself
+        return daftrain.compress(bits="auto", error_share=float(name.removeprefix("share")) / 100, model=model,
+                                 seed=seed, adapt_interval=adapt_interval, **extra)
     if not name.startswith("auto"):
         raise ValueError(f"unknown configuration {config!r}")
     avg_bits = float(name.removeprefix("auto").removesuffix("cal"))
@@ -121,7 +126,7 @@ def train(config: str, model: torch.nn.Module, batches: Callable[[], Iterator[tu
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step == 1 and ctx is not None:
+        if step == (2 if config.startswith("share") else 1) and ctx is not None:
             run.saved_bytes, run.raw_bytes = ctx.stats.stored_bytes, ctx.stats.raw_bytes
         window.append(float(loss.detach()))
         step += 1

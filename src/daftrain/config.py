@@ -70,8 +70,8 @@ class CompressionConfig:
     error_share: float | None = None
     """``bits="auto"`` only, instead of a byte budget: the fewest bytes whose estimated quantization variance
     is at most this share of the gradient's squared norm (``0.005`` keeps the gradient's cosine to the
-    exact one near 0.9975). Needs ``model``; the estimate is calibrated on the loss (``NOTE [ A variance
-    target ]`` in ``auto/policy.py``)."""
+    exact one near 0.9975). The estimate is calibrated on the loss computed under the context
+    (``NOTE [ A variance target ]`` in ``auto/policy.py``)."""
 
     adapt_interval: int = 100
     """``bits="auto"`` only: re-estimate importance and re-allocate bits every this many steps (and

@@ -160,3 +160,17 @@ def test_variance_bound_at_or_above_the_cheapest_choices_takes_them():
 def test_a_negative_variance_bound_is_refused():
     with pytest.raises(InvalidArgumentError, match="max_variance"):
         solve_for_variance([choices_for(8192, 4, 256, NoiseProfile(1.0, 0.0), 1.0)], -1.0)
+
+
+def test_variance_bound_survives_a_choice_of_astronomical_variance():
+    # An attention mask of finfo.min saved by torch.max has a group range near 1e38: its variance dwarfs
+    # the rest, and subtracting it from a running sum leaves a rounding residue far above any bound, which
+    # would drive every other tensor to exact.
+    huge = choices_for(8192, 4, 256, NoiseProfile(1e81, 0.0), 1.0)
+    small = choices_for(8192, 4, 256, NoiseProfile(1e4, 0.0), 1.0)
+    items = [huge, small, small]
+    bound = 2 * small[1].variance  # the small ones fit at 2 bits
+    solution = solve_for_variance(items, bound)
+    assert items[0][solution.picks[0]].bits is None
+    assert [items[i][solution.picks[i]].bits for i in (1, 2)] == [2, 2]
+    assert solution.variance <= bound

@@ -151,11 +151,6 @@ def test_calibrate_refuses_what_it_cannot_measure():
         loss = nn.functional.cross_entropy(model(x), y)
     with pytest.raises(RuntimeError, match="fixed bits"):
         fixed.calibrate(loss)
-    no_model = daftrain.compress(bits="auto", min_numel=0)
-    with no_model:
-        loss = nn.functional.cross_entropy(model(x), y)
-    with pytest.raises(RuntimeError, match="model="):
-        no_model.calibrate(loss)
     ctx = context(model)
     with ctx:
         loss = nn.functional.cross_entropy(model(x), y)
@@ -167,3 +162,20 @@ def test_calibrate_refuses_what_it_cannot_measure():
     outside = nn.functional.cross_entropy(model(x), y)  # not under the context: nothing to measure
     with pytest.raises(RuntimeError, match="none of the allocation"):
         ctx.calibrate(outside)
+
+
+def test_without_a_model_calibrate_measures_the_gradients_of_the_loss_graphs_leaves():
+    # The leaves of the loss's graph are the trainable parameters, the same set model= names.
+    x, y = batch()
+    factors = []
+    for with_model in (True, False):
+        torch.manual_seed(0)
+        model = MLP()
+        ctx = context(model) if with_model else daftrain.compress(bits="auto", avg_bits=2.0, adapt_interval=10**6,
+                                                                   seed=3, min_numel=0)
+        step(model, ctx, x, y)
+        _, measured = step(model, ctx, x, y, calibrate=True)
+        factors.append(measured)
+    assert factors[0].keys() == factors[1].keys()
+    for cls, f in factors[0].items():
+        assert factors[1][cls] == pytest.approx(f, rel=1e-6)

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import daftrain
-from daftrain.auto.policy import UNCALIBRATED_BITS
+from daftrain.auto.policy import BIAS_FLOOR_BITS, UNCALIBRATED_BITS
+from daftrain.auto.tracing import nonlinear_saver
 
 
 def _model() -> nn.Module:
@@ -34,9 +35,15 @@ def _gradient(model: nn.Module, ctx, x, y, loss_inside: bool = True) -> torch.Te
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def test_error_share_needs_the_model():
-    with pytest.raises(daftrain.InvalidArgumentError, match=r"error_share .*model="):
-        daftrain.compress(bits="auto", error_share=0.01)
+def test_without_a_model_the_bound_holds_on_the_loss_graphs_parameters():
+    model, (x, y) = _model(), _data()
+    exact = _gradient(model, daftrain.compress(bits=None), x, y)
+    ctx = daftrain.compress(bits="auto", error_share=0.01)
+    for _ in range(2):
+        _gradient(model, ctx, x, y)
+    assert ctx.report().gradient_sq == pytest.approx(float(exact.double().pow(2).sum()), rel=0.05)
+    g = _gradient(model, ctx, x, y)
+    assert float((g - exact).pow(2).sum() / exact.pow(2).sum()) <= 2 * 0.01
 
 
 @pytest.mark.parametrize("share", [0.002, 0.02])
@@ -104,10 +111,14 @@ def test_state_dict_restores_the_calibrated_allocation():
         daftrain.compress(bits="auto", error_share=0.02, model=model).load_state_dict(state)
 
 
-@pytest.mark.parametrize("model_type", ["t5", "mt5", "gpt2"])
-def test_the_bound_holds_on_zoo_models_where_fixed_4_bits_falls_short(model_type):
+@pytest.mark.parametrize("model_type", ["t5", "mt5", "gpt2", "hubert", "beit"])
+def test_the_bound_holds_on_zoo_models(model_type):
     # Tiny Hugging Face models (benchmarks/bench_zoo.py): fixed 4 bits gives t5 and mt5 cosines of 0.970
-    # and 0.949 against plain PyTorch (docs/zoo.md); a bound of 1 % keeps the cosine near 0.995.
+    # and 0.949 against plain PyTorch (docs/zoo.md); a bound of 1 % keeps the cosine near 0.995. HuBERT
+    # writes its masked time steps into a projection's output in place, which hid that output's
+    # gradient from the estimate (a zero sensitivity, 0.83 before the verification measured it per
+    # class); BEiT's LayerNorm inputs have constant rows that only the normalisation rule's encoding
+    # keeps exact (a verification in plain groups kept every tensor exact).
     from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model, zoo_gradient
 
     kind, overrides = next((k, o) for m, k, o in TINY_ZOO if m == model_type)
@@ -121,3 +132,19 @@ def test_the_bound_holds_on_zoo_models_where_fixed_4_bits_falls_short(model_type
             grad = zoo_gradient(model, inputs, ctx, loss_under_context=True)
     assert ctx.report().error_share <= 0.01
     assert float(torch.nn.functional.cosine_similarity(grad, ref, dim=0)) >= 0.99
+    assert ctx.stats.ratio >= 3  # not kept exact to meet the bound
+
+
+def test_tensors_a_nonlinear_backward_reads_keep_the_bias_floor_however_loose_the_bound():
+    # The bound is on variance; rounding under a nonlinear backward (GELU's input, tanh's output) is a
+    # bias it does not count, which cost the character GPT-2 of the parity benchmark as much as fixed
+    # 2 bits did. NOTE [ A variance target ].
+    model, (x, y) = _model(), _data()
+    ctx = daftrain.compress(bits="auto", error_share=1.0, model=model)
+    for _ in range(3):
+        _gradient(model, ctx, x, y)
+    slots = ctx.report().slots
+    nonlinear = [a for a in slots if nonlinear_saver(a.op)]
+    assert {a.op for a in nonlinear} >= {"gelu", "tanh+linear"}  # tanh and the next linear save one tensor
+    assert all(a.bits is None or a.bits >= BIAS_FLOOR_BITS for a in nonlinear)
+    assert any(a.bits == 2 for a in slots if not nonlinear_saver(a.op))  # the loose bound lowers the rest

@@ -74,8 +74,6 @@ COMPRESS: list[Case] = [
      InvalidArgumentError, r"avg_bits or as packed_bytes"),
     ("error_share=0", lambda: daftrain.compress(bits="auto", error_share=0.0), InvalidArgumentError,
      r"^error_share"),
-    ("error_share without model", lambda: daftrain.compress(bits="auto", error_share=0.01), InvalidArgumentError,
-     r"error_share .*compress\(model=\.\.\.\)"),
     ("packed_bytes=0", lambda: daftrain.compress(bits="auto", packed_bytes=0), InvalidArgumentError,
      r"^packed_bytes"),
     ("adapt_interval=0", lambda: daftrain.compress(bits="auto", adapt_interval=0), InvalidArgumentError,

@@ -206,9 +206,12 @@ def _greedy(items: Sequence[Sequence[Choice]], hulls: list[list[int]], budget: f
     for i in range(len(items)):
         push(i)
     skipped_gain = 0.0
+    def current() -> float:
+        return math.fsum(items[k][h[p]].variance for k, (h, p) in enumerate(zip(hulls, pos, strict=True)))
+
     while heap:
-        if total <= max_variance:  # subtracting gains can cancel: check on the exact sum before stopping
-            total = math.fsum(items[k][h[p]].variance for k, (h, p) in enumerate(zip(hulls, pos, strict=True)))
+        if total <= max_variance:  # check on the exact sum before stopping
+            total = current()
             if total <= max_variance:
                 break
         _, i = heapq.heappop(heap)
@@ -218,8 +221,12 @@ def _greedy(items: Sequence[Sequence[Choice]], hulls: list[list[int]], budget: f
                 skipped_gain = a.variance - b.variance
             continue
         used += b.nbytes - a.nbytes
-        total -= a.variance - b.variance
         pos[i] += 1
+        gain = a.variance - b.variance
+        if gain >= total / 2:  # most of the sum goes: subtracting would leave its rounding error, re-add
+            total = current()
+        else:
+            total -= gain
         push(i)
     picks = tuple(h[p] for h, p in zip(hulls, pos, strict=True))
     variance = math.fsum(c[p].variance for c, p in zip(items, picks, strict=True))

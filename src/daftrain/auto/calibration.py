@@ -13,8 +13,9 @@ from torch.overrides import TorchFunctionMode
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..layout import record_seed
 from .policy import AutoBits, BitPolicy
+from .report import SlotAllocation
 
-__all__ = ["CalibrationPass", "LossCatcher", "calibrate", "squared_distance"]
+__all__ = ["CalibrationPass", "LossCatcher", "calibrate", "graph_leaves", "squared_distance"]
 
 # NOTE [ Calibration ]
 # The analytic importance estimate (``NOTE [ Importance estimate ]`` in ``tracing.py``) counts a
@@ -62,12 +63,15 @@ class CalibrationPass:
         self.bits = bits
         self.noise: dict[int, float] = {}
 
-    def perturb(self, index: int | None, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` with this pass's noise when it is the record at ``index`` of a measured class."""
+    def perturb(self, index: int | None, flat: torch.Tensor,
+                requantize: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None) -> torch.Tensor:
+        """``flat`` with this pass's noise when it is the record at ``index`` of a measured class;
+        ``requantize(flat, bits, seed)`` stores and restores ``flat`` the way its record was (a verification
+        pass; plain quantization without it)."""
         if index is None or self.indices.get(index) != flat.numel() or not flat.is_floating_point():
             return flat
         if self.bits is not None:
-            return self._quantize_again(index, flat)
+            return self._quantize_again(index, flat, requantize)
         values = flat.detach().float()
         n, group = values.numel(), self.group_size
         mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
@@ -82,16 +86,38 @@ class CalibrationPass:
             self.noise[index] = squared_distance([out], [flat])
         return out
 
-    def _quantize_again(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+    def _quantize_again(self, index: int, flat: torch.Tensor,
+                        requantize: Callable[[torch.Tensor, int, int], torch.Tensor] | None) -> torch.Tensor:
         assert self.bits is not None
         bits, group = self.bits[index], self.group_size
         values = flat.detach().contiguous()
         seed = record_seed(self.base_seed, self.step, index)
-        codes, lo, scale = torch.ops.daftrain.quantize_pack(values, bits, group, seed)
-        out = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group, values.numel(), values.dtype)
+        if requantize is not None:
+            out = requantize(values, bits, seed)
+        else:
+            codes, lo, scale = torch.ops.daftrain.quantize_pack(values, bits, group, seed)
+            out = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group, values.numel(), values.dtype)
         if index not in self.noise:
             self.noise[index] = squared_distance([out], [flat])
         return out
+
+
+def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors ``loss.backward()`` would accumulate gradients into (its graph's leaves that require
+    grad: the parameters, without ``model``), in a fixed order."""
+    leaves: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 def squared_distance(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
@@ -115,11 +141,13 @@ def calibrate(policy: BitPolicy, loss: torch.Tensor, *, step: int, group_size: i
     record through ``p.perturb`` (``None``: stop); ``base_seed`` is the context's rounding seed."""
     if not isinstance(policy, AutoBits):
         raise UnsupportedError("calibrate() corrects bits='auto''s importance estimate; this context has fixed bits")
-    if not policy.params:
-        raise UnsupportedError("calibrate() measures parameter gradients: create the context with compress(model=...)")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
         raise InvalidArgumentError("calibrate() needs the scalar loss of a forward run under this context, "
                                    "before its backward")
+    params = policy.params or graph_leaves(loss)
+    if not params:
+        raise UnsupportedError("calibrate() measures parameter gradients, and nothing in the loss's graph "
+                               "requires grad; create the context with compress(model=...)")
     targets = policy.calibration_targets()
     seed = base_seed ^ _CALIBRATION_SEED
 
@@ -129,7 +157,7 @@ def calibrate(policy: BitPolicy, loss: torch.Tensor, *, step: int, group_size: i
         install(calibration_pass)
         try:
             with policy.ignoring_gradients():
-                grads = torch.autograd.grad(loss, policy.params, retain_graph=True, allow_unused=True)
+                grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         finally:
             install(None)
         return list(grads), calibration_pass
@@ -162,10 +190,14 @@ def calibrate(policy: BitPolicy, loss: torch.Tensor, *, step: int, group_size: i
 # the noises of two classes compound through the layers below, the calibrated estimate of the whole
 # allocation can still be low (2 to 20 times on a few of the zoo's models). ``error_share`` is a bound,
 # so ``calibrate`` then checks it on the same graph: one more backward in which every record the new
-# allocation gives fewer bits than it has now is quantized again at its new bits (the rest keep their
-# estimated variance, which they add at most). When the measured share exceeds the bound, every class
-# correction is raised by the ratio of measured to estimated variance and the allocation solved again,
-# at most ``_VERIFY_ROUNDS`` times.
+# allocation gives fewer bits than it has now is quantized again at its new bits, through its own
+# op-aware encoding (a normalisation's input as normalised values with exact statistics: quantizing
+# the restored values in plain groups would undo its exact constant rows and measure an error the
+# real step does not make); the rest keep their estimated variance, which they add at most. When the
+# measured share exceeds the bound, each class of the lowered records is measured alone the same way
+# and its correction raised by its measured-to-estimated ratio where that exceeds 1 (when none does,
+# their noises compound: every correction is raised by the whole allocation's ratio), and the
+# allocation is solved again; at most ``_VERIFY_ROUNDS`` times.
 _VERIFY_ROUNDS = 3
 
 
@@ -173,18 +205,41 @@ def _verify(policy: AutoBits, in_force: Mapping[int, int | None],
             gradients: Callable[..., tuple[list[torch.Tensor | None], CalibrationPass]],
             base: list[torch.Tensor | None]) -> None:
     bound = policy.variance_bound()
+    assert bound is not None
     for _ in range(_VERIFY_ROUNDS):
         report = policy.report()
-        assert report is not None and bound is not None
-        again = {a.key.index: a.bits for a in report.slots
-                 if a.bits is not None and (in_force.get(a.key.index, None) is None or a.bits < in_force[a.key.index])}
-        rest = math.fsum(a.variance for a in report.slots if a.key.index not in again)
-        numels = {a.key.index: a.key.numel for a in report.slots if a.key.index in again}
-        grads, _ = gradients(numels, again)
-        measured = squared_distance(grads, base) + rest
-        if measured <= bound or report.quant_variance <= 0:
+        assert report is not None
+        lowered = [a for a in report.slots if a.bits is not None
+                   and (in_force.get(a.key.index) is None or a.bits < in_force[a.key.index])]
+        measured = _measure(lowered, gradients, base) + math.fsum(a.variance for a in report.slots
+                                                                  if a not in lowered)
+        if measured <= bound or not lowered:
             return
-        policy.scale_calibration(measured / report.quant_variance)
+        by_class: dict[str, list[SlotAllocation]] = {}
+        for a in lowered:
+            by_class.setdefault(a.slot_class, []).append(a)
+        raised = {}
+        for cls, members in by_class.items():
+            estimated = math.fsum(a.variance for a in members)
+            found = _measure(members, gradients, base)
+            if estimated > 0 and found > estimated:
+                raised[cls] = policy.class_correction(cls) * found / estimated
+        if raised:
+            policy.set_calibration(raised)
+        elif report.quant_variance > 0:  # no class alone: their noises compound, see the NOTE
+            policy.scale_calibration(measured / report.quant_variance)
+        else:
+            return
+
+
+def _measure(slots: list[SlotAllocation], gradients: Callable[..., tuple[list[torch.Tensor | None], CalibrationPass]],
+             base: list[torch.Tensor | None]) -> float:
+    """The squared gradient error of quantizing ``slots``' records again at their allocated bits."""
+    if not slots:
+        return 0.0
+    bits = {a.key.index: a.bits for a in slots if a.bits is not None}
+    grads, _ = gradients({a.key.index: a.key.numel for a in slots}, bits)
+    return squared_distance(grads, base)
 
 
 class LossCatcher(TorchFunctionMode):

@@ -34,13 +34,25 @@ from .state import (
     parse_auto_state,
     refuse,
 )
-from .tracing import NONLINEAR_SAVER_MIN_BITS, Observation, SaveTracer, floor_bits, observe
+from .tracing import (
+    NONLINEAR_SAVER_MIN_BITS,
+    Observation,
+    SaveTracer,
+    floor_bits,
+    nonlinear_saver,
+    observe,
+)
 from .variance import GradProbe, check_variance
 
-__all__ = ["UNCALIBRATED_BITS", "Assignment", "AutoBits", "BitPolicy", "FixedBits", "make_bit_policy"]
+__all__ = ["BIAS_FLOOR_BITS", "UNCALIBRATED_BITS", "Assignment", "AutoBits", "BitPolicy", "FixedBits",
+           "make_bit_policy"]
 
 UNCALIBRATED_BITS = 4
 """With ``error_share``, every quantized tensor's bits until the first calibration; see
+``NOTE [ A variance target ]``."""
+
+BIAS_FLOOR_BITS = 4
+"""With ``error_share``, the fewest bits of a tensor whose saving op's backward is nonlinear in it; see
 ``NOTE [ A variance target ]``."""
 
 
@@ -155,6 +167,9 @@ class FixedBits:
 # the step after an adaptation step, and the allocation follows from them. The ``compress`` context
 # calibrates by itself on that step when the loss is computed under it (``wants_calibration``, and
 # ``LossCatcher`` in ``calibration.py``); otherwise the user calls ``ctx.calibrate(loss)``.
+# A tensor saved by traced ops whose outputs got no gradient gets the median sensitivity here, not zero:
+# an output modified in place afterwards (HuBERT writes its masked time steps into the projection's
+# output) can hide the gradient that reaches the tensor, and a zero cannot be corrected by calibration.
 class AutoBits:
     """The bit policy of ``compress(bits="auto")``; see the module docstring and the NOTEs it names.
 
@@ -164,9 +179,6 @@ class AutoBits:
     def __init__(self, config: CompressionConfig, model: nn.Module | None = None) -> None:
         if not config.auto:
             raise InvalidArgumentError(f"AutoBits needs CompressionConfig(bits='auto'), got bits={config.bits!r}")
-        if config.error_share is not None and model is None:
-            raise InvalidArgumentError("bits='auto' with error_share measures the gradient it bounds: create the "
-                                       "context with compress(model=...)")
         self.config = config
         self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self._fingerprint = model_fingerprint(model) if model is not None else None
@@ -316,8 +328,10 @@ class AutoBits:
         for o in observed:
             if o.grad_sq is not None:
                 sens.append(o.sensitivity)
-            else:  # saved by traced ops whose outputs got no gradient: its noise cannot reach one either
-                sens.append(0.0 if o.traced else default)
+            elif o.traced and self.config.error_share is None:
+                sens.append(0.0)  # saved by traced ops whose outputs got no gradient: its noise should not reach one
+            else:  # NOTE [ A variance target ]: a bound does not take an unmeasured zero on trust
+                sens.append(default)
         slots = [SlotEstimate(o.key, o.shape, o.itemsize, "+".join(o.ops), o.producer, o.grad_sq, o.noise, s,
                               floor_bits(o.ops, o.min_bits, o.noise, o.activation_product))
                  for o, s in zip(observed, sens, strict=True)]
@@ -338,11 +352,14 @@ class AutoBits:
         unmeasured = self._unmeasured_calibration()
         factors = [self._calibration.get(e.slot_class, unmeasured) for e in slots]
 
-        least = NONLINEAR_SAVER_MIN_BITS if self.config.error_share is not None else 1  # NOTE [ A variance target ]
+        def least(e: SlotEstimate) -> int:  # NOTE [ A variance target ]
+            if self.config.error_share is None:
+                return e.min_bits
+            return max(e.min_bits, BIAS_FLOOR_BITS if nonlinear_saver(e.op) else NONLINEAR_SAVER_MIN_BITS)
 
         def choices(floored: bool) -> list[tuple[Choice, ...]]:
             return [choices_for(e.key.numel, e.itemsize, group, e.noise, e.sensitivity * f,
-                                min_bits=max(e.min_bits, least) if floored else 1)
+                                min_bits=least(e) if floored else 1)
                     for e, f in zip(slots, factors, strict=True)]
 
         items = choices(floored=True)
@@ -402,6 +419,11 @@ class AutoBits:
         """The class corrections in force (a copy)."""
         with self._lock:
             return dict(self._calibration)
+
+    def class_correction(self, slot_class: str) -> float:
+        """The correction in force for ``slot_class`` (measured, or the unmeasured classes' median)."""
+        with self._lock:
+            return self._calibration.get(slot_class, self._unmeasured_calibration())
 
     def variance_bound(self) -> float | None:
         """``error_share``'s bound on the estimated variance (``None`` before a calibration, or with a byte

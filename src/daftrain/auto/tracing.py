@@ -17,7 +17,7 @@ from ..params import ParameterRegistry, is_parameter_like
 from .allocation import NoiseProfile
 from .report import SlotKey
 
-__all__ = ["NONLINEAR_SAVER_MIN_BITS", "Observation", "SaveTracer", "floor_bits", "observe"]
+__all__ = ["NONLINEAR_SAVER_MIN_BITS", "Observation", "SaveTracer", "floor_bits", "nonlinear_saver", "observe"]
 
 
 @dataclass
@@ -107,6 +107,12 @@ def _activation_product(name: str, args: tuple[Any, ...], kwargs: Mapping[str, A
     operands = _tensors(list(args) + list(kwargs.values()))
     return len(operands) >= 2 and all(t.grad_fn is not None and not is_parameter_like(t, registry)
                                       for t in operands)
+
+
+def nonlinear_saver(op: str) -> bool:
+    """True when one of the ops in ``op`` (``"+"``-joined, as ``SlotEstimate.op``) has a backward that is
+    not linear in what it saved; see ``NOTE [ Fewest bits ]``."""
+    return any(name not in _LINEAR_SAVERS for name in op.split("+") if name)
 
 
 def floor_bits(ops: list[str], min_bits: int, noise: NoiseProfile, activation_product: bool = False) -> int:

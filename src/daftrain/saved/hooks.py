@@ -31,6 +31,7 @@ from .nesting import warn_if_nested
 from .op_rules import OpMatch, OpTracer
 from .packer import AsyncPacker
 from .records import (
+    Encoding,
     ExactRecord,
     KeptTensor,
     PendingRecord,
@@ -169,6 +170,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # Each quantized record's forward position (its slot index), for the saves that share it and for
         # calibrate(); entries go with their records.
         self._record_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # The op-aware encoding of each quantized record that has one, for calibrate()'s verification pass.
+        self._record_encoding: weakref.WeakKeyDictionary[Any, Encoding] = weakref.WeakKeyDictionary()
         self._calibration_pass: CalibrationPass | None = None
         self._loss_catcher: LossCatcher | None = None
         self._calibration_warned = False
@@ -316,6 +319,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             record = self._make_record(flat, decision, t)
             if decision.treatment is Treatment.QUANTIZE:
                 self._record_index[record] = index
+                if decision.encoding is not None:
+                    self._record_encoding[record] = decision.encoding
             self._records[key] = record
         return SavedHandle(record, t, dense, source, expand_to)
 
@@ -328,7 +333,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._calibration_pass is not None:
             flat = packed.record.decode()
             index = self._record_index.get(packed.record)
-            return packed.restore(self._calibration_pass.perturb(index, flat))
+            requantize = functools.partial(_requantize, group_size=self.config.group_size,
+                                           encoding=self._record_encoding.get(packed.record))
+            return packed.restore(self._calibration_pass.perturb(index, flat, requantize))
         shared = self._shared.get(packed.record)
         if shared is not None and shared.flat is not None:
             flat = shared.flat
@@ -431,6 +438,12 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         """Stop the packer thread (asynchronous mode); the context cannot pack afterwards."""
         if self._packer is not None:
             self._packer.close()
+
+
+def _requantize(flat: torch.Tensor, bits: int, seed: int, *, group_size: int,
+                encoding: Encoding | None) -> torch.Tensor:
+    """``flat`` stored at ``bits`` the way a record with ``encoding`` stores it, and restored."""
+    return encode(flat, "quantize", bits, group_size, seed, encoding).decode()
 
 
 def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, pool: PagePool, importance: float,
