@@ -5,9 +5,10 @@ from daftrain import CompressionConfig
 
 def test_defaults_are_valid_and_frozen():
     cfg = CompressionConfig()
-    assert (cfg.bits, cfg.group_size) == (2, 256)
+    # 4 bits: the fewest fixed bits that matched FP32 on every parity task (docs/results.md)
+    assert (cfg.bits, cfg.group_size) == (4, 256)
     with pytest.raises(AttributeError):
-        cfg.bits = 4  # type: ignore[misc]
+        cfg.bits = 2  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8, None])

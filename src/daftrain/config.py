@@ -26,10 +26,12 @@ class CompressionConfig:
         loss.backward()
     """
 
-    bits: int | str | None = 2
+    bits: int | str | None = 4
     """Bits per value for float activations: 1, 2, 4 or 8; ``None`` keeps every tensor exact;
     ``"auto"`` picks each tensor's bits (1, 2, 4, 8 or exact) from its importance under the
-    ``avg_bits`` or ``packed_bytes`` target (see ``auto/policy.py``)."""
+    ``avg_bits``, ``packed_bytes`` or ``error_share`` target (see ``auto/policy.py``). The default, 4, is
+    the fewest fixed bits that trained as well as FP32 on every task of the accuracy-parity benchmark;
+    2 stores half as much and costs accuracy on some (docs/results.md)."""
 
     group_size: int = 256
     """Values that share one (min, scale) pair. A multiple of 32, so each group's codes fill whole
