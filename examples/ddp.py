@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=32, help="the global batch, split over the ranks")
     ap.add_argument("--bits", default="2", help="1, 2, 4, 8 or none")
+    ap.add_argument("--error-share", type=float, default=None,
+                    help="compress with bits='auto' and this error_share instead of --bits")
     ap.add_argument("--budgeted", action="store_true", help="run each step through a BudgetedStep")
     ap.add_argument("--budget", default="4GB", help="one budget, or one per rank: '4GB' or '+64MB,+4MB'")
     ap.add_argument("--budget-from", default=None, help="STEP:BUDGETS, the budgets from that step on")
@@ -107,7 +109,8 @@ def main() -> None:
                                          checkpoint=not args.no_checkpoint)
         step = daftrain.BudgetedStep(model, loss_fn, optimizer, budget=lambda: current["budget"](), config=planner,
                                      compression=daftrain.CompressionConfig(bits=bits))
-    ctx = daftrain.compress(bits=bits, model=model)
+    ctx = (daftrain.compress(bits="auto", error_share=args.error_share, model=model) if args.error_share
+           else daftrain.compress(bits=bits, model=model))
     for i, (x, y) in enumerate(batches(args.steps, args.batch_size, args.image_size)):
         local = (x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
         if args.budgeted:
@@ -135,6 +138,9 @@ def main() -> None:
             say(f"rank {rank}: plan {step.plan}")
         if args.count_allreduce:
             say(f"rank {rank}: gradient all-reduces {allreduces[0]} in {args.steps} steps")
+        if args.error_share and ctx.report() is not None:
+            say(f"rank {rank}: calibrated {ctx.report().gradient_sq is not None}, "
+                f"error share {ctx.report().error_share}")
     if rank == 0 and args.out:
         torch.save(params, args.out)
     if distributed:
@@ -144,3 +150,12 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if "RANK" in os.environ:
+        # NOTE [ Leaving without interpreter teardown ]: with the process group destroyed and every
+        # output written, a rank can still abort in interpreter finalization ("terminate called without
+        # an active exception": gloo's C++ threads against Python objects being torn down, a known
+        # torch.distributed teardown race, seen here intermittently in CI). A launched rank
+        # has nothing left to finalize, so it leaves directly.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -56,6 +56,16 @@ def test_ddp_ranks_agree_and_match_one_process(tmp_path, bits):
         assert _rel(ddp, single) < 1e-2
 
 
+def test_ddp_with_error_share_calibrates_on_each_rank_and_ranks_agree(tmp_path):
+    # The context calibrates on each rank's own loss (extra backwards through the DDP graph, with no
+    # gradient accumulated): the step's own backward still all-reduces, so the ranks end identical.
+    ddp, stdout = _run(tmp_path, "--steps", "4", "--error-share", "0.01")
+    assert stdout.count("parameters identical on all 2 ranks: True") == 2, stdout
+    assert stdout.count("calibrated True") == 2, stdout
+    single, _ = _run(tmp_path, "--steps", "4", "--error-share", "0.01", nproc=None)
+    assert _rel(ddp, single) < 1e-2  # as fixed bits: each process rounds with its own draws
+
+
 _STEP = re.compile(r"rank (\d): step (\d+) own k=(\d+) bits=(\S+) ckpt=\d+ \| run k=(\d+) bits=(\S+) ckpt=(\S+)")
 
 

@@ -90,6 +90,23 @@ def test_compressed_run_tracks_plain_and_saves_bytes(tmp_path, lora, checkpointi
     assert not hasattr(callback, "_undo") or callback._undo is None
 
 
+def test_error_share_calibrates_on_the_models_own_loss(tmp_path):
+    # The Trainer's model computes its loss inside its forward, which runs under the context: the
+    # context finds it there and calibrates by itself on the step after the first.
+    kw = {"lora": True, "optim": "sgd", "steps": 4}
+    plain_losses, plain_update = _train(tmp_path / "plain", [], **kw)
+    callback = DaftrainCallback(bits="auto", error_share=0.01)
+    losses, update = _train(tmp_path / "daftrain", [callback], **kw)
+    report = callback.ctx.report()
+    assert report is not None and report.gradient_sq is not None and report.error_share <= 0.01
+    assert callback.ctx.stats.ratio > 2.0, callback.ctx.stats.summary()
+    for a, b in zip(losses, plain_losses, strict=True):  # the forward is exact: only the weights differ
+        assert abs(a - b) <= 0.02 * abs(b) + 1e-3, (losses, plain_losses)
+    # 1 % of the gradient's squared norm per step: a cosine near 0.995 per step; 0.99 over four.
+    cos = torch.nn.functional.cosine_similarity(update, plain_update, dim=0)
+    assert cos >= 0.99, cos
+
+
 def test_bad_arguments_fail_when_the_callback_is_made():
     import daftrain
 

@@ -211,8 +211,9 @@ def _verify(policy: AutoBits, in_force: Mapping[int, int | None],
         assert report is not None
         lowered = [a for a in report.slots if a.bits is not None
                    and (in_force.get(a.key.index) is None or a.bits < in_force[a.key.index])]
+        again = {a.key.index for a in lowered}
         measured = _measure(lowered, gradients, base) + math.fsum(a.variance for a in report.slots
-                                                                  if a not in lowered)
+                                                                  if a.key.index not in again)
         if measured <= bound or not lowered:
             return
         by_class: dict[str, list[SlotAllocation]] = {}
