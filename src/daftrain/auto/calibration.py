@@ -188,7 +188,7 @@ def calibrate(policy: BitPolicy, loss: torch.Tensor, *, step: int, group_size: i
 # A class correction is measured with noise of one size (the 2-bit step) and applied at every
 # bit-width, and the classes are measured one at a time; where a backward is not linear in a record, or
 # the noises of two classes compound through the layers below, the calibrated estimate of the whole
-# allocation can still be low (2 to 20 times on a few of the zoo's models). ``error_share`` is a bound,
+# allocation can still be low (docs/zoo.md has the models where it was). ``error_share`` is a bound,
 # so ``calibrate`` then checks it on the same graph: one more backward in which every record the new
 # allocation gives fewer bits than it has now is quantized again at its new bits, through its own
 # op-aware encoding (a normalisation's input as normalised values with exact statistics: quantizing

@@ -161,7 +161,7 @@ class FixedBits:
 # gradient near ``1 - error_share / 2``; where the minibatch gradient's own noise dominates ``||g||^2``,
 # the bound is also a small share of that noise (the quantity ``variance_warning`` watches).
 # A bound in absolute terms needs the estimate in absolute terms, which only calibration gives: the
-# analytic estimate counts noise where it first lands and is 10 to 1000 times low on transformers
+# analytic estimate counts noise where it first lands and is orders of magnitude low on transformers
 # (``NOTE [ Calibration ]``; docs/zoo.md). So until the first calibration every quantized tensor gets
 # ``UNCALIBRATED_BITS``; ``calibrate`` measures the class corrections and ``||g||^2`` (its base pass) on
 # the step after an adaptation step, and the allocation follows from them. The ``compress`` context
@@ -170,6 +170,10 @@ class FixedBits:
 # A tensor saved by traced ops whose outputs got no gradient gets the median sensitivity here, not zero:
 # an output modified in place afterwards (HuBERT writes its masked time steps into the projection's
 # output) can hide the gradient that reaches the tensor, and a zero cannot be corrected by calibration.
+# The bound counts variance, not the bias that rounding makes under a backward that is nonlinear in what
+# it reads (NOTE [ Fewest bits ]): under ``error_share`` no tensor goes below 2 bits, and one such a
+# backward reads not below ``BIAS_FLOOR_BITS`` (without it the character GPT-2 of the parity benchmark
+# trained as at fixed 2 bits; docs/auto.md).
 class AutoBits:
     """The bit policy of ``compress(bits="auto")``; see the module docstring and the NOTEs it names.
 
