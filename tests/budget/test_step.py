@@ -261,8 +261,8 @@ class FixedMeter:
     def current(self) -> int:
         return self.held
 
-    def release(self) -> int:
-        return self.held
+    def release(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize("profiled_first", [False, True])
@@ -308,9 +308,8 @@ class CountingMeter(FixedMeter):
         super().__init__(held)
         self.releases = 0
 
-    def release(self) -> int:
+    def release(self) -> None:
         self.releases += 1
-        return self.held
 
 
 @pytest.mark.parametrize(("held", "releases"), [(1000, 7), (10, 0)])

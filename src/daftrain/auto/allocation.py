@@ -193,8 +193,12 @@ def _greedy(items: Sequence[Sequence[Choice]], hulls: list[list[int]], budget: f
     """The marginal-gain walk from every item's cheapest hull point: upgrades that fit ``budget``, until
     the total variance is at most ``max_variance`` (``-inf``: as far as the budget goes)."""
     pos = [0] * len(items)
+
+    def current() -> float:
+        return math.fsum(items[k][h[p]].variance for k, (h, p) in enumerate(zip(hulls, pos, strict=True)))
+
     used = sum(c[h[0]].nbytes for c, h in zip(items, hulls, strict=True))
-    total = math.fsum(c[h[0]].variance for c, h in zip(items, hulls, strict=True))
+    total = current()
     heap: list[tuple[float, int]] = []
 
     def push(i: int) -> None:
@@ -206,9 +210,6 @@ def _greedy(items: Sequence[Sequence[Choice]], hulls: list[list[int]], budget: f
     for i in range(len(items)):
         push(i)
     skipped_gain = 0.0
-    def current() -> float:
-        return math.fsum(items[k][h[p]].variance for k, (h, p) in enumerate(zip(hulls, pos, strict=True)))
-
     while heap:
         if total <= max_variance:  # check on the exact sum before stopping
             total = current()

@@ -64,10 +64,10 @@ class CalibrationPass:
         self.noise: dict[int, float] = {}
 
     def perturb(self, index: int | None, flat: torch.Tensor,
-                requantize: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None) -> torch.Tensor:
+                requantize: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor:
         """``flat`` with this pass's noise when it is the record at ``index`` of a measured class;
-        ``requantize(flat, bits, seed)`` stores and restores ``flat`` the way its record was (a verification
-        pass; plain quantization without it)."""
+        ``requantize(flat, bits, seed)`` stores and restores ``flat`` the way its record was (used by a
+        verification pass)."""
         if index is None or self.indices.get(index) != flat.numel() or not flat.is_floating_point():
             return flat
         if self.bits is not None:
@@ -87,16 +87,9 @@ class CalibrationPass:
         return out
 
     def _quantize_again(self, index: int, flat: torch.Tensor,
-                        requantize: Callable[[torch.Tensor, int, int], torch.Tensor] | None) -> torch.Tensor:
+                        requantize: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor:
         assert self.bits is not None
-        bits, group = self.bits[index], self.group_size
-        values = flat.detach().contiguous()
-        seed = record_seed(self.base_seed, self.step, index)
-        if requantize is not None:
-            out = requantize(values, bits, seed)
-        else:
-            codes, lo, scale = torch.ops.daftrain.quantize_pack(values, bits, group, seed)
-            out = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group, values.numel(), values.dtype)
+        out = requantize(flat.detach().contiguous(), self.bits[index], record_seed(self.base_seed, self.step, index))
         if index not in self.noise:
             self.noise[index] = squared_distance([out], [flat])
         return out

@@ -441,9 +441,8 @@ class AutoBits:
         if not (math.isfinite(factor) and factor > 0):
             raise InvalidArgumentError(f"factor must be a positive finite float, got {factor!r}")
         with self._lock:
-            unmeasured = self._unmeasured_calibration()
             classes = {a.slot_class for a in self._report.slots} if self._report is not None else set()
-            scaled = {cls: self._calibration.get(cls, unmeasured) * factor for cls in classes | set(self._calibration)}
+            scaled = {cls: self.class_correction(cls) * factor for cls in classes | set(self._calibration)}
         self.set_calibration(scaled)
 
     def wants_calibration(self, *, pending: bool = False) -> bool:

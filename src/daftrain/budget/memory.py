@@ -100,10 +100,9 @@ class RssMeter:
         """The memory held now."""
         return current_rss_bytes()
 
-    def release(self) -> int:
-        """Return the allocator's free memory to the OS (the peak is kept); the memory held after."""
+    def release(self) -> None:
+        """Return the allocator's free memory to the OS (the peak is kept)."""
         malloc_trim()
-        return current_rss_bytes()
 
 
 class CudaMeter:
@@ -140,11 +139,10 @@ class CudaMeter:
         """The memory reserved now."""
         return torch.cuda.memory_reserved(self.device)
 
-    def release(self) -> int:
-        """Release the caching allocator's free blocks (the peak is kept); the memory reserved after."""
+    def release(self) -> None:
+        """Release the caching allocator's free blocks (the peak is kept)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved(self.device)
 
 
 def meter_for(device: torch.device) -> RssMeter | CudaMeter:
