@@ -121,7 +121,7 @@ def main() -> None:
             own = rec.rank_plan if rec.rank_plan is not None else rec.plan
             say(f"rank {rank}: step {i} own k={own.num_micro_batches} bits={own.bits} "
                 f"ckpt={len(own.checkpointed)} | run k={rec.plan.num_micro_batches} bits={rec.plan.bits} "
-                f"ckpt={','.join(rec.plan.checkpointed) or '-'}")
+                f"ckpt={','.join(rec.plan.checkpointed) or '-'} peak={rec.peak_bytes} budget={rec.budget_bytes}")
             continue
         with ctx:
             loss = loss_fn(model, local)

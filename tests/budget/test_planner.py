@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from daftrain.budget.budgets import BudgetTooSmallError
@@ -112,7 +114,6 @@ def test_required_budget_plans_across_profiles_and_margins():
 
 def test_profile_of_an_empty_batch_is_refused():
     """A 0-sample batch used to end in a bare ZeroDivisionError."""
-    from dataclasses import replace
 
     with pytest.raises(InvalidArgumentError, match=r"batch_size is 0.*at least one sample"):
         plan_step(replace(profile(), batch_size=0), budget_bytes=10_000 * MB, persistent_bytes=100 * MB,
@@ -140,3 +141,41 @@ def test_config_type_errors_are_daftrain_errors(kwargs):
     """A string where a number belongs used to raise a bare TypeError from the comparison."""
     with pytest.raises(ArgumentTypeError, match=f"PlannerConfig.{next(iter(kwargs))} must be a number"):
         PlannerConfig(**kwargs)
+
+
+def test_trims_are_weighed_against_smaller_micro_batches():
+    """NOTE [ The cost model ], 3.: a plan whose two micro-batches fit the headroom never trims and is
+    modelled at twice its activations; a larger one pays its trims. Cheap micro-batches and dear trims
+    take the former, free trims the largest micro-batch that fits."""
+    kw = dict(budget_bytes=200 * MB, persistent_bytes=100 * MB, config=PlannerConfig(bits=(None,), checkpoint=False))
+    free = plan_step(profile(), **kw)
+    assert free.num_micro_batches > 1
+    assert act(None, free) == pytest.approx(free.predicted_activation_bytes)
+    assert 2 * free.predicted_activation_bytes > 0.9 * 100 * MB  # it trims
+    dear = replace(profile(), refault_s_per_byte=1e-9, fixed_s={b: 0.001 for b in (None, 8, 4, 2)})
+    lean = plan_step(dear, **kw)
+    assert lean.micro_batch_size < free.micro_batch_size
+    # twice the activations of one micro-batch fit the headroom, and are what the plan predicts
+    headroom = 0.9 * 100 * MB
+    one = dear.work_fixed + (dear.outside[None] + dear.work_per_sample[None] +
+                             sum(s.saved[None] for s in dear.segments)) * lean.micro_batch_size
+    assert 2 * one <= headroom
+    assert lean.predicted_activation_bytes == pytest.approx(2 * one, abs=1)
+    largest = plan_step(replace(dear, refault_s_per_byte=0.0), **kw)
+    assert largest.micro_batch_size == free.micro_batch_size
+    trims = (2 * largest.num_micro_batches - 1) * 1e-9 * largest.predicted_activation_bytes
+    assert lean.predicted_step_s < largest.predicted_step_s + trims
+    # where micro-batches are dear the trims are worth it again
+    costly_batches = replace(dear, fixed_s={b: 10.0 for b in (None, 8, 4, 2)})
+    assert plan_step(costly_batches, **kw).micro_batch_size == free.micro_batch_size
+
+
+def test_time_scale_corrects_the_choice_between_bit_widths():
+    """NOTE [ The cost model ], 4.: the measured time of each bit-width decides once it is known."""
+    p = profile()
+    kw = dict(budget_bytes=160 * MB, persistent_bytes=100 * MB, config=PlannerConfig(checkpoint=False))
+    compressed = plan_step(p, **kw)
+    assert compressed.bits is not None
+    slow = plan_step(p, time_scale={compressed.bits: 10.0}, **kw)
+    assert slow.bits != compressed.bits
+    assert slow.predicted_step_s <= 10.0 * compressed.predicted_step_s

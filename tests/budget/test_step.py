@@ -47,7 +47,7 @@ def forced_plan(step: BudgetedStep, batch, micro: int, ckpt: bool, bits=None) ->
     plan = Plan(budget_bytes=0, persistent_bytes=0, batch_size=B, micro_batch_size=-(-B // k), num_micro_batches=k,
                 checkpointed=tuple(step.segments) if ckpt else (), bits=bits, predicted_peak_bytes=0,
                 predicted_step_s=0.0, alpha=1.0)
-    return step._accumulate(batch, plan, k, float(step.count(batch)))
+    return step._accumulate(batch, plan, k, float(step.count(batch)))[0]
 
 
 @pytest.mark.parametrize(("micro", "ckpt"), [(7, False), (4, True), (1, False), (32, True)])
@@ -264,6 +264,9 @@ class FixedMeter:
     def release(self) -> None:
         pass
 
+    def refault_cost(self, block_bytes: int = 0) -> float:
+        return 0.0
+
 
 @pytest.mark.parametrize("profiled_first", [False, True])
 def test_budget_of_exactly_the_named_floor_runs(monkeypatch, profiled_first):
@@ -329,3 +332,30 @@ def test_a_micro_batch_that_would_start_above_its_ceiling_releases_free_memory_f
     step._accumulate(batch, plan, 4, 16.0, ceiling=100.0)
     assert meter.releases == releases
 
+
+
+def test_planned_steps_measure_their_time_against_the_model():
+    """NOTE [ The cost model ], 4.: each planned step records its forward and backward time over the
+    plan's prediction for its bit-width; a bit-width not run yet takes the latest ratio of any."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    model = mlp()
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB")
+    step((x, y))  # the planning step measures the profile; its own time is not a planned step's
+    assert step._time_scale() == {}
+    for _ in range(4):
+        step((x, y))
+    ratios = step._time_ratios[step.plan.bits]
+    assert len(ratios) == 3  # the last three planned steps
+    assert all(r > 0 for r in ratios)
+    scale = step._time_scale()
+    assert set(scale) == set(step.profile.bits_options)
+    assert scale[step.plan.bits] == pytest.approx(sorted(ratios)[1])
+    assert all(v == pytest.approx(step._last_time_ratio) for b, v in scale.items() if b != step.plan.bits)
+    # the next plan's prediction is the corrected one
+    plan = plan_step(step.profile, budget_bytes=step.plan.budget_bytes, persistent_bytes=step.plan.persistent_bytes,
+                     config=step.config, alpha=step.alpha, time_scale=scale)
+    assert plan.predicted_step_s == pytest.approx(
+        scale[plan.bits] * plan_step(step.profile, budget_bytes=step.plan.budget_bytes,
+                                     persistent_bytes=step.plan.persistent_bytes, config=step.config,
+                                     alpha=step.alpha).predicted_step_s)

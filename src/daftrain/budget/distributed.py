@@ -4,7 +4,7 @@ that never communicate, and micro-batches that synchronise gradients once, on th
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +13,19 @@ from torch import nn
 
 from ..errors import UnsupportedError
 from .budgets import BudgetTooSmallError
-from .planner import Bits, Plan, PlannerConfig, Profile, _activation_per_sample, _bits_rank, _headroom, _step_time
+from .planner import (
+    Bits,
+    Plan,
+    PlannerConfig,
+    Profile,
+    _activation_per_sample,
+    _bits_rank,
+    _footprint,
+    _headroom,
+    _micro_batching,
+    _step_time,
+    _trim_time,
+)
 
 __all__ = ["PlanAgreementError", "agree_plan", "all_reduce_grads", "ddp_of", "micro_batch_model", "unwrap"]
 
@@ -113,19 +125,13 @@ def _micro_batches_needed(profile: Profile, bits: Bits, ckpt: frozenset[str], *,
     none does, or if this rank has no measurement at ``bits``); the rule of ``plan_step``."""
     if bits not in profile.bits_options or bits not in config.bits:
         return _IMPOSSIBLE
-    headroom = _headroom(budget_bytes, persistent_bytes, config)
-    per = _activation_per_sample(profile, bits, ckpt) * alpha
-    fixed = profile.work_fixed * alpha
-    if max(fixed + per, profile.optimizer_transient) > headroom:
-        return _IMPOSSIBLE
-    B = profile.batch_size
-    m_max = max(1, min(B, int((headroom - fixed) // per))) if per > 0 else B
-    return math.ceil(B / m_max)
+    found = _micro_batching(profile, bits, ckpt, _headroom(budget_bytes, persistent_bytes, config), alpha)
+    return _IMPOSSIBLE if found is None else found[2]
 
 
 def agree_plan(own: Plan | None, error: BaseException | None, *, profile: Profile | None, budget_bytes: int,
                persistent_bytes: int, config: PlannerConfig, alpha: float, segment_names: Sequence[str],
-               group: Any) -> Plan:
+               group: Any, time_scale: Mapping[Bits, float] | None = None) -> Plan:
     """The plan every rank of ``group`` runs (NOTE [ Agreeing on one plan ]); a collective: every rank
     calls it once per step, with its own plan, or with the error that kept it from planning.
 
@@ -175,8 +181,10 @@ def agree_plan(own: Plan | None, error: BaseException | None, *, profile: Profil
     dist.all_reduce(need, op=dist.ReduceOp.MAX, group=group)
     ks = need.cpu().tolist()
     # 3. each candidate's time on the slowest rank
-    B = profile.batch_size
-    times = torch.tensor([_step_time(profile, b, c, min(k, B)) if k < _IMPOSSIBLE else 0.0
+    headroom = _headroom(budget_bytes, persistent_bytes, config)
+    scale = time_scale or {}
+    times = torch.tensor([_local_time(profile, b, c, k, headroom, alpha) * scale.get(b, 1.0) if k < _IMPOSSIBLE
+                          else 0.0
                           for (b, c), k in zip(candidates, ks, strict=True)], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     slowest = times.cpu().tolist()
@@ -190,20 +198,34 @@ def agree_plan(own: Plan | None, error: BaseException | None, *, profile: Profil
     best = max(near, key=lambda i: (_bits_rank(candidates[i][0]), -slowest[i], -i))
     bits, ckpt = candidates[best]
     return _local_plan(profile, bits, ckpt, ks[best], budget_bytes=budget_bytes, persistent_bytes=persistent_bytes,
-                       alpha=alpha)
+                       alpha=alpha, headroom=headroom, time_scale=scale.get(bits, 1.0))
+
+
+def _local_activation(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, alpha: float) -> tuple[int, float]:
+    """This rank's micro-batch size and activation bytes in ``k`` micro-batches (one per sample where
+    it holds fewer than ``k`` samples)."""
+    m = math.ceil(profile.batch_size / min(k, profile.batch_size))
+    return m, profile.work_fixed * alpha + _activation_per_sample(profile, bits, ckpt) * alpha * m
+
+
+def _local_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, headroom: float, alpha: float) -> float:
+    k_local = min(k, profile.batch_size)
+    _, act = _local_activation(profile, bits, ckpt, k, alpha)
+    return _step_time(profile, bits, ckpt, k_local) + _trim_time(profile, act, k_local, headroom)
 
 
 def _local_plan(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, *, budget_bytes: int,
-                persistent_bytes: int, alpha: float) -> Plan:
+                persistent_bytes: int, alpha: float, headroom: float, time_scale: float) -> Plan:
     """This rank's ``Plan`` for the agreed ``(bits, ckpt, k)``: its own batch in ``k`` micro-batches (or
     one per sample where it holds fewer than ``k`` samples)."""
     B = profile.batch_size
     k_local = min(k, B)
-    m = math.ceil(B / k_local)
-    act = profile.work_fixed * alpha + _activation_per_sample(profile, bits, ckpt) * alpha * m
+    m, act = _local_activation(profile, bits, ckpt, k, alpha)
+    act = _footprint(act, k_local, headroom)
     order = tuple(s.name for s in profile.segments if s.name in ckpt)
     return Plan(budget_bytes=int(budget_bytes), persistent_bytes=int(persistent_bytes), batch_size=B,
                 micro_batch_size=m, num_micro_batches=k_local, checkpointed=order, bits=bits,
                 predicted_peak_bytes=int(persistent_bytes + max(act, profile.optimizer_transient)),
-                predicted_step_s=_step_time(profile, bits, ckpt, k_local), alpha=alpha, segments=profile.segments,
+                predicted_step_s=_local_time(profile, bits, ckpt, k, headroom, alpha) * time_scale, alpha=alpha,
+                segments=profile.segments,
                 predicted_activation_bytes=int(act))

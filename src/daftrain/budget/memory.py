@@ -7,6 +7,8 @@ Meters and counters keep their state on the instance.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Iterable
 
 import torch
@@ -72,6 +74,19 @@ def _format_bytes_up(n: int | float) -> str:
 # at its start (``/proc/self/clear_refs`` on CPU, ``reset_peak_memory_stats`` on CUDA), which also
 # resets what the process-wide peak reports. A meter therefore reads the mark before every reset and
 # keeps the maximum in ``process_peak``, so no moment of the process is missed.
+# NOTE [ What a trim costs ]
+# Handing pages back to the OS costs the kernel time per page, and every page handed back is faulted in
+# and zeroed by the next allocation that lands on it, so a trim costs about as much as freeing and
+# touching that many fresh pages. The meter measures it once, right after a trim, on a block (64 MiB,
+# larger than glibc's largest mmap threshold, or a quarter of the headroom where that is less): freshly
+# mapped or from the trimmed heap, its first write pays the faults and its second does not; that
+# difference plus the time to free it, per byte, is the planner's price of a trim (NOTE [ The cost
+# model ] in planner.py). Three rounds, the median, against a noisy machine.
+REFAULT_BLOCK_BYTES = 64 << 20
+_REFAULT_ROUNDS = 3
+_PAGE_BYTES = 4096
+
+
 class RssMeter:
     """Per-phase peaks of this process's RSS, and the process-lifetime peak across resets."""
 
@@ -103,6 +118,29 @@ class RssMeter:
     def release(self) -> None:
         """Return the allocator's free memory to the OS (the peak is kept)."""
         malloc_trim()
+
+    def refault_cost(self, block_bytes: int = REFAULT_BLOCK_BYTES) -> float:
+        """Seconds per byte to hand memory back to the OS and fault it in again, measured on a block of
+        ``block_bytes`` (NOTE [ What a trim costs ]); 0 for a block under a page."""
+        block = block_bytes
+        if block < _PAGE_BYTES:
+            return 0.0
+        malloc_trim()
+        costs = []
+        for _ in range(_REFAULT_ROUNDS):
+            t0 = time.perf_counter()
+            buf = torch.empty(block, dtype=torch.uint8)
+            buf.fill_(1)
+            t1 = time.perf_counter()
+            buf.fill_(2)
+            t2 = time.perf_counter()
+            del buf
+            malloc_trim()
+            t3 = time.perf_counter()
+            costs.append((max(0.0, (t1 - t0) - (t2 - t1)) + (t3 - t2)) / block)
+        return statistics.median(costs)
+
+
 
 
 class CudaMeter:
@@ -143,6 +181,11 @@ class CudaMeter:
         """Release the caching allocator's free blocks (the peak is kept)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+
+    def refault_cost(self, block_bytes: int = REFAULT_BLOCK_BYTES) -> float:
+        """0: released blocks cost a ``cudaMalloc`` per block when allocated again, not a price per byte
+        that the planner's trim cost models."""
+        return 0.0
 
 
 def meter_for(device: torch.device) -> RssMeter | CudaMeter:

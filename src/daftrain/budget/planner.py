@@ -15,6 +15,7 @@ closed form since memory is linear in ``m`` (NOTE [ The cost model ]).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
@@ -41,7 +42,22 @@ _ALLOWED_BITS = (None, 8, 4, 2, 1)
 # 2. Time. ``T = k * fixed_s[b] + B * (per_sample_s[b] + sum_{i ckpt} (forward_i - compress_i[b]))``:
 #    per-micro-batch overhead, per-sample forward+backward at those bits, one extra forward for every
 #    checkpointed segment, minus the compression work that checkpointed segments no longer do.
-# 3. ``alpha`` (>= 1) corrects the activation term from the measured peaks: the largest ratio of
+# 3. Trims. A planned step returns the allocator's free memory before a micro-batch, or its backward,
+#    when what the process holds leaves it less room than the model gives it (NOTE [ Metering a planned
+#    step ] in step.py), and every byte returned is faulted in again by the next allocations. What the
+#    previous micro-batch freed and the allocator kept (glibc reuses it only in part) is taken to be at
+#    most its activation bytes. So a plan of several micro-batches whose two micro-batches' activations
+#    fit the headroom never trims, and its peak is modelled as ``2 act(m)``; a larger one trims about
+#    twice per micro-batch after the first: ``T += (2k - 1) * refault_s_per_byte * act(m)``, and its
+#    peak is ``act(m)``. For each bit-width and checkpoint set the search weighs the largest
+#    micro-batch that fits against the largest that never trims (on a CPU, where small micro-batches
+#    cost little, usually the latter).
+# 4. Time is corrected from measurement too: ``time_scale`` multiplies each bit-width's predicted time
+#    (``BudgetedStep`` passes the median ratio of measured to predicted time over the last three steps
+#    at that bit-width, and for one not run yet the latest ratio of any, so that a loaded machine slows
+#    every plan alike). The probe times a bit-width on a few samples; what decides between bit-widths
+#    afterwards is the steps' own time.
+# 5. ``alpha`` (>= 1) corrects the activation term from the measured peaks: the largest ratio of
 #    measured to predicted over the last three planned steps (``BudgetedStep``), so an
 #    underestimate is corrected at the next step and the correction goes away once three steps agree
 #    with the model again (a one-way ratchet kept a plan lean for ever after one tight step). It does
@@ -132,6 +148,9 @@ class Profile:
     """Seconds per micro-batch independent of its size."""
     optimizer_transient: float
     """Bytes above ``persistent`` that ``optimizer.step`` needs."""
+    refault_s_per_byte: float = 0.0
+    """Seconds to fault in a byte of memory handed back to the OS, paid again after a trim (NOTE [ The
+    cost model ], 3.); 0 where releasing cached memory costs nothing later."""
 
     @property
     def bits_options(self) -> tuple[Bits, ...]:
@@ -218,6 +237,51 @@ def _step_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int) -> fl
     return k * profile.fixed_s[bits] + profile.batch_size * per_sample
 
 
+def keeps_freed(act: float, k: int, headroom: float) -> bool:
+    """Whether a plan of ``k`` micro-batches of ``act`` activation bytes runs without trims, holding what
+    one micro-batch freed beside the next (NOTE [ The cost model ], 3.)."""
+    return k > 1 and 2 * act <= headroom
+
+
+def _footprint(act: float, k: int, headroom: float) -> float:
+    """The accumulation phase's share of the peak: one micro-batch's activations, and the freed memory
+    of the one before where the plan does not trim."""
+    return 2 * act if keeps_freed(act, k, headroom) else act
+
+
+def _trim_time(profile: Profile, act: float, k: int, headroom: float) -> float:
+    """What a plan's trims cost: none where two micro-batches' activations fit (NOTE [ The cost model ],
+    3.)."""
+    if k <= 1 or keeps_freed(act, k, headroom):
+        return 0.0
+    return (2 * k - 1) * profile.refault_s_per_byte * act
+
+
+def _micro_batching(profile: Profile, bits: Bits, ckpt: frozenset[str], headroom: float,
+                    alpha: float) -> tuple[float, int, int, float] | None:
+    """The fastest micro-batching of ``(bits, ckpt)`` within ``headroom``: (time, micro-batch size,
+    count, activation bytes), or None if one sample does not fit. The largest micro-batch that fits is
+    weighed against the largest that never trims."""
+    B = profile.batch_size
+    per = _activation_per_sample(profile, bits, ckpt) * alpha
+    fixed = profile.work_fixed * alpha
+    if max(fixed + per, profile.optimizer_transient) > headroom:
+        return None
+    # one sample fits, so one sample is a candidate, whatever the float rounding of the division says
+    caps = {max(1, min(B, int((headroom - fixed) // per))) if per > 0 else B}
+    if per > 0 and headroom / 2 - fixed >= per:
+        caps.add(max(1, min(B, int((headroom / 2 - fixed) // per))))
+    best: tuple[float, int, int, float] | None = None
+    for cap in sorted(caps, reverse=True):
+        k = math.ceil(B / cap)
+        m = math.ceil(B / k)  # balanced micro-batches: same count, smaller largest slice
+        act = fixed + per * m
+        t = _step_time(profile, bits, ckpt, k) + _trim_time(profile, act, k, headroom)
+        if best is None or t < best[0]:
+            best = (t, m, k, act)
+    return best
+
+
 def _checkpoint_orders(profile: Profile, bits: Bits, allow: bool) -> list[frozenset[str]]:
     """Greedy prefixes by bytes freed per second of recompute (Sage's cost-per-bit criterion)."""
     sets = [frozenset()]
@@ -234,8 +298,9 @@ def _checkpoint_orders(profile: Profile, bits: Bits, allow: bool) -> list[frozen
 
 
 def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, config: PlannerConfig,
-              alpha: float = 1.0) -> Plan:
-    """The fastest plan whose predicted peak fits ``budget_bytes``.
+              alpha: float = 1.0, time_scale: Mapping[Bits, float] | None = None) -> Plan:
+    """The fastest plan whose predicted peak fits ``budget_bytes``; ``time_scale`` corrects each
+    bit-width's predicted time (NOTE [ The cost model ], 4.).
 
     Raises:
         BudgetTooSmallError: not even one sample per micro-batch with every segment checkpointed
@@ -253,18 +318,12 @@ def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, con
     leanest = math.inf
     for bits in (b for b in profile.bits_options if b in config.bits):
         for ckpt in _checkpoint_orders(profile, bits, config.checkpoint):
-            per = _activation_per_sample(profile, bits, ckpt) * alpha
-            fixed = profile.work_fixed * alpha
-            need_one = max(fixed + per, profile.optimizer_transient)
-            leanest = min(leanest, need_one)
-            if need_one > headroom:
-                continue
-            # need_one fits, so one sample does, whatever the float rounding of the division says
-            m_max = max(1, min(B, int((headroom - fixed) // per))) if per > 0 else B
-            k = math.ceil(B / m_max)
-            m = math.ceil(B / k)  # balanced micro-batches: same count, smaller largest slice
-            act = fixed + per * m
-            candidates.append((_step_time(profile, bits, ckpt, k), bits, ckpt, m, k, act))
+            leanest = min(leanest, max((profile.work_fixed + _activation_per_sample(profile, bits, ckpt)) * alpha,
+                                       profile.optimizer_transient))
+            found = _micro_batching(profile, bits, ckpt, headroom, alpha)
+            if found is not None:
+                t, m, k, act = found
+                candidates.append((t * (time_scale or {}).get(bits, 1.0), bits, ckpt, m, k, act))
     if not candidates and leanest == math.inf:
         measured = ", ".join("exact" if b is None else f"{b}-bit" for b in profile.bits_options)
         raise UnsupportedError(
@@ -281,6 +340,7 @@ def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, con
     fastest = min(c[0] for c in candidates)
     near = [c for c in candidates if c[0] <= fastest * (1 + config.prefer_exact_within)]
     t, bits, ckpt, m, k, act = max(near, key=lambda c: (_bits_rank(c[1]), -c[0]))
+    act = _footprint(act, k, headroom)
     order = [s.name for s in profile.segments if s.name in ckpt]
     return Plan(
         budget_bytes=int(budget_bytes), persistent_bytes=int(persistent_bytes), batch_size=B, micro_batch_size=m,

@@ -20,6 +20,7 @@ from ..saved.hooks import compress
 from .batching import batch_size, head_copy, slice_copy
 from .budgets import BudgetTooSmallError
 from .memory import (
+    REFAULT_BLOCK_BYTES,
     CudaMeter,
     RssMeter,
     SavedBytesCounter,
@@ -139,6 +140,7 @@ class Prober:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # Whether compressed slices ran once: their kernels' one-time footprint is then part of the process.
         self.compression_loaded = False
+        self.refault_s_per_byte: float | None = None
 
     def planning_step(self, batch: Any, budget: int, persistent: int, *, inplace: bool,
                       share: Callable[[Any], float], keep: int = 0) -> FirstStep:
@@ -166,6 +168,8 @@ class Prober:
             peak = max(peak, m.peak)
             return m
 
+        if self.refault_s_per_byte is None:  # a block within the headroom (NOTE [ What a trim costs ])
+            self.refault_s_per_byte = self.meter.refault_cost(int(min(REFAULT_BLOCK_BYTES, max(headroom, 0) / 4)))
         # 1. what one sample saves: counting forwards, leaving no trace (buffers and RNG restored)
         m1, count = self._count(batch)
         exact_one = 1.5 * count.saved + max(count.peak_delta, 0) + 2 * max(count.seg_input.values(), default=0.0)
@@ -399,4 +403,5 @@ class Prober:
                                         forward_s=timing.seg_time.get(n, 0.0) / tm) for n in names)
         return Profile(batch_size=B, segments=segments, outside=outside, work_per_sample=work,
                        work_fixed=max(0.0, work_fixed), per_sample_s=per_sample_s, fixed_s=fixed_s,
-                       optimizer_transient=float(optimizer_transient_bytes(self.optimizer)))
+                       optimizer_transient=float(optimizer_transient_bytes(self.optimizer)),
+                       refault_s_per_byte=self.refault_s_per_byte or 0.0)

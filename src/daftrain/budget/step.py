@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -32,7 +33,7 @@ from .batching import CountFn, balanced_sizes, batch_size, split_batch
 from .budgets import Budget
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
-from .planner import Plan, PlannerConfig, Profile, _activation_per_sample, plan_step
+from .planner import Bits, Plan, PlannerConfig, Profile, _activation_per_sample, plan_step
 from .probe import FirstStep, LossFn, Prober
 from .segments import checkpointing, find_segments, inplace_activations
 
@@ -192,6 +193,8 @@ class BudgetedStep:
         self.plan: Plan | None = None
         self.alpha = 1.0
         self._ratios: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
+        self._time_ratios: dict[Bits, collections.deque[float]] = {}
+        self._last_time_ratio: float | None = None
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._meter = meter_for(self.device)
@@ -236,7 +239,7 @@ class BudgetedStep:
                 persistent = max(persistent, self._meter.start() + missing_state_bytes(self.model, self.optimizer))
             # 2. plan
             own = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent, config=self.config,
-                            alpha=self.alpha)
+                            alpha=self.alpha, time_scale=self._time_scale())
         except Exception as exc:
             self.optimizer.zero_grad(set_to_none=True)  # what the planning step trained is not stepped
             if self._ddp is None:
@@ -250,7 +253,7 @@ class BudgetedStep:
         else:  # every rank reaches this collective, also one that failed above
             plan = agree_plan(own, error, profile=self.profile, budget_bytes=budget, persistent_bytes=persistent,
                               config=self.config, alpha=self.alpha, segment_names=list(self.segments),
-                              group=self._ddp.process_group)
+                              group=self._ddp.process_group, time_scale=self._time_scale())
             rank_plan = own
         replanned = self.plan is None or (plan.micro_batch_size, plan.checkpointed, plan.bits) != (
             self.plan.micro_batch_size, self.plan.checkpointed, self.plan.bits)
@@ -265,13 +268,17 @@ class BudgetedStep:
             k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
             rest_start = self._meter.start(trim=False) if first is not None else start_rss
             micro = math.ceil((samples - trained) / k)
-            loss += self._accumulate(rest, plan, k, total,
-                                     ceiling=budget - self.alpha * self._predicted_activation(plan, micro))
-            rest_peak = self._meter.peak()
-            # what the plan's micro-batches measured against the model (the planning step's slices
-            # allocated the gradients already; a planned step allocates them itself)
-            measured_act = rest_peak - rest_start - (missing_grads if first is None else 0)
-            predicted_act = self._predicted_activation(plan, math.ceil((samples - trained) / k))
+            acc_t0 = time.perf_counter()
+            value, first_peak = self._accumulate(rest, plan, k, total,
+                                                 ceiling=budget - self.alpha * self._predicted_activation(plan, micro))
+            loss += value
+            if first is None:
+                self._correct_time(plan, time.perf_counter() - acc_t0)
+            # what the plan's first micro-batch measured against the model (NOTE [ The cost model ], 3.
+            # and 5.; the planning step's slices allocated the gradients already; a planned step
+            # allocates them itself)
+            measured_act = first_peak - rest_start - (missing_grads if first is None else 0)
+            predicted_act = self._predicted_activation(plan, micro)
         elif self._ddp is not None:
             all_reduce_grads(self._ddp)
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
@@ -306,7 +313,7 @@ class BudgetedStep:
 
     def _correct_model(self, measured_act: int, predicted_act: float, measured_opt: int) -> None:
         """Set ``alpha`` from what the last steps measured against what the model predicted (NOTE [ The
-        cost model ], 3.), and take the measured optimizer-step peak (with 10 % slack) as its transient."""
+        cost model ], 5.), and take the measured optimizer-step peak (with 10 % slack) as its transient."""
         if not self._meter.resettable or self.profile is None:
             return
         if measured_act > 0 and predicted_act > 0:
@@ -314,6 +321,22 @@ class BudgetedStep:
             self.alpha = min(self.config.max_alpha, max(_MIN_ALPHA, max(self._ratios)))
         if measured_opt > 0:
             self.profile = dataclasses.replace(self.profile, optimizer_transient=float(measured_opt) * 1.1)
+
+    def _time_scale(self) -> dict[Bits, float]:
+        """Each bit-width's measured over predicted time (NOTE [ The cost model ], 4.): the median of its
+        last three planned steps, or the latest ratio of any for one not run yet."""
+        if self._last_time_ratio is None or self.profile is None:
+            return {}
+        scale = {b: statistics.median(r) for b, r in self._time_ratios.items()}
+        return {b: scale.get(b, self._last_time_ratio) for b in self.profile.bits_options}
+
+    def _correct_time(self, plan: Plan, measured_s: float) -> None:
+        """Record a planned step's forward and backward time against the plan's uncorrected prediction."""
+        predicted = plan.predicted_step_s / self._time_scale().get(plan.bits, 1.0)
+        if predicted > 0 and measured_s > 0:
+            ratio = measured_s / predicted
+            self._time_ratios.setdefault(plan.bits, collections.deque(maxlen=_ALPHA_WINDOW)).append(ratio)
+            self._last_time_ratio = ratio
 
     def _warn_batchnorm(self, plan: Plan) -> None:
         if plan.num_micro_batches > 1 and not self._warned_bn and any(
@@ -347,11 +370,13 @@ class BudgetedStep:
         if self._meter.current() > ceiling:
             self._meter.release()
 
-    def _accumulate(self, batch: Any, plan: Plan, k: int, total: float, ceiling: float | None = None) -> float:
+    def _accumulate(self, batch: Any, plan: Plan, k: int, total: float,
+                    ceiling: float | None = None) -> tuple[float, int]:
         """Forward+backward of ``batch`` in ``k`` balanced micro-batches under ``plan``, each loss
         weighted by its share (NOTE [ Micro-batching keeps the math ]); return the summed weighted
-        loss. A micro-batch, or its backward, that would start above ``ceiling`` bytes held first returns
-        the allocator's free memory (NOTE [ Metering a planned step ]). Under DDP only the last
+        loss and the memory peak when the first micro-batch's backward ended. A micro-batch, or its
+        backward, that would start above ``ceiling`` bytes held first returns the allocator's free
+        memory (NOTE [ Metering a planned step ]). Under DDP only the last
         micro-batch runs through the wrapper and all-reduces the gradients (NOTE [ One all-reduce per
         step ])."""
         parts = split_batch(batch, balanced_sizes(batch_size(batch), max(1, min(k, batch_size(batch)))))
@@ -360,7 +385,7 @@ class BudgetedStep:
         run = [i for i, w in enumerate(weights) if self.reduction == "sum" or w > 0]
         if not run and self._ddp is not None:
             run = [len(parts) - 1]  # the all-reduce must still happen once on this rank, with weight 0
-        value = 0.0
+        value, first_peak = 0.0, 0
         for i in run:
             if ceiling is not None and i != run[0]:
                 self._make_room(ceiling)
@@ -372,4 +397,6 @@ class BudgetedStep:
             (loss * weights[i]).backward()
             value += float(loss.detach()) * weights[i]
             del loss  # free the graph's last references before the next slice
-        return value
+            if i == run[0]:
+                first_peak = self._meter.peak()
+        return value, first_peak or self._meter.peak()
