@@ -199,9 +199,9 @@ def summarize_share(rows: list[dict[str, Any]], share: float) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | exact = plain | 8 bits | 4 bits | 2 bits | default | default ratio | quantized/kept | "
-            "largest error at 2 bits |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| model | exact = plain | 8 bits | 4 bits | 2 bits | default | default ratio | error_share | "
+            "quantized/kept | largest error at 2 bits |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['model']} | error: {r['error'][:80]} |||||||")
@@ -209,9 +209,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         def c(k: str, r: dict = r) -> str:
             return f"{r[f'cos{k}_norules']:.4f} → {r[f'cos{k}_rules']:.4f}"
         exact = "yes" if r["exact_identical"] else f"NO (two plain runs: cosine 1 - {1 - r['cos_plain']:.0e})"
+        share = f"{r['cosshare']:.4f} ({r['ratioshare']:.1f}x)" if r.get("cosshare") is not None else "-"
         lines.append(f"| {r['model']} | {exact} | {c('8')} | {c('4')} | {c('2')} | "
-                     f"{c('default')} | {r['ratiodefault_rules']:.1f}x | {r['quantized']}+{r['bool_packed']}/"
-                     f"{r['kept']} | {r['largest_error']} |")
+                     f"{c('default')} | {r['ratiodefault_rules']:.1f}x | {share} | "
+                     f"{r['quantized']}+{r['bool_packed']}/{r['kept']} | {r['largest_error']} |")
     return "\n".join(lines)
 
 

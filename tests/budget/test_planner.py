@@ -171,11 +171,11 @@ def test_trims_are_weighed_against_smaller_micro_batches():
 
 
 def test_time_scale_corrects_the_choice_between_bit_widths():
-    """NOTE [ The cost model ], 4.: the measured time of each bit-width decides once it is known."""
+    """NOTE [ The cost model ], 4.: the measured time of each lever decides once it is known."""
     p = profile()
     kw = dict(budget_bytes=160 * MB, persistent_bytes=100 * MB, config=PlannerConfig(checkpoint=False))
     compressed = plan_step(p, **kw)
     assert compressed.bits is not None
-    slow = plan_step(p, time_scale={compressed.bits: 10.0}, **kw)
+    slow = plan_step(p, time_scale={(compressed.bits, False): 10.0}, **kw)
     assert slow.bits != compressed.bits
     assert slow.predicted_step_s <= 10.0 * compressed.predicted_step_s

@@ -336,7 +336,8 @@ def test_a_micro_batch_that_would_start_above_its_ceiling_releases_free_memory_f
 
 def test_planned_steps_measure_their_time_against_the_model():
     """NOTE [ The cost model ], 4.: each planned step records its forward and backward time over the
-    plan's prediction for its bit-width; a bit-width not run yet takes the latest ratio of any."""
+    plan's prediction for its lever (bit-width, checkpointing or not); one not run yet takes the last
+    lever's correction."""
     torch.manual_seed(0)
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
     model = mlp()
@@ -345,17 +346,18 @@ def test_planned_steps_measure_their_time_against_the_model():
     assert step._time_scale() == {}
     for _ in range(4):
         step((x, y))
-    ratios = step._time_ratios[step.plan.bits]
+    key = (step.plan.bits, bool(step.plan.checkpointed))
+    ratios = step._time_ratios[key]
     assert len(ratios) == 3  # the last three planned steps
     assert all(r > 0 for r in ratios)
     scale = step._time_scale()
-    assert set(scale) == set(step.profile.bits_options)
-    assert scale[step.plan.bits] == pytest.approx(sorted(ratios)[1])
-    assert all(v == pytest.approx(step._last_time_ratio) for b, v in scale.items() if b != step.plan.bits)
+    assert set(scale) == {(b, c) for b in step.profile.bits_options for c in (False, True)}
+    assert scale[key] == pytest.approx(sorted(ratios)[1])
+    assert all(v == scale[key] for other, v in scale.items() if other != key)  # not run: the last lever's
     # the next plan's prediction is the corrected one
     plan = plan_step(step.profile, budget_bytes=step.plan.budget_bytes, persistent_bytes=step.plan.persistent_bytes,
                      config=step.config, alpha=step.alpha, time_scale=scale)
     assert plan.predicted_step_s == pytest.approx(
-        scale[plan.bits] * plan_step(step.profile, budget_bytes=step.plan.budget_bytes,
+        scale[plan.bits, bool(plan.checkpointed)] * plan_step(step.profile, budget_bytes=step.plan.budget_bytes,
                                      persistent_bytes=step.plan.persistent_bytes, config=step.config,
                                      alpha=step.alpha).predicted_step_s)

@@ -15,6 +15,7 @@ from ..errors import UnsupportedError
 from .budgets import BudgetTooSmallError
 from .planner import (
     Bits,
+    Lever,
     Plan,
     PlannerConfig,
     Profile,
@@ -25,6 +26,7 @@ from .planner import (
     _micro_batching,
     _step_time,
     _trim_time,
+    lever,
 )
 
 __all__ = ["PlanAgreementError", "agree_plan", "all_reduce_grads", "ddp_of", "micro_batch_model", "unwrap"]
@@ -131,7 +133,7 @@ def _micro_batches_needed(profile: Profile, bits: Bits, ckpt: frozenset[str], *,
 
 def agree_plan(own: Plan | None, error: BaseException | None, *, profile: Profile | None, budget_bytes: int,
                persistent_bytes: int, config: PlannerConfig, alpha: float, segment_names: Sequence[str],
-               group: Any, time_scale: Mapping[Bits, float] | None = None) -> Plan:
+               group: Any, time_scale: Mapping[Lever, float] | None = None) -> Plan:
     """The plan every rank of ``group`` runs (NOTE [ Agreeing on one plan ]); a collective: every rank
     calls it once per step, with its own plan, or with the error that kept it from planning.
 
@@ -183,7 +185,8 @@ def agree_plan(own: Plan | None, error: BaseException | None, *, profile: Profil
     # 3. each candidate's time on the slowest rank
     headroom = _headroom(budget_bytes, persistent_bytes, config)
     scale = time_scale or {}
-    times = torch.tensor([_local_time(profile, b, c, k, headroom, alpha) * scale.get(b, 1.0) if k < _IMPOSSIBLE
+    times = torch.tensor([_local_time(profile, b, c, k, headroom, alpha) * scale.get(lever(b, c), 1.0)
+                          if k < _IMPOSSIBLE
                           else 0.0
                           for (b, c), k in zip(candidates, ks, strict=True)], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
@@ -198,7 +201,7 @@ def agree_plan(own: Plan | None, error: BaseException | None, *, profile: Profil
     best = max(near, key=lambda i: (_bits_rank(candidates[i][0]), -slowest[i], -i))
     bits, ckpt = candidates[best]
     return _local_plan(profile, bits, ckpt, ks[best], budget_bytes=budget_bytes, persistent_bytes=persistent_bytes,
-                       alpha=alpha, headroom=headroom, time_scale=scale.get(bits, 1.0))
+                       alpha=alpha, headroom=headroom, time_scale=scale.get(lever(bits, ckpt), 1.0))
 
 
 def _local_activation(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, alpha: float) -> tuple[int, float]:

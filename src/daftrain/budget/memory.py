@@ -74,15 +74,16 @@ def _format_bytes_up(n: int | float) -> str:
 # at its start (``/proc/self/clear_refs`` on CPU, ``reset_peak_memory_stats`` on CUDA), which also
 # resets what the process-wide peak reports. A meter therefore reads the mark before every reset and
 # keeps the maximum in ``process_peak``, so no moment of the process is missed.
+#
 # NOTE [ What a trim costs ]
 # Handing pages back to the OS costs the kernel time per page, and every page handed back is faulted in
 # and zeroed by the next allocation that lands on it, so a trim costs about as much as freeing and
-# touching that many fresh pages. The meter measures it once, right after a trim, on a block (64 MiB,
-# larger than glibc's largest mmap threshold, or a quarter of the headroom where that is less): freshly
-# mapped or from the trimmed heap, its first write pays the faults and its second does not; that
+# touching that many fresh pages. The meter measures it once, right after a trim, on a block (16 MiB, or
+# a quarter of the headroom where that is less): freshly mapped or from the trimmed heap (its free pages
+# were just handed back), its first write pays the faults and its second does not; that
 # difference plus the time to free it, per byte, is the planner's price of a trim (NOTE [ The cost
 # model ] in planner.py). Three rounds, the median, against a noisy machine.
-REFAULT_BLOCK_BYTES = 64 << 20
+REFAULT_BLOCK_BYTES = 16 << 20
 _REFAULT_ROUNDS = 3
 _PAGE_BYTES = 4096
 

@@ -15,16 +15,23 @@ closed form since memory is linear in ``m`` (NOTE [ The cost model ]).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 from .budgets import BudgetTooSmallError
 from .memory import format_bytes
 
-__all__ = ["Plan", "PlannerConfig", "Profile", "SegmentProfile", "plan_step"]
+__all__ = ["Lever", "Plan", "PlannerConfig", "Profile", "SegmentProfile", "lever", "plan_step"]
 
 Bits = int | None
+Lever = tuple[Bits, bool]
+"""A bit-width, and whether segments are checkpointed: what a time correction is kept for."""
+
+
+def lever(bits: Bits, checkpointed: Collection[str]) -> Lever:
+    """The lever of a plan with ``bits`` and ``checkpointed`` segments."""
+    return bits, bool(checkpointed)
 _ALLOWED_BITS = (None, 8, 4, 2, 1)
 
 # NOTE [ The cost model ]
@@ -52,11 +59,12 @@ _ALLOWED_BITS = (None, 8, 4, 2, 1)
 #    peak is ``act(m)``. For each bit-width and checkpoint set the search weighs the largest
 #    micro-batch that fits against the largest that never trims (on a CPU, where small micro-batches
 #    cost little, usually the latter).
-# 4. Time is corrected from measurement too: ``time_scale`` multiplies each bit-width's predicted time
-#    (``BudgetedStep`` passes the median ratio of measured to predicted time over the last three steps
-#    at that bit-width, and for one not run yet the latest ratio of any, so that a loaded machine slows
-#    every plan alike). The probe times a bit-width on a few samples; what decides between bit-widths
-#    afterwards is the steps' own time.
+# 4. Time is corrected from measurement too: ``time_scale`` multiplies the predicted time of each
+#    lever, a bit-width with or without checkpointing (``BudgetedStep`` passes the median ratio of
+#    measured to predicted time over the lever's last three steps, and for one not run yet that of the
+#    lever run last, so that a loaded machine slows every plan alike). The probe times a bit-width on a
+#    few samples and a recomputation from one sample's forward; what decides between levers afterwards
+#    is the steps' own time.
 # 5. ``alpha`` (>= 1) corrects the activation term from the measured peaks: the largest ratio of
 #    measured to predicted over the last three planned steps (``BudgetedStep``), so an
 #    underestimate is corrected at the next step and the correction goes away once three steps agree
@@ -298,9 +306,9 @@ def _checkpoint_orders(profile: Profile, bits: Bits, allow: bool) -> list[frozen
 
 
 def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, config: PlannerConfig,
-              alpha: float = 1.0, time_scale: Mapping[Bits, float] | None = None) -> Plan:
+              alpha: float = 1.0, time_scale: Mapping[Lever, float] | None = None) -> Plan:
     """The fastest plan whose predicted peak fits ``budget_bytes``; ``time_scale`` corrects each
-    bit-width's predicted time (NOTE [ The cost model ], 4.).
+    lever's predicted time (NOTE [ The cost model ], 4.).
 
     Raises:
         BudgetTooSmallError: not even one sample per micro-batch with every segment checkpointed
@@ -323,7 +331,7 @@ def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, con
             found = _micro_batching(profile, bits, ckpt, headroom, alpha)
             if found is not None:
                 t, m, k, act = found
-                candidates.append((t * (time_scale or {}).get(bits, 1.0), bits, ckpt, m, k, act))
+                candidates.append((t * (time_scale or {}).get(lever(bits, ckpt), 1.0), bits, ckpt, m, k, act))
     if not candidates and leanest == math.inf:
         measured = ", ".join("exact" if b is None else f"{b}-bit" for b in profile.bits_options)
         raise UnsupportedError(

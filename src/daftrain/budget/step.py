@@ -33,7 +33,7 @@ from .batching import CountFn, balanced_sizes, batch_size, split_batch
 from .budgets import Budget
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
-from .planner import Bits, Plan, PlannerConfig, Profile, _activation_per_sample, plan_step
+from .planner import Lever, Plan, PlannerConfig, Profile, _activation_per_sample, keeps_freed, lever, plan_step
 from .probe import FirstStep, LossFn, Prober
 from .segments import checkpointing, find_segments, inplace_activations
 
@@ -193,8 +193,8 @@ class BudgetedStep:
         self.plan: Plan | None = None
         self.alpha = 1.0
         self._ratios: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
-        self._time_ratios: dict[Bits, collections.deque[float]] = {}
-        self._last_time_ratio: float | None = None
+        self._time_ratios: dict[Lever, collections.deque[float]] = {}
+        self._last_lever: Lever | None = None
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._meter = meter_for(self.device)
@@ -262,7 +262,7 @@ class BudgetedStep:
         # 3. run
         trained = first.trained if first is not None else 0
         loss = first.loss if first is not None else 0.0
-        measured_act, predicted_act = 0, 0.0
+        act_ratio: float | None = None
         if trained < samples:
             rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
             k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
@@ -274,11 +274,17 @@ class BudgetedStep:
             loss += value
             if first is None:
                 self._correct_time(plan, time.perf_counter() - acc_t0)
-            # what the plan's first micro-batch measured against the model (NOTE [ The cost model ], 3.
-            # and 5.; the planning step's slices allocated the gradients already; a planned step
-            # allocates them itself)
-            measured_act = first_peak - rest_start - (missing_grads if first is None else 0)
-            predicted_act = self._predicted_activation(plan, micro)
+            # what the micro-batches measured against the model (NOTE [ The cost model ], 3. and 5.):
+            # the first one against its activations, the whole phase against the plan's footprint
+            # (what the allocator kept of one micro-batch beside the next included); the planning
+            # step's slices allocated the gradients already, a planned step allocates them itself
+            grads = missing_grads if first is None else 0
+            predicted = self._predicted_activation(plan, micro)
+            headroom = (budget - persistent) * self.config.safety
+            footprint = predicted * (2 if keeps_freed(self.alpha * predicted, k, headroom) else 1)
+            if predicted > 0:
+                act_ratio = max((first_peak - rest_start - grads) / predicted,
+                                (self._meter.peak() - rest_start - grads) / footprint)
         elif self._ddp is not None:
             all_reduce_grads(self._ddp)
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
@@ -291,7 +297,7 @@ class BudgetedStep:
         opt_peak = self._meter.peak()
         step_s = time.perf_counter() - t0
         # 4. correct
-        self._correct_model(measured_act, predicted_act, opt_peak - opt_start - new_state)
+        self._correct_model(act_ratio, opt_peak - opt_start - new_state)
         record = StepRecord(len(self.history), budget, plan, max(acc_peak, opt_peak), start_rss, step_s, loss,
                             replanned, rank_plan, planning=first is not None)
         self.history.append(record)
@@ -311,32 +317,35 @@ class BudgetedStep:
         per = _activation_per_sample(self.profile, plan.bits, frozenset(plan.checkpointed))
         return self.profile.work_fixed + per * micro
 
-    def _correct_model(self, measured_act: int, predicted_act: float, measured_opt: int) -> None:
+    def _correct_model(self, act_ratio: float | None, measured_opt: int) -> None:
         """Set ``alpha`` from what the last steps measured against what the model predicted (NOTE [ The
         cost model ], 5.), and take the measured optimizer-step peak (with 10 % slack) as its transient."""
         if not self._meter.resettable or self.profile is None:
             return
-        if measured_act > 0 and predicted_act > 0:
-            self._ratios.append(measured_act / predicted_act)
+        if act_ratio is not None and act_ratio > 0:
+            self._ratios.append(act_ratio)
             self.alpha = min(self.config.max_alpha, max(_MIN_ALPHA, max(self._ratios)))
         if measured_opt > 0:
             self.profile = dataclasses.replace(self.profile, optimizer_transient=float(measured_opt) * 1.1)
 
-    def _time_scale(self) -> dict[Bits, float]:
-        """Each bit-width's measured over predicted time (NOTE [ The cost model ], 4.): the median of its
-        last three planned steps, or the latest ratio of any for one not run yet."""
-        if self._last_time_ratio is None or self.profile is None:
+    def _time_scale(self) -> dict[Lever, float]:
+        """Each lever's measured over predicted time (NOTE [ The cost model ], 4.): the median of its last
+        three planned steps; a lever not run yet takes that of the lever run last, so that it is
+        weighed against it by the model alone."""
+        if self._last_lever is None or self.profile is None:
             return {}
-        scale = {b: statistics.median(r) for b, r in self._time_ratios.items()}
-        return {b: scale.get(b, self._last_time_ratio) for b in self.profile.bits_options}
+        scale = {key: statistics.median(r) for key, r in self._time_ratios.items()}
+        return {(b, c): scale.get((b, c), scale[self._last_lever]) for b in self.profile.bits_options
+                for c in (False, True)}
 
     def _correct_time(self, plan: Plan, measured_s: float) -> None:
         """Record a planned step's forward and backward time against the plan's uncorrected prediction."""
-        predicted = plan.predicted_step_s / self._time_scale().get(plan.bits, 1.0)
+        key = lever(plan.bits, plan.checkpointed)
+        predicted = plan.predicted_step_s / self._time_scale().get(key, 1.0)
         if predicted > 0 and measured_s > 0:
             ratio = measured_s / predicted
-            self._time_ratios.setdefault(plan.bits, collections.deque(maxlen=_ALPHA_WINDOW)).append(ratio)
-            self._last_time_ratio = ratio
+            self._time_ratios.setdefault(key, collections.deque(maxlen=_ALPHA_WINDOW)).append(ratio)
+            self._last_lever = key
 
     def _warn_batchnorm(self, plan: Plan) -> None:
         if plan.num_micro_batches > 1 and not self._warned_bn and any(
