@@ -342,8 +342,8 @@ def test_planned_steps_measure_their_time_against_the_model():
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
     model = mlp()
     step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB")
-    step((x, y))  # the planning step measures the profile; its own time is not a planned step's
-    assert step._time_scale() == {}
+    step((x, y))  # the planning step: only the samples its slices left, run under the plan, are timed
+    assert sum(len(r) for r in step._time_ratios.values()) <= 1
     for _ in range(4):
         step((x, y))
     key = (step.plan.bits, bool(step.plan.checkpointed))

@@ -22,7 +22,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 from .budgets import BudgetTooSmallError
 from .memory import format_bytes
 
-__all__ = ["Lever", "Plan", "PlannerConfig", "Profile", "SegmentProfile", "lever", "plan_step"]
+__all__ = ["Lever", "Plan", "PlannerConfig", "Profile", "SegmentProfile", "accumulation_time", "lever", "plan_step"]
 
 Bits = int | None
 Lever = tuple[Bits, bool]
@@ -233,7 +233,7 @@ def _activation_per_sample(profile: Profile, bits: Bits, ckpt: frozenset[str]) -
     return total + recompute_peak
 
 
-def _step_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int) -> float:
+def _step_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, samples: int | None = None) -> float:
     per_sample = profile.per_sample_s[bits]
     if ckpt:
         raw_total = sum(s.saved[None] for s in profile.segments) + profile.outside[None]
@@ -242,7 +242,15 @@ def _step_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int) -> fl
             if s.name in ckpt:
                 share = overhead * (s.saved[None] / raw_total if raw_total else 0.0)
                 per_sample += s.forward_s - share
-    return k * profile.fixed_s[bits] + profile.batch_size * per_sample
+    return k * profile.fixed_s[bits] + (profile.batch_size if samples is None else samples) * per_sample
+
+
+def accumulation_time(profile: Profile, plan: Plan, samples: int, k: int, headroom: float) -> float:
+    """The model's time, uncorrected, for ``samples`` of the batch in ``k`` micro-batches of ``plan``
+    (forward, backward and trims; NOTE [ The cost model ], 2. and 3.)."""
+    ckpt = frozenset(plan.checkpointed)
+    act = plan.alpha * (profile.work_fixed + _activation_per_sample(profile, plan.bits, ckpt) * math.ceil(samples / k))
+    return _step_time(profile, plan.bits, ckpt, k, samples) + _trim_time(profile, act, k, headroom)
 
 
 def keeps_freed(act: float, k: int, headroom: float) -> bool:

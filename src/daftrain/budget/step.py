@@ -33,7 +33,17 @@ from .batching import CountFn, balanced_sizes, batch_size, split_batch
 from .budgets import Budget
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
-from .planner import Lever, Plan, PlannerConfig, Profile, _activation_per_sample, keeps_freed, lever, plan_step
+from .planner import (
+    Lever,
+    Plan,
+    PlannerConfig,
+    Profile,
+    _activation_per_sample,
+    accumulation_time,
+    keeps_freed,
+    lever,
+    plan_step,
+)
 from .probe import FirstStep, LossFn, Prober
 from .segments import checkpointing, find_segments, inplace_activations
 
@@ -272,15 +282,15 @@ class BudgetedStep:
             value, first_peak = self._accumulate(rest, plan, k, total,
                                                  ceiling=budget - self.alpha * self._predicted_activation(plan, micro))
             loss += value
-            if first is None:
-                self._correct_time(plan, time.perf_counter() - acc_t0)
+            headroom = (budget - persistent) * self.config.safety
+            self._correct_time(plan, time.perf_counter() - acc_t0,
+                               accumulation_time(self.profile, plan, samples - trained, k, headroom))
             # what the micro-batches measured against the model (NOTE [ The cost model ], 3. and 5.):
             # the first one against its activations, the whole phase against the plan's footprint
             # (what the allocator kept of one micro-batch beside the next included); the planning
             # step's slices allocated the gradients already, a planned step allocates them itself
             grads = missing_grads if first is None else 0
             predicted = self._predicted_activation(plan, micro)
-            headroom = (budget - persistent) * self.config.safety
             footprint = predicted * (2 if keeps_freed(self.alpha * predicted, k, headroom) else 1)
             if predicted > 0:
                 act_ratio = max((first_peak - rest_start - grads) / predicted,
@@ -338,10 +348,10 @@ class BudgetedStep:
         return {(b, c): scale.get((b, c), scale[self._last_lever]) for b in self.profile.bits_options
                 for c in (False, True)}
 
-    def _correct_time(self, plan: Plan, measured_s: float) -> None:
-        """Record a planned step's forward and backward time against the plan's uncorrected prediction."""
+    def _correct_time(self, plan: Plan, measured_s: float, predicted: float) -> None:
+        """Record the micro-batches' time against the model's uncorrected prediction for them (the
+        planning step's remainder included: it runs the plan)."""
         key = lever(plan.bits, plan.checkpointed)
-        predicted = plan.predicted_step_s / self._time_scale().get(key, 1.0)
         if predicted > 0 and measured_s > 0:
             ratio = measured_s / predicted
             self._time_ratios.setdefault(key, collections.deque(maxlen=_ALPHA_WINDOW)).append(ratio)
