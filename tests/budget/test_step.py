@@ -333,6 +333,35 @@ def test_a_micro_batch_that_would_start_above_its_ceiling_releases_free_memory_f
     assert meter.releases == releases
 
 
+class FirstMicroBatchMeter(CountingMeter):
+    """Holds ``held``; the first micro-batch peaks ``grown`` bytes above it."""
+
+    def __init__(self, held: int, grown: int) -> None:
+        super().__init__(held)
+        self.grown = grown
+
+    def peak(self) -> int:
+        return self.held + self.grown
+
+
+@pytest.mark.parametrize(("grown", "releases"), [(50, 6), (10, 0)])
+def test_the_first_micro_batch_measured_tightens_the_room_of_the_next(grown, releases):
+    """NOTE [ Metering a planned step ]: the model leaves the micro-batches room below a budget of 100
+    (ceiling 90: 10 bytes each); a first micro-batch that measured 50 makes every later micro-batch and
+    backward release free memory first, one that measured 10 nothing."""
+    from daftrain.budget.planner import Plan
+
+    model = mlp()
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB", tune_allocator=False)
+    meter = FirstMicroBatchMeter(60, grown)
+    step._meter = meter
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    plan = Plan(budget_bytes=0, persistent_bytes=0, batch_size=16, micro_batch_size=4, num_micro_batches=4,
+                checkpointed=(), bits=None, predicted_peak_bytes=0, predicted_step_s=0.0, alpha=1.0)
+    step._accumulate(batch, plan, 4, 16.0, ceiling=90.0, budget=100)
+    assert meter.releases == releases
+
+
 
 def test_planned_steps_measure_their_time_against_the_model():
     """NOTE [ The cost model ], 4.: each planned step records its forward and backward time over the

@@ -88,12 +88,15 @@ _MIN_ALPHA = 1.0  # below the profile's own prediction only by re-measuring it (
 # memory the allocator keeps would count as held and shrink every later plan), and its later phases
 # (the optimizer step, the planning step's remainder) reset the mark without trimming; and
 # ``tune_allocator`` is off by default. The step's peak, the figure the budget is checked against, is
-# the whole process's either way. What the allocator keeps between micro-batches is not in the model:
-# glibc's dynamic mmap threshold keeps a freed micro-batch's activations as free heap that the next one
-# reuses only in part (and a backward what its forward freed), so a step could go over its budget at a
-# plan the model says fits. So a micro-batch, its backward, or the optimizer step, that would start
-# with less room than the model gives it below the budget first returns the free memory
-# (``meter.release()``): a trim only where the budget needs one, none where the plan leaves room.
+# the whole process's either way. glibc's dynamic mmap threshold keeps a freed micro-batch's
+# activations as free heap that the next one reuses only in part (and a backward what its forward
+# freed), so a step could go over its budget at a plan the model says fits. So a micro-batch, its
+# backward, or the optimizer step, that would start with less room than the model gives it below the
+# budget first returns the free memory (``meter.release()``): a trim only where the budget needs one.
+# The planner prices those trims (NOTE [ The cost model ], 3. in planner.py) and usually prefers a plan
+# whose two micro-batches fit, which needs none. The room is the model's activations or, once the
+# step's first micro-batch has run, what it measured where that is more: a model corrected only after
+# the step (``alpha``) let the first steps of a plan it underestimated go over.
 
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
@@ -280,7 +283,8 @@ class BudgetedStep:
             micro = math.ceil((samples - trained) / k)
             acc_t0 = time.perf_counter()
             value, first_peak = self._accumulate(rest, plan, k, total,
-                                                 ceiling=budget - self.alpha * self._predicted_activation(plan, micro))
+                                                 ceiling=budget - self.alpha * self._predicted_activation(plan, micro),
+                                                 budget=budget, grads=missing_grads if first is None else 0)
             loss += value
             headroom = (budget - persistent) * self.config.safety
             self._correct_time(plan, time.perf_counter() - acc_t0,
@@ -389,13 +393,15 @@ class BudgetedStep:
         if self._meter.current() > ceiling:
             self._meter.release()
 
-    def _accumulate(self, batch: Any, plan: Plan, k: int, total: float,
-                    ceiling: float | None = None) -> tuple[float, int]:
+    def _accumulate(self, batch: Any, plan: Plan, k: int, total: float, ceiling: float | None = None,
+                    budget: int | None = None, grads: int = 0) -> tuple[float, int]:
         """Forward+backward of ``batch`` in ``k`` balanced micro-batches under ``plan``, each loss
         weighted by its share (NOTE [ Micro-batching keeps the math ]); return the summed weighted
         loss and the memory peak when the first micro-batch's backward ended. A micro-batch, or its
         backward, that would start above ``ceiling`` bytes held first returns the allocator's free
-        memory (NOTE [ Metering a planned step ]). Under DDP only the last
+        memory (NOTE [ Metering a planned step ]); once the first micro-batch has run, the ceiling
+        leaves room for what it measured (``grads``: bytes it allocated that stay) below ``budget``
+        where that is more than the model predicted. Under DDP only the last
         micro-batch runs through the wrapper and all-reduces the gradients (NOTE [ One all-reduce per
         step ])."""
         parts = split_batch(batch, balanced_sizes(batch_size(batch), max(1, min(k, batch_size(batch)))))
@@ -405,6 +411,7 @@ class BudgetedStep:
         if not run and self._ddp is not None:
             run = [len(parts) - 1]  # the all-reduce must still happen once on this rank, with weight 0
         value, first_peak = 0.0, 0
+        start = self._meter.current()
         for i in run:
             if ceiling is not None and i != run[0]:
                 self._make_room(ceiling)
@@ -418,4 +425,6 @@ class BudgetedStep:
             del loss  # free the graph's last references before the next slice
             if i == run[0]:
                 first_peak = self._meter.peak()
+                if ceiling is not None and budget is not None:
+                    ceiling = min(ceiling, budget - (first_peak - start - grads))
         return value, first_peak or self._meter.peak()
