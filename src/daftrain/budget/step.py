@@ -279,12 +279,14 @@ class BudgetedStep:
         if trained < samples:
             rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
             k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
-            rest_start = self._meter.start(trim=False) if first is not None else start_rss
             micro = math.ceil((samples - trained) / k)
+            ceiling = budget - self.alpha * self._predicted_activation(plan, micro)
+            if first is not None:  # what the slices freed, before the remainder allocates
+                self._make_room(ceiling)
+            rest_start = self._meter.start(trim=False) if first is not None else start_rss
             acc_t0 = time.perf_counter()
-            value, first_peak = self._accumulate(rest, plan, k, total,
-                                                 ceiling=budget - self.alpha * self._predicted_activation(plan, micro),
-                                                 budget=budget, grads=missing_grads if first is None else 0)
+            value, first_peak = self._accumulate(rest, plan, k, total, ceiling=ceiling, budget=budget,
+                                                 grads=missing_grads if first is None else 0)
             loss += value
             headroom = (budget - persistent) * self.config.safety
             self._correct_time(plan, time.perf_counter() - acc_t0,
