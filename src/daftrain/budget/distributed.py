@@ -186,8 +186,7 @@ def agree_plan(own: Plan | None, error: BaseException | None, *, profile: Profil
     headroom = _headroom(budget_bytes, persistent_bytes, config)
     scale = time_scale or {}
     times = torch.tensor([_local_time(profile, b, c, k, headroom, alpha) * scale.get(lever(b, c), 1.0)
-                          if k < _IMPOSSIBLE
-                          else 0.0
+                          if k < _IMPOSSIBLE else 0.0
                           for (b, c), k in zip(candidates, ks, strict=True)], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     slowest = times.cpu().tolist()

@@ -66,7 +66,8 @@ _ALLOWED_BITS = (None, 8, 4, 2, 1)
 #    few samples and a recomputation from one sample's forward; what decides between levers afterwards
 #    is the steps' own time.
 # 5. ``alpha`` (>= 1) corrects the activation term from the measured peaks: the largest ratio of
-#    measured to predicted over the last three planned steps (``BudgetedStep``), so an
+#    measured to predicted over the last three planned steps (``BudgetedStep``; of a step, the larger of
+#    its first micro-batch against its activations and its whole phase against the footprint of 3.), so an
 #    underestimate is corrected at the next step and the correction goes away once three steps agree
 #    with the model again (a one-way ratchet kept a plan lean for ever after one tight step). It does
 #    not go below 1: a measurement at one micro-batch size says little about the split between the
@@ -157,8 +158,8 @@ class Profile:
     optimizer_transient: float
     """Bytes above ``persistent`` that ``optimizer.step`` needs."""
     refault_s_per_byte: float = 0.0
-    """Seconds to fault in a byte of memory handed back to the OS, paid again after a trim (NOTE [ The
-    cost model ], 3.); 0 where releasing cached memory costs nothing later."""
+    """Seconds per byte a trim costs: handing memory back to the OS and faulting it in again (NOTE [ The
+    cost model ], 3.); 0 where releasing cached memory costs no price per byte."""
 
     @property
     def bits_options(self) -> tuple[Bits, ...]:
@@ -181,7 +182,8 @@ class Plan:
     alpha: float
     segments: tuple[SegmentProfile, ...] = field(repr=False, default=())
     predicted_activation_bytes: int = 0
-    """The accumulation phase's share of the peak (activations and transients, alpha included)."""
+    """The accumulation phase's share of the peak (activations and transients, alpha included; twice one
+    micro-batch's for a plan that does not trim, NOTE [ The cost model ], 3.)."""
 
     def __str__(self) -> str:
         bits = "exact" if self.bits is None else f"{self.bits}-bit"
