@@ -123,14 +123,13 @@ class RssMeter:
     def refault_cost(self, block_bytes: int = REFAULT_BLOCK_BYTES) -> float:
         """Seconds per byte to hand memory back to the OS and fault it in again, measured on a block of
         ``block_bytes`` (NOTE [ What a trim costs ]); 0 for a block under a page."""
-        block = block_bytes
-        if block < _PAGE_BYTES:
+        if block_bytes < _PAGE_BYTES:
             return 0.0
         malloc_trim()
         costs = []
         for _ in range(_REFAULT_ROUNDS):
             t0 = time.perf_counter()
-            buf = torch.empty(block, dtype=torch.uint8)
+            buf = torch.empty(block_bytes, dtype=torch.uint8)
             buf.fill_(1)
             t1 = time.perf_counter()
             buf.fill_(2)
@@ -138,7 +137,7 @@ class RssMeter:
             del buf
             malloc_trim()
             t3 = time.perf_counter()
-            costs.append((max(0.0, (t1 - t0) - (t2 - t1)) + (t3 - t2)) / block)
+            costs.append((max(0.0, (t1 - t0) - (t2 - t1)) + (t3 - t2)) / block_bytes)
         return statistics.median(costs)
 
 

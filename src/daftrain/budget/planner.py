@@ -247,11 +247,10 @@ def _step_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, sampl
     return k * profile.fixed_s[bits] + (profile.batch_size if samples is None else samples) * per_sample
 
 
-def accumulation_time(profile: Profile, plan: Plan, samples: int, k: int, headroom: float) -> float:
-    """The model's time, uncorrected, for ``samples`` of the batch in ``k`` micro-batches of ``plan``
-    (forward, backward and trims; NOTE [ The cost model ], 2. and 3.)."""
+def accumulation_time(profile: Profile, plan: Plan, samples: int, k: int, act: float, headroom: float) -> float:
+    """The model's time, uncorrected, for ``samples`` of the batch in ``k`` micro-batches of ``plan`` of
+    ``act`` activation bytes each (forward, backward and trims; NOTE [ The cost model ], 2. and 3.)."""
     ckpt = frozenset(plan.checkpointed)
-    act = plan.alpha * (profile.work_fixed + _activation_per_sample(profile, plan.bits, ckpt) * math.ceil(samples / k))
     return _step_time(profile, plan.bits, ckpt, k, samples) + _trim_time(profile, act, k, headroom)
 
 

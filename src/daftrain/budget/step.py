@@ -39,6 +39,7 @@ from .planner import (
     PlannerConfig,
     Profile,
     _activation_per_sample,
+    _headroom,
     accumulation_time,
     keeps_freed,
     lever,
@@ -280,7 +281,9 @@ class BudgetedStep:
             rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
             k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
             micro = math.ceil((samples - trained) / k)
-            ceiling = budget - self.alpha * self._predicted_activation(plan, micro)
+            predicted = self._predicted_activation(plan, micro)
+            headroom = _headroom(budget, persistent, self.config)
+            ceiling = budget - self.alpha * predicted
             if first is not None:  # what the slices freed, before the remainder allocates
                 self._make_room(ceiling)
             rest_start = self._meter.start(trim=False) if first is not None else start_rss
@@ -288,15 +291,14 @@ class BudgetedStep:
             value, first_peak = self._accumulate(rest, plan, k, total, ceiling=ceiling, budget=budget,
                                                  grads=missing_grads if first is None else 0)
             loss += value
-            headroom = (budget - persistent) * self.config.safety
             self._correct_time(plan, time.perf_counter() - acc_t0,
-                               accumulation_time(self.profile, plan, samples - trained, k, headroom))
+                               accumulation_time(self.profile, plan, samples - trained, k, self.alpha * predicted,
+                                                 headroom))
             # what the micro-batches measured against the model (NOTE [ The cost model ], 3. and 5.):
             # the first one against its activations, the whole phase against the plan's footprint
             # (what the allocator kept of one micro-batch beside the next included); the planning
             # step's slices allocated the gradients already, a planned step allocates them itself
             grads = missing_grads if first is None else 0
-            predicted = self._predicted_activation(plan, micro)
             footprint = predicted * (2 if keeps_freed(self.alpha * predicted, k, headroom) else 1)
             if predicted > 0:
                 act_ratio = max((first_peak - rest_start - grads) / predicted,
