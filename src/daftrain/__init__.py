@@ -26,7 +26,7 @@ from .kernels import load_fast_kernels as _load_fast_kernels
 from .kernels import ops as _ops  # registers the daftrain:: custom ops
 from .layout import LayoutError, PackedLayout
 from .pool import AdaptiveGrowth, FixedGrowth, PagePool, PoolBudgetError, PoolConfig, PoolError, TrackingGrowth
-from .saved import CompileFallbackWarning, CompressionStats, InPlaceModificationError, compress
+from .saved import CompileFallbackWarning, CompressionStats, InPlaceModificationError, checkpoint, compress
 
 __version__ = "0.1.0"
 
@@ -63,6 +63,7 @@ __all__ = [
     "UnsupportedError",
     "__version__",
     "batchnorm_to_groupnorm",
+    "checkpoint",
     "compress",
     "token_count",
 ]

@@ -2,8 +2,10 @@
 record (in memory or in pool pages) and restores it in backward."""
 
 from ..errors import InPlaceModificationError
+from .checkpoint import RecomputationMismatchError, checkpoint
 from .compiled import CompileFallbackWarning
 from .hooks import compress
 from .stats import CompressionStats
 
-__all__ = ["CompileFallbackWarning", "CompressionStats", "InPlaceModificationError", "compress"]
+__all__ = ["CompileFallbackWarning", "CompressionStats", "InPlaceModificationError", "RecomputationMismatchError",
+           "checkpoint", "compress"]

@@ -145,6 +145,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if model is not None and not isinstance(model, nn.Module):
             raise ArgumentTypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         self.registry = ParameterRegistry(model)
+        self._model = model
+        self._recomputation: compress | None = None
         on_cpu = model is None or any(p.device.type == "cpu" for p in model.parameters())
         # NOTE [ Freed memory goes back to the OS ] in allocator.py
         self._trimmer = HeapTrimmer() if self.config.tune_allocator and on_cpu else None
@@ -274,6 +276,31 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         """Drop the dedup table and the storages counted: they only matter within one forward pass."""
         self._records = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
+
+    def recomputation_context(self) -> compress:
+        """The context that stores what ``daftrain.checkpoint`` regions save when backward recomputes them
+        (``NOTE [ Compressed recomputation ]`` in ``checkpoint.py``): this one's configuration, at its fixed
+        bits (``bits="auto"`` contexts: the default fixed bits, since a recomputation is one block, not a
+        forward pass to allocate over), made once."""
+        if self._recomputation is None:
+            config = self.config
+            if config.auto:
+                config = dataclasses.replace(config, bits=CompressionConfig.bits, avg_bits=None, packed_bytes=None,
+                                             error_share=None)
+            self._recomputation = compress(config, model=self._model)
+        return self._recomputation
+
+    def _note_unsaved(self, nbytes: int) -> None:
+        """A tensor a checkpointed region did not save: freed within the region, so it counts towards the
+        next heap trim like a packed one (``NOTE [ Freed memory goes back to the OS ]``)."""
+        if self._trimmer is not None:
+            self._trimmer.note(nbytes)
+
+    def _region_ended(self) -> None:
+        """A checkpointed region returned: what it computed and did not save is free now; hand it back
+        (``NOTE [ Freed memory goes back to the OS ]``)."""
+        if self._trimmer is not None:
+            self._trimmer.trim()
 
     # -- the hooks ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor | KeptTensor | SavedHandle:

@@ -1,0 +1,160 @@
+"""Checkpointing whose recomputation is stored compressed.
+
+``torch.utils.checkpoint`` recomputes a block in backward and holds every tensor the recomputation
+saves exactly, so a checkpointed block's backward peaks at the block's full activations even under
+``compress``. ``checkpoint`` here saves nothing in the forward either, and stores what the
+recomputation saves through a ``compress`` context, so the block's backward holds its activations
+packed and decodes each as its consumer runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from ..errors import DaftrainError, InPlaceModificationError, UnsupportedError
+
+if TYPE_CHECKING:
+    from .hooks import compress
+
+__all__ = ["RecomputationMismatchError", "checkpoint"]
+
+
+class RecomputationMismatchError(DaftrainError, RuntimeError):
+    """A checkpointed function saved different tensors when recomputed than in its forward."""
+
+
+# NOTE [ Compressed recomputation ]
+# The forward runs ``fn`` under saved-tensor hooks that store a placeholder (the tensor's position,
+# shape and dtype) for each saved tensor, and keeps ``fn``'s inputs (detached: exact, as the
+# checkpointed boundary) with the RNG and autocast states. The first unpack in backward runs ``fn``
+# again from those inputs, with those states, under grad mode and under the recomputation context
+# (``compress.recomputation_context()``, entered so that its op rules apply), with hooks that hand each
+# saved tensor to that context's pack and keep the packed form by position; each unpack then restores
+# its position through the context's unpack and drops it. The recomputation must save the same
+# sequence of shapes and dtypes as the forward (``RecomputationMismatchError`` otherwise), as
+# ``torch.utils.checkpoint`` requires. Positions never unpacked (a branch backward does not reach)
+# are recomputed again on a later backward with ``retain_graph=True``. What the forward computes inside
+# a region and does not save is freed there: the forward's context counts each placeholder's bytes
+# towards its next heap trim, as its own pack hook counts every saved tensor, and trims when a region
+# returns (``NOTE [ Freed memory goes back to the OS ]``); the recomputation's context trims as any does.
+class _Frame:
+    """One checkpointed call: its inputs, states, placeholders and, after recomputation, packed saves."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 context: compress | None) -> None:
+        self.fn, self.kwargs, self.context = fn, kwargs, context
+        self.inner = context.recomputation_context() if context is not None else None
+        self.args = tuple(_stash(a) for a in args)
+        self.cpu_rng = torch.get_rng_state()
+        self.devices, self.device_rng = get_device_states(*args)
+        self.autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in ("cpu", "cuda") if d == "cpu" or torch.cuda.is_available()}
+        self.meta: list[tuple[torch.Size, torch.dtype]] = []
+        self.saved: dict[int, Any] = {}
+        self._next = 0
+
+    def placeholder(self, t: torch.Tensor) -> int:
+        if self.context is not None:
+            self.context._note_unsaved(t.numel() * t.element_size())
+        self.meta.append((t.shape, t.dtype))
+        return len(self.meta) - 1
+
+    def unpack(self, position: int) -> torch.Tensor:
+        if position not in self.saved:
+            self._recompute()
+        packed = self.saved.pop(position)
+        return self.inner._unpack(packed) if self.inner is not None else packed
+
+    def _store(self, t: torch.Tensor) -> int:
+        position, self._next = self._next, self._next + 1
+        if position >= len(self.meta) or self.meta[position] != (t.shape, t.dtype):
+            expected = self.meta[position] if position < len(self.meta) else "nothing more"
+            raise RecomputationMismatchError(
+                f"daftrain.checkpoint: the recomputation of {getattr(self.fn, '__name__', self.fn)!r} saved "
+                f"tensor {position} as {(tuple(t.shape), t.dtype)}, the forward saved {expected}; the "
+                "checkpointed function must run the same ops on recomputation (no data-dependent control flow "
+                "or state changed between forward and backward)")
+        self.saved[position] = self.inner._pack(t) if self.inner is not None else t.detach()
+        return position
+
+    def _recompute(self) -> None:
+        args = tuple(_restore(a) for a in self.args)
+        self._next = 0
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu_rng)
+            if self.devices:
+                set_device_states(self.devices, self.device_rng)
+            with torch.enable_grad(), _autocast(self.autocast):
+                if self.inner is not None:
+                    with self.inner, torch.autograd.graph.saved_tensors_hooks(self._store, _never_unpacked):
+                        self.fn(*args, **self.kwargs)
+                else:
+                    with torch.autograd.graph.saved_tensors_hooks(self._store, _never_unpacked):
+                        self.fn(*args, **self.kwargs)
+        if self._next != len(self.meta):
+            raise RecomputationMismatchError(
+                f"daftrain.checkpoint: the recomputation of {getattr(self.fn, '__name__', self.fn)!r} saved "
+                f"{self._next} tensors, the forward {len(self.meta)}; the checkpointed function must run the "
+                "same ops on recomputation")
+
+
+def _never_unpacked(position: int) -> torch.Tensor:
+    raise UnsupportedError(
+        "daftrain.checkpoint: the checkpointed function runs a backward of its own (e.g. torch.autograd.grad "
+        "inside its forward), which its recomputation cannot serve; checkpoint it with torch.utils.checkpoint")
+
+
+class _Stashed:
+    __slots__ = ("requires_grad", "tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.requires_grad, self.version = t.detach(), t.requires_grad, t._version
+
+
+def _stash(a: Any) -> Any:
+    return _Stashed(a) if isinstance(a, torch.Tensor) else a
+
+
+def _restore(a: Any) -> Any:
+    if not isinstance(a, _Stashed):
+        return a
+    if a.tensor._version != a.version:
+        raise InPlaceModificationError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"an input of a daftrain.checkpoint call (shape {tuple(a.tensor.shape)}) is at version "
+            f"{a.tensor._version}; expected version {a.version} instead. Do not modify a checkpointed "
+            "function's inputs in place before backward.")
+    return a.tensor.detach().requires_grad_(a.requires_grad)
+
+
+class _autocast:
+    """Re-enter the forward's autocast state per device type."""
+
+    def __init__(self, states: dict[str, tuple[bool, torch.dtype]]) -> None:
+        self._contexts = [torch.autocast(d, dtype=dtype, enabled=on) for d, (on, dtype) in states.items()]
+
+    def __enter__(self) -> None:
+        for c in self._contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in reversed(self._contexts):
+            c.__exit__(*exc)
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, compression: compress | None = None, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, saving nothing for backward but its inputs; backward recomputes it and,
+    given ``compression`` (the ``compress`` context of the forward), stores what the recomputation
+    saves through ``compression.recomputation_context()``. See ``NOTE [ Compressed recomputation ]``."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    frame = _Frame(fn, args, kwargs, compression)
+    with torch.autograd.graph.saved_tensors_hooks(frame.placeholder, frame.unpack):
+        out = fn(*args, **kwargs)
+    if compression is not None:
+        compression._region_ended()
+    return out

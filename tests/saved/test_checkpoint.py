@@ -1,0 +1,128 @@
+"""daftrain.checkpoint: exact where nothing compresses, the recomputation stored compressed, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import daftrain
+from daftrain import DaftrainError, InPlaceModificationError, UnsupportedError
+from daftrain.saved.checkpoint import RecomputationMismatchError
+
+
+class Block(nn.Module):
+    """Linear, GELU, dropout (the RNG a recomputation must replay), linear, LayerNorm, residual."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop, self.norm = nn.Dropout(0.2), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.down(self.drop(nn.functional.gelu(self.up(x)))))
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(3)))
+
+
+def _grads(model: nn.Sequential, x: torch.Tensor, ckpt: bool, ctx: daftrain.compress | None = None,
+           compression: daftrain.compress | None = None) -> torch.Tensor:
+    model.zero_grad()
+    torch.manual_seed(1)
+    proj = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
+    with ctx if ctx is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        h = x
+        for block in model:
+            h = daftrain.checkpoint(block, h, compression=compression) if ckpt else block(h)
+        loss = (h * proj).sum()
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(nn.functional.cosine_similarity(a, b, dim=0))
+
+
+def test_exact_recomputation_is_bit_identical_with_dropout() -> None:
+    model, x = _model(), torch.randn(64, 128)
+    assert torch.equal(_grads(model, x, ckpt=True), _grads(model, x, ckpt=False))
+
+
+def test_recomputation_is_stored_compressed() -> None:
+    model, x = _model(), torch.randn(64, 128)
+    ref = _grads(model, x, ckpt=False)
+    ctx = daftrain.compress(bits=8, model=model)
+    grad = _grads(model, x, ckpt=True, ctx=ctx, compression=ctx)
+    # 8-bit stochastic rounding of every saved activation: the op-family floor (tests/saved/test_hooks.py,
+    # 38 dB) means a relative error below ~1.3 %, i.e. a cosine above 0.9999; 0.999 leaves room for seeds.
+    assert _cos(grad, ref) > 0.999
+    assert ctx.stats.compressed == 0  # the forward saved nothing inside the blocks
+    inner = ctx.recomputation_context().stats  # the last block's recomputation
+    assert inner.compressed >= 3 and inner.packed_bytes < inner.raw_bytes / 3
+
+
+def test_two_bit_recomputation_stores_a_tenth() -> None:
+    model, x = _model(), torch.randn(64, 128)
+    ctx = daftrain.compress(bits=2, model=model)
+    grad = _grads(model, x, ckpt=True, ctx=ctx, compression=ctx)
+    assert torch.isfinite(grad).all()
+    inner = ctx.recomputation_context().stats
+    assert inner.stored_bytes < (inner.raw_bytes - inner.kept_bytes) / 8 + inner.kept_bytes
+
+
+def test_auto_bits_recompute_at_the_default_fixed_bits() -> None:
+    model = _model()
+    ctx = daftrain.compress(bits="auto", model=model)
+    assert ctx.recomputation_context().config.bits == daftrain.CompressionConfig().bits
+
+
+def test_retain_graph_recomputes_again() -> None:
+    model, x = _model(), torch.randn(64, 128, requires_grad=True)
+    ctx = daftrain.compress(bits=None)
+    out = daftrain.checkpoint(model[0], x, compression=ctx).sum()
+    (first,) = torch.autograd.grad(out, x, retain_graph=True)
+    (second,) = torch.autograd.grad(out, x)
+    assert torch.equal(first, second)
+
+
+def test_no_grad_runs_plainly() -> None:
+    model, x = _model(), torch.randn(4, 128)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(daftrain.checkpoint(model[0], x), model[0](x))
+
+
+def test_different_recomputation_raises() -> None:
+    calls = [0]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return x.exp() if calls[0] == 1 else x.sin().cos()
+
+    x = torch.randn(8, requires_grad=True)
+    out = daftrain.checkpoint(fn, x)
+    with pytest.raises(RecomputationMismatchError, match="same ops on recomputation") as info:
+        out.sum().backward()
+    assert isinstance(info.value, DaftrainError)
+
+
+def test_input_modified_in_place_raises() -> None:
+    model = _model()
+    x = torch.randn(4, 128)
+    out = daftrain.checkpoint(model[0], x)
+    x.add_(1.0)
+    with pytest.raises(InPlaceModificationError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_backward_inside_the_function_is_refused() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(x.pow(3).sum(), x, create_graph=True)
+        return x * g
+
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(UnsupportedError, match="torch.utils.checkpoint"):
+        daftrain.checkpoint(fn, x).sum().backward()
