@@ -216,7 +216,8 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
         if trim is not None:
             trim(0)
         reset_peak_rss()
-        with checkpointing(segments, list(segments)) if segments else contextlib.nullcontext(), ctx:
+        recompute = ctx if "bits" in cfg else None  # the recomputation stored compressed too
+        with checkpointing(segments, list(segments), recompute) if segments else contextlib.nullcontext(), ctx:
             loss = loss_fn(model, batch)
         if trim is not None:
             trim(0)

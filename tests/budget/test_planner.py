@@ -179,3 +179,20 @@ def test_time_scale_corrects_the_choice_between_bit_widths():
     slow = plan_step(p, time_scale={(compressed.bits, False): 10.0}, **kw)
     assert slow.bits != compressed.bits
     assert slow.predicted_step_s <= 10.0 * compressed.predicted_step_s
+
+
+def test_checkpointed_segments_recompute_at_the_plans_bits():
+    """NOTE [ The cost model ], 1. and 2.: a compressed plan's recomputation is stored at its bits
+    (``daftrain.checkpoint``), and costs one more forward of each checkpointed segment."""
+    p = profile(per_seg=40 * MB)
+    plan = plan_step(p, budget_bytes=130 * MB, persistent_bytes=100 * MB, config=PlannerConfig(bits=(2,)))
+    assert plan.bits == 2 and plan.checkpointed
+    ckpt = set(plan.checkpointed)
+    per_sample = (p.outside[2] + p.work_per_sample[2]
+                  + sum(s.input_bytes if s.name in ckpt else s.saved[2] for s in p.segments)
+                  + max(s.saved[2] for s in p.segments if s.name in ckpt))
+    one = p.work_fixed + per_sample * plan.micro_batch_size
+    assert plan.predicted_activation_bytes in (pytest.approx(one), pytest.approx(2 * one))
+    forward = sum(s.forward_s for s in p.segments if s.name in ckpt)
+    step_s = plan.num_micro_batches * p.fixed_s[2] + p.batch_size * (p.per_sample_s[2] + forward)
+    assert plan.predicted_step_s == pytest.approx(step_s)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import daftrain
 from daftrain.budget.segments import checkpointing, find_segments, inplace_activations
 
 
@@ -29,6 +30,28 @@ def test_checkpointing_restores_forward_and_batchnorm_statistics():
         torch.testing.assert_close(a, b)  # running stats updated once, not twice
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_checkpointing_under_compress_stores_the_recomputation_compressed():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+                          nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 3, 16, 16)
+    segs = find_segments(model)
+    ctx = daftrain.compress(bits=8, model=model)
+    with checkpointing(segs, ["0", "1"], ctx), ctx:
+        out = model(x)
+    assert ctx.stats.compressed == 0  # nothing inside the blocks was saved by the forward
+    out.sum().backward()
+    assert ctx.recomputation_context().stats.compressed > 0
+    twin(x).sum().backward()
+    for a, b in zip(model.buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(a, b)  # running stats updated once, not twice
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    ref = torch.cat([p.grad.flatten() for p in twin.parameters()])
+    # 8-bit saved activations: within the op-family floor of tests/saved/test_hooks.py (38 dB, cosine > 0.9999).
+    assert F.cosine_similarity(grad, ref, dim=0) > 0.999
 
 
 def test_checkpointing_puts_back_an_instance_forward():

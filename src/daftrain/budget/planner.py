@@ -3,9 +3,9 @@
 A plan fixes three knobs for one training step:
 
 * ``num_micro_batches`` (gradient accumulation over equal slices of the batch),
-* which segments (blocks of the model) run under non-reentrant ``torch.utils.checkpoint``,
-* ``bits``: how saved activations outside checkpointed segments are stored (``daftrain.compress``
-  at 8/4/2 bits, or ``None`` for exact).
+* which segments (blocks of the model) are checkpointed (non-reentrant),
+* ``bits``: how saved activations are stored (``daftrain.compress`` at 8/4/2 bits, or ``None`` for
+  exact), those of a checkpointed segment's recomputation in backward included (``daftrain.checkpoint``).
 
 The search is exhaustive over bits and over checkpoint sets ordered by Sage's criterion (bytes freed
 per second of recompute, greedy prefixes); for each, the largest micro-batch that fits follows in
@@ -40,15 +40,16 @@ _ALLOWED_BITS = (None, 8, 4, 2, 1)
 # 1. Memory. ``peak = persistent + alpha * act(m)`` where ``persistent`` is what the process holds at
 #    the start of the step (RSS, plus gradients and optimizer state not allocated yet) and
 #    ``act(m) = work_fixed + m * (outside[b] + sum_{i not ckpt} saved_i[b] + sum_{i ckpt} input_i
-#    + max_{i ckpt} saved_i[exact] + work[b])``: saved activations outside segments, inside
-#    un-checkpointed segments (at the chosen bits), the inputs checkpoint keeps, the one segment that
-#    is recomputed (exact) during its backward, and the measured transient working set of
+#    + max_{i ckpt} saved_i[b] + work[b])``: saved activations outside segments, inside
+#    un-checkpointed segments (at the chosen bits), the inputs checkpoint keeps (exact), the one segment
+#    that is recomputed during its backward (stored at the chosen bits too, NOTE [ Compressed
+#    recomputation ] in saved/checkpoint.py), and the measured transient working set of
 #    forward/backward beyond what is saved. The optimizer step peaks separately:
 #    ``persistent + optimizer_transient``. A plan fits when both stay within ``persistent + safety *
 #    (budget - persistent)``.
-# 2. Time. ``T = k * fixed_s[b] + B * (per_sample_s[b] + sum_{i ckpt} (forward_i - compress_i[b]))``:
-#    per-micro-batch overhead, per-sample forward+backward at those bits, one extra forward for every
-#    checkpointed segment, minus the compression work that checkpointed segments no longer do.
+# 2. Time. ``T = k * fixed_s[b] + B * (per_sample_s[b] + sum_{i ckpt} forward_i)``: per-micro-batch
+#    overhead, per-sample forward+backward at those bits, one extra forward for every checkpointed
+#    segment (its recomputation compresses what the forward no longer does).
 # 3. Trims. A planned step returns the allocator's free memory before a micro-batch, or its backward,
 #    when what the process holds leaves it less room than the model gives it (NOTE [ Metering a planned
 #    step ] in step.py), and every byte returned is faulted in again by the next allocations. What the
@@ -229,21 +230,14 @@ def _activation_per_sample(profile: Profile, bits: Bits, ckpt: frozenset[str]) -
     for s in profile.segments:
         if s.name in ckpt:
             total += s.input_bytes
-            recompute_peak = max(recompute_peak, s.saved[None])
+            recompute_peak = max(recompute_peak, s.saved[bits])
         else:
             total += s.saved[bits]
     return total + recompute_peak
 
 
 def _step_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, samples: int | None = None) -> float:
-    per_sample = profile.per_sample_s[bits]
-    if ckpt:
-        raw_total = sum(s.saved[None] for s in profile.segments) + profile.outside[None]
-        overhead = max(0.0, profile.per_sample_s[bits] - profile.per_sample_s.get(None, per_sample))
-        for s in profile.segments:
-            if s.name in ckpt:
-                share = overhead * (s.saved[None] / raw_total if raw_total else 0.0)
-                per_sample += s.forward_s - share
+    per_sample = profile.per_sample_s[bits] + sum(s.forward_s for s in profile.segments if s.name in ckpt)
     return k * profile.fixed_s[bits] + (profile.batch_size if samples is None else samples) * per_sample
 
 

@@ -12,6 +12,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..saved.checkpoint import checkpoint as compressed_checkpoint
+from ..saved.hooks import compress
+
 __all__ = ["batchnorm_to_groupnorm", "checkpointing", "find_segments", "inplace_activations"]
 
 
@@ -53,7 +56,8 @@ def _frozen_running_stats(module: nn.Module) -> Iterator[None]:
 # NOTE [ Recomputation keeps BatchNorm statistics ]
 # The recomputation in backward runs a checkpointed block a second time, in train mode; without
 # freezing them, BatchNorm would update its running statistics twice per forward.
-def _checkpointed_forward(module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed_forward(module: nn.Module, original: Callable[..., Any],
+                          compression: compress | None) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         calls = [0]
 
@@ -64,14 +68,20 @@ def _checkpointed_forward(module: nn.Module, original: Callable[..., Any]) -> Ca
             with _frozen_running_stats(module):
                 return original(*a, **kw)
 
+        if compression is not None and compression.config.bits is not None:
+            return compressed_checkpoint(run, *args, compression=compression, **kwargs)
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     return forward
 
 
 @contextlib.contextmanager
-def checkpointing(segments: Mapping[str, nn.Module], names: Sequence[str]) -> Iterator[None]:
+def checkpointing(segments: Mapping[str, nn.Module], names: Sequence[str],
+                  compression: compress | None = None) -> Iterator[None]:
     """Run the named segments under non-reentrant checkpoint inside the block; restore them after.
+
+    Given the ``compress`` context the forward runs under (with bits), the recomputation in backward is
+    stored compressed too (``daftrain.saved.checkpoint``); otherwise ``torch.utils.checkpoint`` runs them.
 
     The forward is replaced through an instance attribute only while the block runs (no permanent
     model rewrite); a pre-existing instance ``forward`` (e.g. from another wrapper) is put back.
@@ -81,7 +91,7 @@ def checkpointing(segments: Mapping[str, nn.Module], names: Sequence[str]) -> It
         for name in names:
             mod = segments[name]
             previous = mod.__dict__.get("forward", None)
-            mod.forward = _checkpointed_forward(mod, mod.forward)  # type: ignore[method-assign]
+            mod.forward = _checkpointed_forward(mod, mod.forward, compression)  # type: ignore[method-assign]
             patched.append((mod, previous))
         yield
     finally:

@@ -420,7 +420,9 @@ class BudgetedStep:
             if ceiling is not None and i != run[0]:
                 self._make_room(ceiling)
             model = micro_batch_model(self.model, self._ddp, i == run[-1])
-            with checkpointing(self.segments, plan.checkpointed), self._inplace(), self._context(plan.bits):
+            context = self._context(plan.bits)
+            recompute = context if isinstance(context, compress) else None
+            with checkpointing(self.segments, plan.checkpointed, recompute), self._inplace(), context:
                 loss = self.loss_fn(model, parts[i])
             if ceiling is not None:
                 self._make_room(ceiling)  # what the forward freed, before the backward allocates
