@@ -88,6 +88,9 @@ def test_compressed_run_tracks_plain_and_saves_bytes(tmp_path, lora, checkpointi
     assert cos >= 0.999, cos
     # The model's forward is restored after training.
     assert not hasattr(callback, "_undo") or callback._undo is None
+    if checkpointing:  # the layers' recomputation in backward was stored compressed, through the callback's context
+        recomputed = callback.ctx.recomputation_context().stats
+        assert recomputed.compressed > 0 and recomputed.packed_bytes < recomputed.raw_bytes / 2, recomputed.summary()
 
 
 def test_error_share_calibrates_on_the_models_own_loss(tmp_path):

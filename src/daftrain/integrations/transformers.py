@@ -8,8 +8,8 @@ Example::
     trainer.train()
 
 Works with ``peft`` adapters (frozen base weights are parameters and stay exact) and with
-``gradient_checkpointing`` (checkpointed blocks keep their own saved-tensor hooks, the rest is
-compressed). Statistics of the latest step: ``callback.ctx.stats``.
+``gradient_checkpointing`` (the layers' recomputation in backward is stored compressed too, through
+``daftrain.checkpoint``). Statistics of the latest step: ``callback.ctx.stats``.
 """
 
 from __future__ import annotations
