@@ -26,7 +26,14 @@ from .kernels import load_fast_kernels as _load_fast_kernels
 from .kernels import ops as _ops  # registers the daftrain:: custom ops
 from .layout import LayoutError, PackedLayout
 from .pool import AdaptiveGrowth, FixedGrowth, PagePool, PoolBudgetError, PoolConfig, PoolError, TrackingGrowth
-from .saved import CompileFallbackWarning, CompressionStats, InPlaceModificationError, checkpoint, compress
+from .saved import (
+    CompileFallbackWarning,
+    CompressionStats,
+    InPlaceModificationError,
+    RecomputationMismatchError,
+    checkpoint,
+    compress,
+)
 
 __version__ = "0.1.0"
 
@@ -58,6 +65,7 @@ __all__ = [
     "PoolConfig",
     "PoolError",
     "QuantizationVarianceWarning",
+    "RecomputationMismatchError",
     "StateDictError",
     "TrackingGrowth",
     "UnsupportedError",

@@ -7,8 +7,13 @@ import torch
 from torch import nn
 
 import daftrain
-from daftrain import DaftrainError, InPlaceModificationError, UnsupportedError
-from daftrain.saved.checkpoint import RecomputationMismatchError
+from daftrain import (
+    ArgumentTypeError,
+    DaftrainError,
+    InPlaceModificationError,
+    RecomputationMismatchError,
+    UnsupportedError,
+)
 
 
 class Block(nn.Module):
@@ -126,3 +131,10 @@ def test_a_backward_inside_the_function_is_refused() -> None:
     x = torch.randn(8, requires_grad=True)
     with pytest.raises(UnsupportedError, match=r"torch\.utils\.checkpoint"):
         daftrain.checkpoint(fn, x).sum().backward()
+
+
+def test_bad_arguments_name_the_parameter() -> None:
+    with pytest.raises(ArgumentTypeError, match="fn must be callable"):
+        daftrain.checkpoint(3, torch.randn(2))
+    with pytest.raises(ArgumentTypeError, match=r"compression must be a daftrain\.compress context"):
+        daftrain.checkpoint(torch.sin, torch.randn(2), compression=daftrain.CompressionConfig())

@@ -9,16 +9,15 @@ packed and decodes each as its consumer runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from ..errors import DaftrainError, InPlaceModificationError, UnsupportedError
-
-if TYPE_CHECKING:
-    from .hooks import compress
+from ..errors import ArgumentTypeError, DaftrainError, InPlaceModificationError, UnsupportedError
+from .hooks import compress
 
 __all__ = ["RecomputationMismatchError", "checkpoint"]
 
@@ -84,17 +83,17 @@ class _Frame:
     def _recompute(self) -> None:
         args = tuple(_restore(a) for a in self.args)
         self._next = 0
-        with torch.random.fork_rng(devices=self.devices):
+        with torch.random.fork_rng(devices=self.devices), contextlib.ExitStack() as stack:
             torch.set_rng_state(self.cpu_rng)
             if self.devices:
                 set_device_states(self.devices, self.device_rng)
-            with torch.enable_grad(), _autocast(self.autocast):
-                if self.inner is not None:
-                    with self.inner, torch.autograd.graph.saved_tensors_hooks(self._store, _never_unpacked):
-                        self.fn(*args, **self.kwargs)
-                else:
-                    with torch.autograd.graph.saved_tensors_hooks(self._store, _never_unpacked):
-                        self.fn(*args, **self.kwargs)
+            stack.enter_context(torch.enable_grad())
+            for device, (enabled, dtype) in self.autocast.items():  # the forward's autocast state
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            if self.inner is not None:
+                stack.enter_context(self.inner)  # its op rules trace the recomputation's ops
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._store, _never_unpacked))
+            self.fn(*args, **self.kwargs)
         if self._next != len(self.meta):
             raise RecomputationMismatchError(
                 f"daftrain.checkpoint: the recomputation of {getattr(self.fn, '__name__', self.fn)!r} saved "
@@ -131,25 +130,15 @@ def _restore(a: Any) -> Any:
     return a.tensor.detach().requires_grad_(a.requires_grad)
 
 
-class _autocast:
-    """Re-enter the forward's autocast state per device type."""
-
-    def __init__(self, states: dict[str, tuple[bool, torch.dtype]]) -> None:
-        self._contexts = [torch.autocast(d, dtype=dtype, enabled=on) for d, (on, dtype) in states.items()]
-
-    def __enter__(self) -> None:
-        for c in self._contexts:
-            c.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for c in reversed(self._contexts):
-            c.__exit__(*exc)
-
-
 def checkpoint(fn: Callable[..., Any], *args: Any, compression: compress | None = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, saving nothing for backward but its inputs; backward recomputes it and,
     given ``compression`` (the ``compress`` context of the forward), stores what the recomputation
     saves through ``compression.recomputation_context()``. See ``NOTE [ Compressed recomputation ]``."""
+    if not callable(fn):
+        raise ArgumentTypeError(f"daftrain.checkpoint: fn must be callable, got {type(fn).__name__}")
+    if compression is not None and not isinstance(compression, compress):
+        raise ArgumentTypeError(f"daftrain.checkpoint: compression must be a daftrain.compress context or None, "
+                                f"got {type(compression).__name__}")
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     frame = _Frame(fn, args, kwargs, compression)
