@@ -138,3 +138,27 @@ def test_bad_arguments_name_the_parameter() -> None:
         daftrain.checkpoint(3, torch.randn(2))
     with pytest.raises(ArgumentTypeError, match=r"compression must be a daftrain\.compress context"):
         daftrain.checkpoint(torch.sin, torch.randn(2), compression=daftrain.CompressionConfig())
+
+
+def test_a_drop_in_for_torch_checkpoint() -> None:
+    model, x = _model(), torch.randn(16, 128, requires_grad=True)
+    torch.manual_seed(3)
+    out = daftrain.checkpoint(model[0], x, use_reentrant=False)
+    (mine,) = torch.autograd.grad(out.sum(), x)
+    torch.manual_seed(3)
+    ref = torch.utils.checkpoint.checkpoint(model[0], x, use_reentrant=False)
+    (theirs,) = torch.autograd.grad(ref.sum(), x)
+    assert torch.equal(mine, theirs)  # same dropout mask, replayed in the recomputation
+    with pytest.raises(UnsupportedError, match="context_fn"):
+        daftrain.checkpoint(model[0], x, context_fn=lambda: None)
+    with pytest.raises(ArgumentTypeError, match="preserve_rng_state must be a bool"):
+        daftrain.checkpoint(model[0], x, preserve_rng_state="yes")
+
+
+def test_without_preserving_the_rng_dropout_draws_anew() -> None:
+    model, x = _model(), torch.randn(16, 128)
+    torch.manual_seed(3)
+    out = daftrain.checkpoint(model[0], x, preserve_rng_state=False)
+    forward_mask_draws = torch.get_rng_state()
+    out.sum().backward()  # the recomputation draws its dropout mask from the global stream, which moves on
+    assert not torch.equal(torch.get_rng_state(), forward_mask_draws)

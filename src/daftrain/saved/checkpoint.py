@@ -44,12 +44,12 @@ class _Frame:
     """One checkpointed call: its inputs, states, placeholders and, after recomputation, packed saves."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 context: compress | None) -> None:
+                 context: compress | None, preserve_rng_state: bool) -> None:
         self.fn, self.kwargs, self.context = fn, kwargs, context
         self.inner = context.recomputation_context() if context is not None else None
         self.args = tuple(_stash(a) for a in args)
-        self.cpu_rng = torch.get_rng_state()
-        self.devices, self.device_rng = get_device_states(*args)
+        self.cpu_rng = torch.get_rng_state() if preserve_rng_state else None
+        self.devices, self.device_rng = get_device_states(*args) if preserve_rng_state else ([], [])
         self.autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                          for d in ("cpu", "cuda") if d == "cpu" or torch.cuda.is_available()}
         self.meta: list[tuple[torch.Size, torch.dtype]] = []
@@ -83,8 +83,10 @@ class _Frame:
     def _recompute(self) -> None:
         args = tuple(_restore(a) for a in self.args)
         self._next = 0
-        with torch.random.fork_rng(devices=self.devices), contextlib.ExitStack() as stack:
-            torch.set_rng_state(self.cpu_rng)
+        with torch.random.fork_rng(devices=self.devices, enabled=self.cpu_rng is not None), \
+                contextlib.ExitStack() as stack:
+            if self.cpu_rng is not None:
+                torch.set_rng_state(self.cpu_rng)
             if self.devices:
                 set_device_states(self.devices, self.device_rng)
             stack.enter_context(torch.enable_grad())
@@ -130,18 +132,33 @@ def _restore(a: Any) -> Any:
     return a.tensor.detach().requires_grad_(a.requires_grad)
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, compression: compress | None = None, **kwargs: Any) -> Any:
+_TORCH_ONLY = ("context_fn", "determinism_check", "debug")
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, compression: compress | None = None,
+               use_reentrant: bool | None = None, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, saving nothing for backward but its inputs; backward recomputes it and,
     given ``compression`` (the ``compress`` context of the forward), stores what the recomputation
-    saves through ``compression.recomputation_context()``. See ``NOTE [ Compressed recomputation ]``."""
+    saves through ``compression.recomputation_context()``. See ``NOTE [ Compressed recomputation ]``.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint``: ``use_reentrant`` is accepted and the semantics
+    are always the non-reentrant ones (``torch.autograd.grad`` works, inputs need not require grad);
+    ``preserve_rng_state=False`` skips replaying the random stream."""
     if not callable(fn):
         raise ArgumentTypeError(f"daftrain.checkpoint: fn must be callable, got {type(fn).__name__}")
     if compression is not None and not isinstance(compression, compress):
         raise ArgumentTypeError(f"daftrain.checkpoint: compression must be a daftrain.compress context or None, "
                                 f"got {type(compression).__name__}")
+    for name, value in (("use_reentrant", use_reentrant), ("preserve_rng_state", preserve_rng_state)):
+        if value is not None and not isinstance(value, bool):
+            raise ArgumentTypeError(f"daftrain.checkpoint: {name} must be a bool, got {type(value).__name__}")
+    torch_only = sorted(set(kwargs) & set(_TORCH_ONLY))
+    if torch_only:
+        raise UnsupportedError(f"daftrain.checkpoint does not take {torch_only} (options of torch.utils.checkpoint); "
+                               "drop them, or use torch.utils.checkpoint for this region")
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    frame = _Frame(fn, args, kwargs, compression)
+    frame = _Frame(fn, args, kwargs, compression, preserve_rng_state)
     with torch.autograd.graph.saved_tensors_hooks(frame.placeholder, frame.unpack):
         out = fn(*args, **kwargs)
     if compression is not None:
