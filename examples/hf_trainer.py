@@ -50,6 +50,8 @@ def main() -> None:
                                           use_cpu=True, gradient_checkpointing=args.gradient_checkpointing)
         Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[callback]).train()
     print(callback.ctx.stats.summary())
+    if args.gradient_checkpointing:  # the layers' recomputation in backward, stored at the same bits
+        print("last recomputed layer:", callback.ctx.recomputation_context().stats.summary())
 
 
 if __name__ == "__main__":

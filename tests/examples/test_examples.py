@@ -26,6 +26,8 @@ def test_plain_loop():
 def test_hf_trainer():
     out = _run("hf_trainer.py", "--steps", "2", "--gradient-checkpointing")
     assert "quantized" in out
+    recomputed = out.split("last recomputed layer:")[1]
+    assert int(recomputed.split(" quantized")[0].split(",")[-1]) > 0, out  # the recomputation was compressed
 
 
 def test_lightning_fit():
