@@ -196,3 +196,16 @@ def test_checkpointed_segments_recompute_at_the_plans_bits():
     forward = sum(s.forward_s for s in p.segments if s.name in ckpt)
     step_s = plan.num_micro_batches * p.fixed_s[2] + p.batch_size * (p.per_sample_s[2] + forward)
     assert plan.predicted_step_s == pytest.approx(step_s)
+
+
+def test_within_the_margin_fewer_checkpointed_segments_win():
+    """``prefer_exact_within``: a checkpointed plan measured a little faster (a noisy time correction) does not
+    displace the plan that recomputes nothing."""
+    p = replace(profile(), segments=tuple(replace(s, forward_s=0.0) for s in profile().segments))
+    kw = dict(budget_bytes=4000 * MB, persistent_bytes=100 * MB, config=PlannerConfig(bits=(None,)))
+    plain = plan_step(p, **kw)
+    assert plain.checkpointed == () and plain.num_micro_batches == 1  # everything fits: nothing to save
+    noisy = {(None, False): 1.0, (None, True): 0.97}  # the recomputing lever measured 3 % fast
+    assert plan_step(p, time_scale=noisy, **kw).checkpointed == ()
+    clearly = {(None, False): 1.0, (None, True): 0.5}  # far faster: the measurement decides
+    assert plan_step(p, time_scale=clearly, **kw).checkpointed != ()

@@ -92,7 +92,8 @@ class PlannerConfig:
     safety: float = 0.9
     """Plans use at most this fraction of the headroom (budget minus what the process holds)."""
     prefer_exact_within: float = 0.05
-    """Among plans at most this much slower than the fastest, take the one with the most bits."""
+    """Among plans at most this much slower than the fastest, take the one with the most bits, then the one
+    with the fewest checkpointed segments."""
     compression_reserve: int = 100_000_000
     """Bytes the compression kernels add to the process the first time they run (on CPU: numba's
     compiled code and LLVM, loaded from numba's cache, for good). Compressed plans are measured only
@@ -350,7 +351,9 @@ def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, con
         )
     fastest = min(c[0] for c in candidates)
     near = [c for c in candidates if c[0] <= fastest * (1 + config.prefer_exact_within)]
-    t, bits, ckpt, m, k, act = max(near, key=lambda c: (_bits_rank(c[1]), -c[0]))
+    # within the margin, the most bits, then the fewest recomputed segments: measured time corrections
+    # (NOTE [ The cost model ], 4.) are noisy, and a gap that small is no reason to lose precision or recompute
+    t, bits, ckpt, m, k, act = max(near, key=lambda c: (_bits_rank(c[1]), -len(c[2]), -c[0]))
     act = _footprint(act, k, headroom)
     order = [s.name for s in profile.segments if s.name in ckpt]
     return Plan(
