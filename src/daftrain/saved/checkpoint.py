@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from ..errors import ArgumentTypeError, DaftrainError, InPlaceModificationError, UnsupportedError
+from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from .hooks import compress
+from .records import check_version
 
 __all__ = ["RecomputationMismatchError", "checkpoint"]
 
@@ -123,12 +124,7 @@ def _stash(a: Any) -> Any:
 def _restore(a: Any) -> Any:
     if not isinstance(a, _Stashed):
         return a
-    if a.tensor._version != a.version:
-        raise InPlaceModificationError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"an input of a daftrain.checkpoint call (shape {tuple(a.tensor.shape)}) is at version "
-            f"{a.tensor._version}; expected version {a.version} instead. Do not modify a checkpointed "
-            "function's inputs in place before backward.")
+    check_version(a.tensor, a.version)  # an input modified in place since the forward
     return a.tensor.detach().requires_grad_(a.requires_grad)
 
 
