@@ -12,11 +12,16 @@ import daftrain
 from daftrain.budget.segments import checkpointing, find_segments, inplace_activations
 
 
-def test_checkpointing_restores_forward_and_batchnorm_statistics():
+def _two_blocks() -> tuple[nn.Sequential, nn.Sequential]:
+    """Two conv-BatchNorm-ReLU blocks, and an identical twin to run plainly."""
     torch.manual_seed(4)
     model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
                           nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()))
-    twin = copy.deepcopy(model)
+    return model, copy.deepcopy(model)
+
+
+def test_checkpointing_restores_forward_and_batchnorm_statistics():
+    model, twin = _two_blocks()
     x = torch.randn(4, 3, 8, 8)
     segs = find_segments(model)
     assert list(segs) == ["0", "1"]
@@ -33,10 +38,7 @@ def test_checkpointing_restores_forward_and_batchnorm_statistics():
 
 
 def test_checkpointing_under_compress_stores_the_recomputation_compressed():
-    torch.manual_seed(4)
-    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
-                          nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()))
-    twin = copy.deepcopy(model)
+    model, twin = _two_blocks()
     x = torch.randn(4, 3, 16, 16)
     segs = find_segments(model)
     ctx = daftrain.compress(bits=8, model=model)
