@@ -29,7 +29,6 @@ __all__ = [
     "meter_for",
     "missing_grad_bytes",
     "missing_state_bytes",
-    "optimizer_transient_bytes",
 ]
 
 _SI_UNITS = ("kB", "MB", "GB", "TB")
@@ -225,30 +224,6 @@ def missing_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> i
     state = sum(p.nbytes for g in optimizer.param_groups for p in g["params"]
                 if p.requires_grad and not optimizer.state.get(p))
     return missing_grad_bytes(model) + int(factor * state)
-
-
-# NOTE [ The optimizer step's transient ]
-# ``optimizer.step()`` allocates temporaries beside the state it keeps. A per-parameter ("for-loop")
-# step holds them for one parameter at a time: Adam's ``exp_avg_sq.sqrt() / bias_correction`` makes two
-# parameter-sized temporaries before they are freed, so about twice the largest parameter. A ``foreach``
-# step makes each temporary for all parameters of a group at once, about the group's parameter bytes.
-# torch's default is ``foreach`` only where every parameter is on CUDA. This estimate stands until
-# ``BudgetedStep`` has measured a step.
-def optimizer_transient_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Estimated bytes ``optimizer.step()`` allocates beyond its state (NOTE [ The optimizer step's
-    transient ])."""
-    worst = 0
-    for group in optimizer.param_groups:
-        params = [p for p in group["params"] if p.requires_grad]
-        if not params:
-            continue
-        largest = max(p.nbytes for p in params)
-        foreach = group.get("foreach")
-        if foreach is None:
-            foreach = all(p.is_cuda for p in params) and not group.get("fused")
-        need = sum(p.nbytes for p in params) + largest if foreach else int(2.2 * largest)
-        worst = max(worst, need)
-    return worst
 
 
 # -- saved bytes -------------------------------------------------------------------------------------

@@ -26,10 +26,11 @@ from .memory import (
     SavedBytesCounter,
     missing_grad_bytes,
     missing_state_bytes,
-    optimizer_transient_bytes,
 )
+from .optimizer_step import leanest_part_bytes, optimizer_transient_bytes
 from .planner import PlannerConfig, Profile, SegmentProfile, plan_step
 from .segments import checkpointing, inplace_activations
+from .weight_grads import weight_grads_in_place
 
 __all__ = ["FirstStep", "LossFn", "Prober"]
 
@@ -66,8 +67,8 @@ step), ``"ckpt"`` (exact step, every segment checkpointed) or a bit-width (step 
 #    micro-batch pays again, and the widest span left keeps allocator noise out of the slope. A compressed step
 #    runs the same forward and backward plus packing and unpacking, so it is never taken to be faster
 #    than the exact one, whatever a noisy machine measures.
-# 5. ``optimizer_transient`` starts at three times the largest parameter; ``BudgetedStep`` replaces it
-#    with the measured optimizer-step peak after its first step.
+# 5. ``optimizer_transient`` is the optimizer step's at its leanest (NOTE [ Stepping in parts ]), first
+#    estimated (NOTE [ The optimizer step's transient ]), then scaled by what each step measured.
 
 # NOTE [ The planning step trains ]
 # Measuring on copies of the batch and then training on it would cost a step several times over
@@ -130,13 +131,15 @@ class Prober:
         model, loss_fn, optimizer, segments, config: as given to ``BudgetedStep``.
         compression: the base ``CompressionConfig`` of compressed slices (its ``bits`` is replaced).
         meter: the memory meter of the budget's device (``memory.meter_for``).
+        grads_in_place: run every slice under ``weight_grads_in_place`` (as the step runs its micro-batches).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                  segments: Mapping[str, nn.Module], config: PlannerConfig, compression: CompressionConfig,
-                 meter: RssMeter | CudaMeter) -> None:
+                 meter: RssMeter | CudaMeter, grads_in_place: bool = False) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.segments, self.config, self.compression, self.meter = segments, config, compression, meter
+        self.grads_in_place = grads_in_place
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # Whether compressed slices ran once: their kernels' one-time footprint is then part of the process.
         self.compression_loaded = False
@@ -327,14 +330,16 @@ class Prober:
                 handles.append(mod.register_forward_pre_hook(functools.partial(pre, name), with_kwargs=True))
                 handles.append(mod.register_forward_hook(functools.partial(post, name), with_kwargs=True))
         in_place = inplace_activations(self.model) if inplace else contextlib.nullcontext()
+        grads_in_place = weight_grads_in_place(self.model) if self.grads_in_place else contextlib.nullcontext()
         start = self.meter.start()
         try:
             t0 = time.perf_counter()
-            with checkpointing(self.segments, list(self.segments) if mode == "ckpt" else []), in_place, ctx:
-                loss = self.loss_fn(self.model, part)
-            m.saved = saved_now()
-            if mode != "count":
-                (loss * weight).backward()
+            with grads_in_place:  # over the backward too (NOTE [ Weight gradients accumulated in place ])
+                with checkpointing(self.segments, list(self.segments) if mode == "ckpt" else []), in_place, ctx:
+                    loss = self.loss_fn(self.model, part)
+                m.saved = saved_now()
+                if mode != "count":
+                    (loss * weight).backward()
             m.seconds = time.perf_counter() - t0
             m.loss = float(loss.detach())
             del loss
@@ -403,5 +408,6 @@ class Prober:
                                         forward_s=timing.seg_time.get(n, 0.0) / tm) for n in names)
         return Profile(batch_size=B, segments=segments, outside=outside, work_per_sample=work,
                        work_fixed=max(0.0, work_fixed), per_sample_s=per_sample_s, fixed_s=fixed_s,
-                       optimizer_transient=float(optimizer_transient_bytes(self.optimizer)),
+                       optimizer_transient=float(optimizer_transient_bytes(self.optimizer,
+                                                                           leanest_part_bytes(self.optimizer))),
                        refault_s_per_byte=self.refault_s_per_byte or 0.0)

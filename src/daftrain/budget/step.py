@@ -33,6 +33,7 @@ from .batching import CountFn, balanced_sizes, batch_size, split_batch
 from .budgets import Budget
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
+from .optimizer_step import leanest_part_bytes, optimizer_transient_bytes, part_bytes_within, step_in_parts
 from .planner import (
     Lever,
     Plan,
@@ -47,11 +48,13 @@ from .planner import (
 )
 from .probe import FirstStep, LossFn, Prober
 from .segments import checkpointing, find_segments, inplace_activations
+from .weight_grads import weight_grads_in_place
 
 __all__ = ["BudgetedStep", "StepRecord"]
 
 _ALPHA_WINDOW = 3  # steps whose measured/predicted ratio sets alpha (the largest of them)
 _MIN_ALPHA = 1.0  # below the profile's own prediction only by re-measuring it (a new planning step)
+_OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 
 # NOTE [ What the step does ]
 # 1. Measure: read ``budget.bytes()`` (a callable or system budget is read again every step) and what
@@ -65,11 +68,12 @@ _MIN_ALPHA = 1.0  # below the profile's own prediction only by re-measuring it (
 #    or a changed process footprint is honoured before the step runs.
 # 3. Run: the samples the planning step did not train (all of them on later steps) in micro-batches
 #    of the plan, each forward under ``compress(bits)`` (if any) with the chosen segments checkpointed,
-#    backward of ``loss * share``; then ``optimizer.step()`` and ``zero_grad(set_to_none)``.
+#    backward of ``loss * share``; then ``optimizer.step()``, in parts where the whole step's transient
+#    would not fit the room left (NOTE [ Stepping in parts ]), and ``zero_grad(set_to_none)``.
 # 4. Correct: the measured peak of the accumulation phase corrects the memory model (``alpha``, the
 #    largest measured/predicted ratio of the last three planned steps, at least 1, so it comes back
 #    down once reality agrees again)
-#    and the measured optimizer-step peak replaces its estimate.
+#    and the measured optimizer-step peak scales its estimate.
 
 # NOTE [ One all-reduce per step ]
 # Under ``DistributedDataParallel`` every micro-batch but the last runs the wrapped module: its
@@ -125,6 +129,8 @@ class StepRecord:
     rank_plan: Plan | None = None
     """Under ``DistributedDataParallel``: the plan this rank would have run alone, before the ranks
     agreed on ``plan`` (NOTE [ Agreeing on one plan ] in distributed.py); ``None`` otherwise."""
+    optimizer_parts: int = 1
+    """How many parts the optimizer stepped (NOTE [ Stepping in parts ] in optimizer_step.py)."""
     planning: bool = False
     """Whether this was a planning step (the first of a batch size): its measuring slices trained part
     of the batch and ``plan`` the rest; ``step_s`` includes them."""
@@ -145,8 +151,10 @@ class BudgetedStep:
             ``token_count`` for token losses. Ignored when ``reduction="sum"``.
         reduction: ``"mean"`` or ``"sum"``, how ``loss_fn`` reduces over the batch.
         compression: base ``CompressionConfig`` for compressed plans (its ``bits`` is replaced).
-        inplace: run activation modules in place where autograd allows it (verified on the first
-            step, see ``inplace_activations``).
+        inplace: exact in-place savings: activation modules run in place where autograd allows it
+            (verified on the first step, see ``inplace_activations``), and ``Linear`` and ``Embedding``
+            weight gradients are added into ``.grad`` in backward (``weight_grads_in_place``; not under
+            DDP, whose hooks on the gradient accumulators must run).
         tune_allocator: fix glibc's mmap threshold so RSS follows live memory (see
             NOTE [ Freed memory goes back to the OS ] in ``allocator.py``; process-wide). Off by default:
             it makes a step slower (NOTE [ Metering a planned step ]); the compression contexts of
@@ -208,11 +216,14 @@ class BudgetedStep:
         self.alpha = 1.0
         self._ratios: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
         self._time_ratios: dict[Lever, collections.deque[float]] = {}
+        self._optimizer_scale = 1.0  # the optimizer step's measured transient over its estimate
         self._last_lever: Lever | None = None
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._meter = meter_for(self.device)
-        self._prober = Prober(local, loss_fn, optimizer, self.segments, self.config, self._compression, self._meter)
+        self._grads_in_place = inplace and self._ddp is None
+        self._prober = Prober(local, loss_fn, optimizer, self.segments, self.config, self._compression, self._meter,
+                              grads_in_place=self._grads_in_place)
         self._warned_bn = False
         self.inplace = inplace and not self._compression.asynchronous  # async packing reads tensors later
         if tune_allocator and self.device.type == "cpu":
@@ -309,15 +320,17 @@ class BudgetedStep:
         new_state = missing_state_bytes(self.model, self.optimizer) - missing_grad_bytes(self.model)
         assert self.profile is not None
         self._make_room(budget - self.profile.optimizer_transient - new_state)
+        part = part_bytes_within(self.optimizer, budget - self._meter.current() - new_state,
+                                 _OPTIMIZER_SLACK * self._optimizer_scale)
         opt_start = self._meter.start(trim=False)
-        self.optimizer.step()
+        parts = step_in_parts(self.optimizer, part)
         self.optimizer.zero_grad(set_to_none=True)
         opt_peak = self._meter.peak()
         step_s = time.perf_counter() - t0
         # 4. correct
-        self._correct_model(act_ratio, opt_peak - opt_start - new_state)
+        self._correct_model(act_ratio, opt_peak - opt_start - new_state, part)
         record = StepRecord(len(self.history), budget, plan, max(acc_peak, opt_peak), start_rss, step_s, loss,
-                            replanned, rank_plan, planning=first is not None)
+                            replanned, rank_plan, optimizer_parts=parts, planning=first is not None)
         self.history.append(record)
         return loss
 
@@ -335,16 +348,20 @@ class BudgetedStep:
         per = _activation_per_sample(self.profile, plan.bits, frozenset(plan.checkpointed))
         return self.profile.work_fixed + per * micro
 
-    def _correct_model(self, act_ratio: float | None, measured_opt: int) -> None:
+    def _correct_model(self, act_ratio: float | None, measured_opt: int, part: float | None) -> None:
         """Set ``alpha`` from what the last steps measured against what the model predicted (NOTE [ The
-        cost model ], 5.), and take the measured optimizer-step peak (with 10 % slack) as its transient."""
+        cost model ], 5.), and scale the optimizer step's estimated transient by what the step, in parts
+        of ``part`` bytes, measured (with 10 % slack)."""
         if not self._meter.resettable or self.profile is None:
             return
         if act_ratio is not None and act_ratio > 0:
             self._ratios.append(act_ratio)
             self.alpha = min(self.config.max_alpha, max(_MIN_ALPHA, max(self._ratios)))
         if measured_opt > 0:
-            self.profile = dataclasses.replace(self.profile, optimizer_transient=float(measured_opt) * 1.1)
+            self._optimizer_scale = measured_opt / max(1, optimizer_transient_bytes(self.optimizer, part))
+            leanest = optimizer_transient_bytes(self.optimizer, leanest_part_bytes(self.optimizer))
+            self.profile = dataclasses.replace(
+                self.profile, optimizer_transient=_OPTIMIZER_SLACK * self._optimizer_scale * leanest)
 
     def _time_scale(self) -> dict[Lever, float]:
         """Each lever's measured over predicted time (NOTE [ The cost model ], 4.): the median of its last
@@ -384,6 +401,9 @@ class BudgetedStep:
     def _inplace(self) -> contextlib.AbstractContextManager[Any]:
         return inplace_activations(self.model) if self.inplace else contextlib.nullcontext()
 
+    def _weight_grads(self) -> contextlib.AbstractContextManager[Any]:
+        return weight_grads_in_place(self.model) if self._grads_in_place else contextlib.nullcontext()
+
     def _share(self, total: float) -> Callable[[Any], float]:
         """The weight of a micro-batch's loss: its share of what the batch's mean counts (NOTE
         [ Micro-batching keeps the math ]), or 1 for a sum."""
@@ -422,13 +442,14 @@ class BudgetedStep:
             model = micro_batch_model(self.model, self._ddp, i == run[-1])
             context = self._context(plan.bits)
             recompute = context if isinstance(context, compress) else None
-            with checkpointing(self.segments, plan.checkpointed, recompute), self._inplace(), context:
-                loss = self.loss_fn(model, parts[i])
-            if ceiling is not None:
-                self._make_room(ceiling)  # what the forward freed, before the backward allocates
-            (loss * weights[i]).backward()
-            value += float(loss.detach()) * weights[i]
-            del loss  # free the graph's last references before the next slice
+            with self._weight_grads():  # over the backward too (NOTE [ Weight gradients accumulated in place ])
+                with checkpointing(self.segments, plan.checkpointed, recompute), self._inplace(), context:
+                    loss = self.loss_fn(model, parts[i])
+                if ceiling is not None:
+                    self._make_room(ceiling)  # what the forward freed, before the backward allocates
+                (loss * weights[i]).backward()
+                value += float(loss.detach()) * weights[i]
+                del loss  # free the graph's last references before the next slice
             if i == run[0]:
                 first_peak = self._meter.peak()
                 if ceiling is not None and budget is not None:

@@ -1,0 +1,120 @@
+"""The optimizer step in parts (NOTE [ Stepping in parts ]): bit-identical to one step, temporaries
+spanning one part, and one plain step wherever parts could change the result."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from daftrain.budget.optimizer_step import (
+    leanest_part_bytes,
+    optimizer_transient_bytes,
+    part_bytes_within,
+    step_in_parts,
+)
+
+F32 = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10))
+
+
+def _with_grads(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+OPTIMIZERS = {
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adamw_loop": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, foreach=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_parts_are_bit_identical_to_one_step(name):
+    model = _model()
+    twin = copy.deepcopy(model)
+    groups = lambda m: [{"params": list(m[0].parameters())}, {"params": list(m[2:].parameters()), "lr": 3e-3}]  # noqa: E731
+    opt, ref = OPTIMIZERS[name](groups(model)), OPTIMIZERS[name](groups(twin))
+    largest = max(p.nbytes for p in model.parameters())
+    for seed in range(3):  # state created, then used
+        _with_grads(model, seed)
+        _with_grads(twin, seed)
+        model[4].bias.grad = twin[4].bias.grad = None  # a parameter without a gradient is left alone
+        grads = [p.grad for p in model.parameters()]
+        assert step_in_parts(opt, largest) == 3  # [w0, b0], [w2], [b2, w4]
+        ref.step()
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))  # given back
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert not opt.state.get(model[4].bias)
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """The most bytes one op call allocates (a foreach op returns a list: summed); in-place ops return
+    their inputs and are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x])]
+        inputs = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor)}
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        self.largest = max(self.largest, sum(t.nbytes for t in outs if isinstance(t, torch.Tensor)
+                                             and t.untyped_storage().data_ptr() not in inputs))
+        return out
+
+
+def test_a_foreach_step_in_parts_allocates_one_part_at_a_time():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    total = sum(p.nbytes for p in model.parameters())
+    largest = leanest_part_bytes(opt)
+    assert largest == 128 * 128 * F32
+    seen = []
+    for part in (None, largest):
+        _with_grads(model, 0)
+        with _LargestAllocation() as mode:
+            step_in_parts(opt, part)
+        seen.append(mode.largest)
+    assert seen[0] >= total and seen[1] <= largest, (seen, total, largest)
+
+
+def test_optimizers_that_read_other_parameters_step_whole():
+    model = _model()
+    _with_grads(model, 0)
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    assert leanest_part_bytes(lbfgs) is None
+    assert part_bytes_within(lbfgs, room=0.0, scale=1.0) is None
+    adam = torch.optim.Adam(model.parameters(), foreach=True)
+    calls = []
+    adam.register_step_post_hook(lambda *_: calls.append(1))
+    assert leanest_part_bytes(adam) is None  # a step hook would run once per part
+    assert step_in_parts(adam, 1.0) == 1 and calls == [1]
+
+
+def test_part_bytes_within_fits_the_room():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    whole = optimizer_transient_bytes(opt)
+    largest = leanest_part_bytes(opt)
+    assert part_bytes_within(opt, room=whole, scale=1.0) is None  # the whole step fits
+    part = part_bytes_within(opt, room=0.85 * whole, scale=1.0)
+    assert largest <= part and optimizer_transient_bytes(opt, part) <= 0.85 * whole
+    assert optimizer_transient_bytes(opt, part * 1.01) > 0.85 * whole  # the largest part that fits
+    assert part_bytes_within(opt, room=1.0, scale=1.0) == largest  # nothing fits: the leanest parts
+    loop = torch.optim.Adam(model.parameters(), foreach=False)
+    assert optimizer_transient_bytes(loop, largest) == optimizer_transient_bytes(loop)  # parts do not help
+    assert part_bytes_within(loop, room=1.0, scale=1.0) is None
