@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from daftrain.budget import optimizer_step
 from daftrain.budget.optimizer_step import (
     leanest_part_bytes,
     optimizer_transient_bytes,
@@ -97,7 +98,7 @@ def test_optimizers_that_read_other_parameters_step_whole():
     _with_grads(model, 0)
     lbfgs = torch.optim.LBFGS(model.parameters())
     assert leanest_part_bytes(lbfgs) is None
-    assert part_bytes_within(lbfgs, room=0.0, scale=1.0) is None
+    assert part_bytes_within(lbfgs, room=0.0, whole_scale=1.0, part_scale=1.0) is None
     adam = torch.optim.Adam(model.parameters(), foreach=True)
     calls = []
     adam.register_step_post_hook(lambda *_: calls.append(1))
@@ -110,11 +111,44 @@ def test_part_bytes_within_fits_the_room():
     opt = torch.optim.Adam(model.parameters(), foreach=True)
     whole = optimizer_transient_bytes(opt)
     largest = leanest_part_bytes(opt)
-    assert part_bytes_within(opt, room=whole, scale=1.0) is None  # the whole step fits
-    part = part_bytes_within(opt, room=0.85 * whole, scale=1.0)
+    assert part_bytes_within(opt, room=whole, whole_scale=1.0, part_scale=1.0) is None  # the whole step fits
+    part = part_bytes_within(opt, room=0.85 * whole, whole_scale=1.0, part_scale=1.0)
     assert largest <= part and optimizer_transient_bytes(opt, part) <= 0.85 * whole
     assert optimizer_transient_bytes(opt, part * 1.01) > 0.85 * whole  # the largest part that fits
-    assert part_bytes_within(opt, room=1.0, scale=1.0) == largest  # nothing fits: the leanest parts
+    assert part_bytes_within(opt, room=1.0, whole_scale=1.0, part_scale=1.0) == largest  # none fits: the leanest
+    # measured scales: a whole step measured at half its estimate fits where the estimate did not
+    assert part_bytes_within(opt, room=0.85 * whole, whole_scale=0.5, part_scale=1.0) is None
+
+
+def test_a_for_loop_step_runs_foreach_in_parts():
+    """A for-loop step holds about twice the largest parameter; in parts it runs foreach, one part at a
+    time, where the two paths compute the same floats, and keeps its own path where they do not."""
+    model = _model()
+    largest = leanest_part_bytes(torch.optim.Adam(model.parameters()))
     loop = torch.optim.Adam(model.parameters(), foreach=False)
-    assert optimizer_transient_bytes(loop, largest) == optimizer_transient_bytes(loop)  # parts do not help
-    assert part_bytes_within(loop, room=1.0, scale=1.0) is None
+    assert optimizer_transient_bytes(loop, largest) == 2 * largest < optimizer_transient_bytes(loop)
+    _with_grads(model, 0)
+    with _LargestAllocation() as mode:
+        step_in_parts(loop, largest)
+    assert mode.largest <= largest and loop.param_groups[0]["foreach"] is False  # its setting given back
+    nadam = torch.optim.NAdam(model.parameters(), foreach=False)
+    assert optimizer_transient_bytes(nadam, largest) == optimizer_transient_bytes(nadam)
+    assert part_bytes_within(nadam, room=1.0, whole_scale=1.0, part_scale=1.0) is None  # parts would not help
+
+
+@pytest.mark.parametrize("cls", optimizer_step._FOREACH_IS_LOOP, ids=lambda c: c.__name__)
+def test_foreach_and_for_loop_steps_compute_the_same_floats(cls):
+    """What running a for-loop optimizer's parts with foreach rests on (NOTE [ Stepping in parts ])."""
+    kwargs = {"lr": 1e-2} if cls is not torch.optim.Adadelta else {}
+    if cls is torch.optim.SGD:
+        kwargs.update(momentum=0.9, nesterov=True, weight_decay=0.01)
+    model = _model()
+    twin = copy.deepcopy(model)
+    loop, fe = cls(model.parameters(), foreach=False, **kwargs), cls(twin.parameters(), foreach=True, **kwargs)
+    for seed in range(5):
+        _with_grads(model, seed)
+        _with_grads(twin, seed)
+        loop.step()
+        fe.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)

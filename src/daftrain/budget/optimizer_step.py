@@ -25,10 +25,20 @@ __all__ = ["leanest_part_bytes", "optimizer_transient_bytes", "part_bytes_within
 # LBFGS, not one that clips by a global norm inside ``step``) and without step hooks, which would run
 # once per part; any other optimizer takes one step. A part never splits a parameter, so the leanest
 # parts are single parameters, the largest setting the floor.
+# A for-loop step (torch's default on CPU) already holds its temporaries for one parameter at a time,
+# about twice the largest; run ``foreach`` on a part of that one parameter, it holds one. So parts run
+# ``foreach`` where the optimizer's ``foreach`` and for-loop steps compute the same floats
+# (``_FOREACH_IS_LOOP``, tested; not NAdam, RAdam, ASGD, whose two paths round differently), and the
+# group allows it (not fused, not differentiable, no sparse gradient).
 _PER_PARAMETER = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
     torch.optim.Rprop,
+)
+
+_FOREACH_IS_LOOP = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.RMSprop,
+    torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop,
 )
 
 
@@ -51,6 +61,14 @@ def _foreach(group: dict, params: list[torch.Tensor]) -> bool:
     return bool(foreach)
 
 
+def _foreach_in_parts(optimizer: torch.optim.Optimizer, group: dict, params: list[torch.Tensor]) -> bool:
+    """Whether the group's parts run ``foreach`` (NOTE [ Stepping in parts ])."""
+    if _foreach(group, params):
+        return True
+    return type(optimizer) in _FOREACH_IS_LOOP and not group.get("fused") and not group.get("differentiable") \
+        and not any(p.grad is not None and p.grad.is_sparse for p in params)
+
+
 def optimizer_transient_bytes(optimizer: torch.optim.Optimizer, part_bytes: float | None = None) -> int:
     """Estimated bytes ``optimizer.step()`` allocates beyond its state (NOTE [ The optimizer step's
     transient ]), stepping parts of at most ``part_bytes`` (None: one step; see ``step_in_parts``)."""
@@ -59,11 +77,10 @@ def optimizer_transient_bytes(optimizer: torch.optim.Optimizer, part_bytes: floa
         if not params:
             continue
         largest = max(p.nbytes for p in params)
-        if _foreach(group, params):
-            stepped = sum(p.nbytes for p in params)
-            if part_bytes is not None:
-                stepped = min(stepped, max(part_bytes, largest))
-            need = stepped + largest
+        if part_bytes is not None and _foreach_in_parts(optimizer, group, params):
+            need = min(sum(p.nbytes for p in params), max(part_bytes, largest)) + largest
+        elif _foreach(group, params):
+            need = sum(p.nbytes for p in params) + largest
         else:
             need = int(2.2 * largest)
         worst = max(worst, need)
@@ -78,17 +95,21 @@ def leanest_part_bytes(optimizer: torch.optim.Optimizer) -> float | None:
     return float(max((p.nbytes for params in _params(optimizer) for p in params), default=0))
 
 
-def part_bytes_within(optimizer: torch.optim.Optimizer, room: float, scale: float) -> float | None:
-    """The largest part whose estimated transient, times ``scale``, fits ``room`` bytes; None where the
-    whole step fits or parts would not lower its transient; the leanest part where none fits."""
+def part_bytes_within(optimizer: torch.optim.Optimizer, room: float, whole_scale: float,
+                      part_scale: float) -> float | None:
+    """The largest part whose estimated transient fits ``room`` bytes (estimates times ``whole_scale``
+    for one step, ``part_scale`` in parts: each what the last such step measured over its estimate);
+    None where the whole step fits or parts would not lower its transient; the leanest part where none
+    fits."""
     leanest = leanest_part_bytes(optimizer)
     whole = optimizer_transient_bytes(optimizer)
-    if leanest is None or scale * whole <= room or optimizer_transient_bytes(optimizer, leanest) >= whole:
-        return None  # the whole step fits, or parts would not make it smaller (a for-loop step)
+    if leanest is None or whole_scale * whole <= room or \
+            part_scale * optimizer_transient_bytes(optimizer, leanest) >= whole_scale * whole:
+        return None  # the whole step fits, or parts would not make it smaller
     low, high = leanest, float(sum(p.nbytes for params in _params(optimizer) for p in params))
     for _ in range(40):  # the estimate is monotone in the part size
         mid = (low + high) / 2
-        if scale * optimizer_transient_bytes(optimizer, mid) <= room:
+        if part_scale * optimizer_transient_bytes(optimizer, mid) <= room:
             low = mid
         else:
             high = mid
@@ -116,7 +137,11 @@ def step_in_parts(optimizer: torch.optim.Optimizer, part_bytes: float | None) ->
         optimizer.step()
         return 1
     grads = [p.grad for p in with_grad]
+    modes = [group.get("foreach") for group in optimizer.param_groups]
     try:
+        for group, params in zip(optimizer.param_groups, _params(optimizer), strict=True):
+            if params and _foreach_in_parts(optimizer, group, params):
+                group["foreach"] = True
         for p in with_grad:
             p.grad = None
         start = 0
@@ -130,4 +155,6 @@ def step_in_parts(optimizer: torch.optim.Optimizer, part_bytes: float | None) ->
     finally:
         for p, g in zip(with_grad, grads, strict=True):
             p.grad = g
+        for group, mode in zip(optimizer.param_groups, modes, strict=True):
+            group["foreach"] = mode
     return len(parts)

@@ -216,7 +216,8 @@ class BudgetedStep:
         self.alpha = 1.0
         self._ratios: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
         self._time_ratios: dict[Lever, collections.deque[float]] = {}
-        self._optimizer_scale = 1.0  # the optimizer step's measured transient over its estimate
+        # the optimizer step's measured transient over its estimate, stepped whole (False) or in parts (True)
+        self._optimizer_scale = {False: 1.0, True: 1.0}
         self._last_lever: Lever | None = None
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -321,7 +322,8 @@ class BudgetedStep:
         assert self.profile is not None
         self._make_room(budget - self.profile.optimizer_transient - new_state)
         part = part_bytes_within(self.optimizer, budget - self._meter.current() - new_state,
-                                 _OPTIMIZER_SLACK * self._optimizer_scale)
+                                 _OPTIMIZER_SLACK * self._optimizer_scale[False],
+                                 _OPTIMIZER_SLACK * self._optimizer_scale[True])
         opt_start = self._meter.start(trim=False)
         parts = step_in_parts(self.optimizer, part)
         self.optimizer.zero_grad(set_to_none=True)
@@ -358,10 +360,11 @@ class BudgetedStep:
             self._ratios.append(act_ratio)
             self.alpha = min(self.config.max_alpha, max(_MIN_ALPHA, max(self._ratios)))
         if measured_opt > 0:
-            self._optimizer_scale = measured_opt / max(1, optimizer_transient_bytes(self.optimizer, part))
-            leanest = optimizer_transient_bytes(self.optimizer, leanest_part_bytes(self.optimizer))
-            self.profile = dataclasses.replace(
-                self.profile, optimizer_transient=_OPTIMIZER_SLACK * self._optimizer_scale * leanest)
+            self._optimizer_scale[part is not None] = measured_opt / max(
+                1, optimizer_transient_bytes(self.optimizer, part))
+            lean = leanest_part_bytes(self.optimizer)
+            leanest = optimizer_transient_bytes(self.optimizer, lean) * self._optimizer_scale[lean is not None]
+            self.profile = dataclasses.replace(self.profile, optimizer_transient=_OPTIMIZER_SLACK * leanest)
 
     def _time_scale(self) -> dict[Lever, float]:
         """Each lever's measured over predicted time (NOTE [ The cost model ], 4.): the median of its last
