@@ -16,6 +16,7 @@ from daftrain.budget.budgets import BudgetTooSmallError
 from daftrain.budget.planner import PlannerConfig, plan_step
 from daftrain.budget.segments import batchnorm_to_groupnorm
 from daftrain.budget.step import BudgetedStep
+from daftrain.budget.weight_grads import weight_grads_in_place
 from daftrain.errors import ArgumentTypeError, InvalidArgumentError
 from daftrain.rss import current_rss_bytes, reset_peak_rss
 
@@ -391,3 +392,38 @@ def test_planned_steps_measure_their_time_against_the_model():
         scale[plan.bits, bool(plan.checkpointed)] * plan_step(step.profile, budget_bytes=step.plan.budget_bytes,
                                      persistent_bytes=step.plan.persistent_bytes, config=step.config,
                                      alpha=step.alpha).predicted_step_s)
+
+
+def test_optimizer_steps_in_parts_where_one_step_would_not_fit():
+    """Large parameters, small activations: the whole Adam step's temporaries (all parameters' worth)
+    do not fit the room the budget leaves, so the step goes in parts of the parameters (NOTE [ Stepping
+    in parts ]), under the budget and to the same parameters as whole steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)], nn.Linear(1024, 10))
+    twin = copy.deepcopy(model)
+    batch = (torch.randn(4, 1024), torch.randint(0, 10, (4,)))
+    params = sum(p.nbytes for p in model.parameters())  # 34 MB
+    limit = {"now": "100GB"}
+    step = BudgetedStep(model, ce, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True),
+                        budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)))
+    ref = torch.optim.Adam(twin.parameters(), lr=1e-3, foreach=True)
+    step(batch)  # the planning step, in slices; then the twin starts from where it left off
+    twin.load_state_dict(model.state_dict())
+    ref.load_state_dict(copy.deepcopy(step.optimizer.state_dict()))  # its own state tensors
+    for q in twin.parameters():
+        q.grad = torch.zeros_like(q)  # held through every step, as after each of the twin's steps
+    reset_peak_rss()  # optimizer states allocated: room for the gradients and 24 MB (one step: 34 MB)
+    limit["now"] = current_rss_bytes() + params + 24 * 2**20
+    for _ in range(3):
+        step(batch)
+        ref.zero_grad(set_to_none=True)
+        with weight_grads_in_place(twin):  # the step's gradients, bit for bit (one micro-batch)
+            ce(twin, batch).backward()
+        ref.step()
+    assert step.history[0].optimizer_parts == 1  # the whole step fits 100 GB
+    assert step.profile.optimizer_transient < 0.5 * params
+    for rec in step.history[1:]:
+        assert rec.optimizer_parts > 1 and rec.plan.num_micro_batches == 1, rec
+        assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)  # stepping in parts is bit-identical to one step

@@ -11,7 +11,8 @@ __all__ = ["leanest_part_bytes", "optimizer_transient_bytes", "part_bytes_within
 # ``optimizer.step()`` allocates temporaries beside the state it keeps. A per-parameter ("for-loop")
 # step holds them for one parameter at a time: Adam's ``exp_avg_sq.sqrt() / bias_correction`` makes two
 # parameter-sized temporaries before they are freed, so about twice the largest parameter. A ``foreach``
-# step makes each temporary for all parameters of a group at once, about the group's parameter bytes.
+# step makes each temporary for all parameters of a group at once, about the group's parameter bytes
+# (stepped in parts: the largest part's).
 # torch's default is ``foreach`` only where every parameter is on CUDA. This estimate, scaled by what
 # ``BudgetedStep`` measures, is what the planner reserves for the step.
 
@@ -69,6 +70,18 @@ def _foreach_in_parts(optimizer: torch.optim.Optimizer, group: dict, params: lis
         and not any(p.grad is not None and p.grad.is_sparse for p in params)
 
 
+def _split(params: list[torch.Tensor], part_bytes: float) -> list[list[torch.Tensor]]:
+    parts: list[list[torch.Tensor]] = []
+    size = 0.0
+    for p in params:
+        if not parts or size + p.nbytes > part_bytes:
+            parts.append([])
+            size = 0.0
+        parts[-1].append(p)
+        size += p.nbytes
+    return parts
+
+
 def optimizer_transient_bytes(optimizer: torch.optim.Optimizer, part_bytes: float | None = None) -> int:
     """Estimated bytes ``optimizer.step()`` allocates beyond its state (NOTE [ The optimizer step's
     transient ]), stepping parts of at most ``part_bytes`` (None: one step; see ``step_in_parts``)."""
@@ -76,13 +89,12 @@ def optimizer_transient_bytes(optimizer: torch.optim.Optimizer, part_bytes: floa
     for group, params in zip(optimizer.param_groups, _params(optimizer), strict=True):
         if not params:
             continue
-        largest = max(p.nbytes for p in params)
         if part_bytes is not None and _foreach_in_parts(optimizer, group, params):
-            need = min(sum(p.nbytes for p in params), max(part_bytes, largest)) + largest
+            need = max(sum(p.nbytes for p in part) for part in _split(params, part_bytes))
         elif _foreach(group, params):
-            need = sum(p.nbytes for p in params) + largest
+            need = sum(p.nbytes for p in params)
         else:
-            need = int(2.2 * largest)
+            need = int(2.2 * max(p.nbytes for p in params))
         worst = max(worst, need)
     return int(worst)
 
@@ -114,18 +126,6 @@ def part_bytes_within(optimizer: torch.optim.Optimizer, room: float, whole_scale
         else:
             high = mid
     return low
-
-
-def _split(params: list[torch.Tensor], part_bytes: float) -> list[list[torch.Tensor]]:
-    parts: list[list[torch.Tensor]] = []
-    size = 0.0
-    for p in params:
-        if not parts or size + p.nbytes > part_bytes:
-            parts.append([])
-            size = 0.0
-        parts[-1].append(p)
-        size += p.nbytes
-    return parts
 
 
 def step_in_parts(optimizer: torch.optim.Optimizer, part_bytes: float | None) -> int:

@@ -217,7 +217,8 @@ class BudgetedStep:
         self._ratios: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
         self._time_ratios: dict[Lever, collections.deque[float]] = {}
         # the optimizer step's measured transient over its estimate, stepped whole (False) or in parts (True)
-        self._optimizer_scale = {False: 1.0, True: 1.0}
+        self._optimizer_ratios: dict[bool, collections.deque[float]] = {
+            False: collections.deque(maxlen=_ALPHA_WINDOW), True: collections.deque(maxlen=_ALPHA_WINDOW)}
         self._last_lever: Lever | None = None
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -322,8 +323,8 @@ class BudgetedStep:
         assert self.profile is not None
         self._make_room(budget - self.profile.optimizer_transient - new_state)
         part = part_bytes_within(self.optimizer, budget - self._meter.current() - new_state,
-                                 _OPTIMIZER_SLACK * self._optimizer_scale[False],
-                                 _OPTIMIZER_SLACK * self._optimizer_scale[True])
+                                 _OPTIMIZER_SLACK * self._optimizer_scale(False),
+                                 _OPTIMIZER_SLACK * self._optimizer_scale(True))
         opt_start = self._meter.start(trim=False)
         parts = step_in_parts(self.optimizer, part)
         self.optimizer.zero_grad(set_to_none=True)
@@ -352,19 +353,24 @@ class BudgetedStep:
 
     def _correct_model(self, act_ratio: float | None, measured_opt: int, part: float | None) -> None:
         """Set ``alpha`` from what the last steps measured against what the model predicted (NOTE [ The
-        cost model ], 5.), and scale the optimizer step's estimated transient by what the step, in parts
-        of ``part`` bytes, measured (with 10 % slack)."""
+        cost model ], 5.), and record the optimizer step's measured transient (in parts of ``part`` bytes)
+        against its estimate; the profile keeps the leanest step's, scaled, with 10 % slack."""
         if not self._meter.resettable or self.profile is None:
             return
         if act_ratio is not None and act_ratio > 0:
             self._ratios.append(act_ratio)
             self.alpha = min(self.config.max_alpha, max(_MIN_ALPHA, max(self._ratios)))
         if measured_opt > 0:
-            self._optimizer_scale[part is not None] = measured_opt / max(
-                1, optimizer_transient_bytes(self.optimizer, part))
+            self._optimizer_ratios[part is not None].append(
+                measured_opt / max(1, optimizer_transient_bytes(self.optimizer, part)))
             lean = leanest_part_bytes(self.optimizer)
-            leanest = optimizer_transient_bytes(self.optimizer, lean) * self._optimizer_scale[lean is not None]
+            leanest = optimizer_transient_bytes(self.optimizer, lean) * self._optimizer_scale(lean is not None)
             self.profile = dataclasses.replace(self.profile, optimizer_transient=_OPTIMIZER_SLACK * leanest)
+
+    def _optimizer_scale(self, in_parts: bool) -> float:
+        """The optimizer step's measured over estimated transient, whole or in parts: the largest of the
+        last three such steps (1 before any)."""
+        return max(self._optimizer_ratios[in_parts], default=1.0)
 
     def _time_scale(self) -> dict[Lever, float]:
         """Each lever's measured over predicted time (NOTE [ The cost model ], 4.): the median of its last
