@@ -90,7 +90,7 @@ def test_alpha_makes_plans_more_conservative():
 
 @pytest.mark.parametrize("kwargs", [
     {"bits": ()}, {"bits": (3,)}, {"bits": [2]}, {"safety": 0}, {"safety": 1.5}, {"prefer_exact_within": 1},
-    {"max_alpha": 0.5}, {"compression_reserve": -1}, {"checkpoint": 1},
+    {"max_alpha": 0.5}, {"compression_reserve": -1}, {"checkpoint": 1}, {"compressed_time_factor": 0.9},
 ])
 def test_config_validation(kwargs):
     with pytest.raises((ValueError, TypeError)):

@@ -112,6 +112,27 @@ def test_compressed_slices_only_where_exact_is_bound():
     assert 0 < two < 0.2 * exact
 
 
+def test_no_compressed_slices_where_the_kernels_footprint_would_cost_more_than_it_saves():
+    """The kernels' one-time footprint stays in the process: where it would take most of the room, even
+    compressed plans estimated at their best (bits / 32 of the exact bytes) lose to the exact plan on the
+    whole room, and the planning step measures none (NOTE [ Measuring the cost model ], 3.)."""
+    torch.manual_seed(1)
+    # deep and narrow: saved activations (64 rows of 1 KiB per sample) outweigh the working set
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(32)])
+    loss_fn = lambda m, b: m(b).pow(2).mean()  # noqa: E731
+    x = torch.randn(256, 256)
+    share = lambda part: part.shape[0] / 256  # noqa: E731
+    room = 4 * 2**20  # a quarter of the exact activations (16 MiB): exact needs several micro-batches
+    for reserve, measured in ((0, {None, 8, 4, 2}), (room - 2**19, {None})):
+        p = prober(model, loss_fn, PlannerConfig(compression_reserve=reserve))
+        p.planning_step(x, 10**11, current_rss_bytes(), inplace=False, share=share)  # the first backward
+        model.zero_grad(set_to_none=True)
+        held = current_rss_bytes() + missing_state_bytes(model, p.optimizer)
+        first = p.planning_step(x, held + room / 0.9, held, inplace=False, share=share)
+        assert set(first.profile.bits_options) == measured, reserve
+        model.zero_grad(set_to_none=True)
+
+
 def test_first_step_is_a_plain_step():
     """The first (planning) step of BudgetedStep updates the model as one plain step on the whole batch."""
     torch.manual_seed(11)

@@ -192,6 +192,8 @@ BUDGET: list[Case | object] = [
      r"PlannerConfig\.max_alpha"),
     ("PlannerConfig(max_alpha=0.5)", lambda: PlannerConfig(max_alpha=0.5), InvalidArgumentError,
      r"PlannerConfig\.max_alpha"),
+    ("PlannerConfig(compressed_time_factor=nan)", lambda: PlannerConfig(compressed_time_factor=NAN),
+     InvalidArgumentError, r"PlannerConfig\.compressed_time_factor"),
 ]
 
 

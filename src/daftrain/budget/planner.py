@@ -101,6 +101,10 @@ class PlannerConfig:
     are larger than it."""
     max_alpha: float = 4.0
     """Upper bound on the measured correction of the activation-memory model (its lower bound is 1)."""
+    compressed_time_factor: float = 1.1
+    """The least a compressed step is taken to cost against the exact one before compression was
+    measured: what decides whether loading the kernels (``compression_reserve``, held for good) can pay
+    (NOTE [ Measuring the cost model ], 3.; measured step times in docs/memory.md)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, tuple) or not self.bits:
@@ -111,7 +115,7 @@ class PlannerConfig:
                 raise InvalidArgumentError(f"PlannerConfig.bits entries must be None, 8, 4, 2 or 1, got {b!r}")
         if not isinstance(self.checkpoint, bool):
             raise ArgumentTypeError(f"PlannerConfig.checkpoint must be a bool, got {type(self.checkpoint).__name__}")
-        for name in ("safety", "prefer_exact_within", "max_alpha"):
+        for name in ("safety", "prefer_exact_within", "max_alpha", "compressed_time_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ArgumentTypeError(f"PlannerConfig.{name} must be a number, got {type(value).__name__}")
@@ -126,6 +130,9 @@ class PlannerConfig:
                                        f"{self.compression_reserve!r}")
         if not self.max_alpha >= 1:
             raise InvalidArgumentError(f"PlannerConfig.max_alpha must be >= 1, e.g. 4.0, got {self.max_alpha!r}")
+        if not self.compressed_time_factor >= 1:
+            raise InvalidArgumentError(f"PlannerConfig.compressed_time_factor must be >= 1, e.g. 1.1, got "
+                                       f"{self.compressed_time_factor!r}")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from .memory import (
     missing_state_bytes,
 )
 from .optimizer_step import leanest_part_bytes, optimizer_transient_bytes
-from .planner import PlannerConfig, Profile, SegmentProfile, plan_step
+from .planner import Bits, PlannerConfig, Profile, SegmentProfile, plan_step
 from .segments import checkpointing, inplace_activations
 from .weight_grads import weight_grads_in_place
 
@@ -59,6 +59,10 @@ step), ``"ckpt"`` (exact step, every segment checkpointed) or a bit-width (step 
 #    set and time per sample; its intercepts (per-micro-batch time, fixed working set) are the exact
 #    slices'. Only where the kernels' one-time footprint (``compression_reserve``) fits too, and after
 #    the kernels ran once outside the model, so that their loading is not measured as the model's.
+#    That footprint stays in the process, so every later plan has that much less room: compression is
+#    measured only where a compressed plan could beat the exact one even so, judged from the exact
+#    measurements (saved bytes at ``bits / 32`` of exact, working set and time per micro-batch as exact,
+#    time per sample ``compressed_time_factor`` times exact), planned on the room the kernels leave.
 # 4. Time and working set: the slope between the second smallest and the largest slice
 #    (``per_sample_s``, ``work_per_sample``; never less than half the largest slice's average, a guard
 #    against allocator noise, which can flatten the working set of small slices) and the intercept
@@ -276,9 +280,10 @@ class Prober:
                              runs: dict[Mode, list[tuple[int, _Measurement]]], budget: int, persistent: int) -> bool:
         """Whether compressed slices are worth training (NOTE [ Measuring the cost model ], 3.): always
         where exact activations are not allowed; otherwise only where exact activations need several
-        micro-batches or checkpointing for the batch (only then can compression make the step faster)
-        and the exact plan's activations are larger than the kernels' one-time footprint
-        (``compression_reserve``), which compression could not otherwise pay back."""
+        micro-batches or checkpointing for the batch (only then can compression make the step faster),
+        the exact plan's activations are larger than the kernels' one-time footprint
+        (``compression_reserve``), and a compressed plan estimated from the exact measurements, on the
+        room that footprint leaves, would be faster than the exact plan."""
         if None not in self.config.bits:
             return True
         exact = dataclasses.replace(self.config, bits=(None,))
@@ -288,7 +293,17 @@ class Prober:
         except BudgetTooSmallError:
             return True
         bound = plan.num_micro_batches > 1 or bool(plan.checkpointed)
-        return bound and plan.predicted_activation_bytes > self.config.compression_reserve
+        if not bound or plan.predicted_activation_bytes <= self.config.compression_reserve:
+            return False
+        compressed = tuple(b for b in self.config.bits if b is not None)
+        try:
+            best = plan_step(_compressed_estimate(self._profile(B, m1, count, runs), compressed,
+                                                  self.config.compressed_time_factor),
+                             budget_bytes=budget, persistent_bytes=persistent + self.config.compression_reserve,
+                             config=dataclasses.replace(self.config, bits=compressed))
+        except BudgetTooSmallError:
+            return False
+        return best.predicted_step_s < plan.predicted_step_s
 
     def _load_kernels(self, bits: list[int]) -> None:
         """Run every bit-width's kernels once on a small product outside the model: their one-time cost
@@ -411,3 +426,19 @@ class Prober:
                        optimizer_transient=float(optimizer_transient_bytes(self.optimizer,
                                                                            leanest_part_bytes(self.optimizer))),
                        refault_s_per_byte=self.refault_s_per_byte or 0.0)
+
+
+def _compressed_estimate(profile: Profile, bits: tuple[int, ...], time_factor: float) -> Profile:
+    """What compressed slices could measure at best, from an exact profile (NOTE [ Measuring the cost
+    model ], 3.): saved bytes at ``b / 32`` of exact, the exact working set and per-micro-batch time,
+    ``time_factor`` times the exact time per sample."""
+    def scaled(values: dict[Bits, float]) -> dict[Bits, float]:
+        return {**values, **{b: values[None] * b / 32 for b in bits}}
+
+    def same(values: dict[Bits, float], factor: float = 1.0) -> dict[Bits, float]:
+        return {**values, **{b: values[None] * factor for b in bits}}
+
+    return dataclasses.replace(
+        profile, segments=tuple(dataclasses.replace(s, saved=scaled(s.saved)) for s in profile.segments),
+        outside=scaled(profile.outside), work_per_sample=same(profile.work_per_sample),
+        per_sample_s=same(profile.per_sample_s, time_factor), fixed_s=same(profile.fixed_s))
