@@ -152,3 +152,79 @@ def test_foreach_and_for_loop_steps_compute_the_same_floats(cls):
         fe.step()
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+SLICED = {
+    "SGD": {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    "Adam": {"lr": 1e-2, "amsgrad": True},
+    "AdamW": {"lr": 1e-2, "weight_decay": 0.1},
+    "Adamax": {"lr": 1e-2},
+    "NAdam": {"lr": 1e-2},
+    "RAdam": {"lr": 1e-2},
+    "RMSprop": {"lr": 1e-3, "momentum": 0.9, "centered": True},
+    "Adagrad": {"lr": 1e-2},
+    "Adadelta": {},
+    "ASGD": {"lr": 1e-2},
+    "Rprop": {"lr": 1e-2},
+}
+
+
+def _same_state(a: torch.optim.Optimizer, pa: torch.Tensor, b: torch.optim.Optimizer, pb: torch.Tensor) -> bool:
+    sa, sb = a.state[pa], b.state[pb]
+    if sa.keys() != sb.keys():
+        return False
+    return all(torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k] for k in sa)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("cls", optimizer_step._PER_PARAMETER, ids=lambda c: c.__name__)
+def test_slices_are_bit_identical_to_one_step(cls, foreach, monkeypatch):
+    """NOTE [ Slicing a parameter ]: slices of 777 elements (cutting vectors and rows) from the first
+    step, which creates the state, on; every parameter and every state entry equal to one step's."""
+    monkeypatch.setattr(optimizer_step, "_LEANEST_SLICE_BYTES", 0)
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = cls(model.parameters(), foreach=foreach, **SLICED[cls.__name__])
+    ref = cls(twin.parameters(), foreach=foreach, **SLICED[cls.__name__])
+    part = 777 * F32
+    for seed in range(3):
+        _with_grads(model, seed)
+        _with_grads(twin, seed)
+        grads = [p.grad for p in model.parameters()]
+        calls = step_in_parts(opt, part)
+        ref.step()
+        assert calls > len(grads)  # the weights went in slices
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))  # given back
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert _same_state(opt, p, ref, q)
+    assert opt.param_groups[0]["params"] == list(model.parameters()) and len(opt.state) == len(ref.state)
+
+
+def test_a_sliced_step_allocates_one_slice_at_a_time(monkeypatch):
+    monkeypatch.setattr(optimizer_step, "_LEANEST_SLICE_BYTES", 0)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    _with_grads(model, 0)
+    opt.step()  # the state exists: what is measured is the step's temporaries alone
+    slice_bytes = 1000 * F32
+    assert optimizer_transient_bytes(opt, slice_bytes) == slice_bytes
+    _with_grads(model, 1)
+    with _LargestAllocation() as mode:
+        step_in_parts(opt, slice_bytes)
+    assert 0 < mode.largest <= slice_bytes
+
+
+def test_the_leanest_part_is_a_slice_of_the_largest_parameter():
+    """A tied embedding no longer sets the floor: its slices are the leanest part, never below
+    ``_LEANEST_SLICE_BYTES``; a parameter that cannot be sliced (here not contiguous) still does."""
+    emb = nn.Embedding(1024, 512)  # 2 MiB
+    opt = torch.optim.Adam(emb.parameters())
+    assert leanest_part_bytes(opt) == optimizer_step._LEANEST_SLICE_BYTES < emb.weight.nbytes
+    assert optimizer_transient_bytes(opt, 1.0) == optimizer_step._LEANEST_SLICE_BYTES
+    assert part_bytes_within(opt, room=1.0, whole_scale=1.0, part_scale=1.0) == optimizer_step._LEANEST_SLICE_BYTES
+    strided = nn.Parameter(torch.randn(512, 1024).t())
+    opt = torch.optim.Adam([strided])
+    assert leanest_part_bytes(opt) == strided.nbytes
+    strided.grad = torch.randn(1024, 512)
+    assert step_in_parts(opt, 1.0) == 1  # stepped whole

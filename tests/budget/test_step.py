@@ -427,3 +427,35 @@ def test_optimizer_steps_in_parts_where_one_step_would_not_fit():
         assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)  # stepping in parts is bit-identical to one step
+
+
+def test_a_parameter_larger_than_the_room_is_stepped_in_slices():
+    """One parameter (64 MB) larger than the room the budget leaves (24 MB): the step goes in slices of
+    it (NOTE [ Slicing a parameter ]), under the budget and to the same parameters as whole steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 10))
+    twin = copy.deepcopy(model)
+    batch = (torch.randn(4, 4096), torch.randint(0, 10, (4,)))
+    params = sum(p.nbytes for p in model.parameters())
+    limit = {"now": "100GB"}
+    step = BudgetedStep(model, ce, torch.optim.Adam(model.parameters(), lr=1e-3),
+                        budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)))
+    ref = torch.optim.Adam(twin.parameters(), lr=1e-3)
+    step(batch)
+    twin.load_state_dict(model.state_dict())
+    ref.load_state_dict(copy.deepcopy(step.optimizer.state_dict()))
+    for q in twin.parameters():
+        q.grad = torch.zeros_like(q)
+    reset_peak_rss()
+    limit["now"] = current_rss_bytes() + params + 24 * 2**20
+    for _ in range(3):
+        step(batch)
+        ref.zero_grad(set_to_none=True)
+        with weight_grads_in_place(twin):
+            ce(twin, batch).backward()
+        ref.step()
+    for rec in step.history[1:]:
+        assert rec.optimizer_parts > 2, rec  # the weight in slices, and the rest
+        assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
