@@ -56,6 +56,7 @@ _PER_PARAMETER = (
 )
 
 _LEANEST_SLICE_BYTES = 1 << 20
+_LOOP_TRANSIENT = 2.2  # a for-loop step's temporaries over its largest parameter (or slice)
 
 _FOREACH_IS_LOOP = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.RMSprop,
@@ -151,15 +152,14 @@ def optimizer_transient_bytes(optimizer: torch.optim.Optimizer, part_bytes: floa
             continue
         if part_bytes is not None and _steppable_in_parts(optimizer):
             if _foreach_in_parts(optimizer, group, params):
-                need = max(elements * part[0].element_size() if elements else sum(p.nbytes for p in part)
-                           for part, elements in _split(params, part_bytes,
-                                                        lambda p, g=group: _may_slice(optimizer, g, p)))
+                need = max(sum(_piece_bytes(optimizer, group, p, part_bytes) for p in part)
+                           for part, _ in _split(params, part_bytes, lambda p, g=group: _may_slice(optimizer, g, p)))
             else:
-                need = int(2.2 * max(_piece_bytes(optimizer, group, p, part_bytes) for p in params))
+                need = int(_LOOP_TRANSIENT * max(_piece_bytes(optimizer, group, p, part_bytes) for p in params))
         elif _foreach(group, params):
             need = sum(p.nbytes for p in params)
         else:
-            need = int(2.2 * max(p.nbytes for p in params))
+            need = int(_LOOP_TRANSIENT * max(p.nbytes for p in params))
         worst = max(worst, need)
     return int(worst)
 
@@ -202,22 +202,23 @@ def step_in_parts(optimizer: torch.optim.Optimizer, part_bytes: float | None,
     parts ]), a parameter larger than a part in slices (NOTE [ Slicing a parameter ]); returns the number
     of ``optimizer.step()`` calls. ``before_each(bytes)`` is called before each call of a step in parts
     with that call's estimated transient (NOTE [ The optimizer step's transient ])."""
-    group_of = {id(p): group for group, params in zip(optimizer.param_groups, _params(optimizer), strict=True)
-                for p in params}
-    with_grad = [p for params in _params(optimizer) for p in params if p.grad is not None]
-    parts = _split(with_grad, part_bytes, lambda p: _sliceable(optimizer, group_of[id(p)], p)) \
-        if part_bytes is not None and _steppable_in_parts(optimizer) else []
+    if part_bytes is None or not _steppable_in_parts(optimizer):
+        optimizer.step()
+        return 1
+    groups = list(zip(optimizer.param_groups, _params(optimizer), strict=True))
+    group_of = {id(p): group for group, params in groups for p in params}
+    with_grad = [p for _, params in groups for p in params if p.grad is not None]
+    parts = _split(with_grad, part_bytes, lambda p: _sliceable(optimizer, group_of[id(p)], p))
     if len(parts) <= 1 and (not parts or parts[0][1] is None):
         optimizer.step()
         return 1
     grads = [p.grad for p in with_grad]
     modes = [group.get("foreach") for group in optimizer.param_groups]
     calls = 0
-    factor = {id(group): 1.0 if params and _foreach_in_parts(optimizer, group, params) else 2.2
-              for group, params in zip(optimizer.param_groups, _params(optimizer), strict=True)}
+    foreach = {id(group): bool(params) and _foreach_in_parts(optimizer, group, params) for group, params in groups}
     try:
         for group in optimizer.param_groups:
-            if factor[id(group)] == 1.0:
+            if foreach[id(group)]:
                 group["foreach"] = True
         for p in with_grad:
             p.grad = None
@@ -226,7 +227,7 @@ def step_in_parts(optimizer: torch.optim.Optimizer, part_bytes: float | None,
             for p, g in zip(part, grads[start:start + len(part)], strict=True):
                 p.grad = g
             group = group_of[id(part[0])]
-            loop = factor[id(group)]
+            loop = 1.0 if foreach[id(group)] else _LOOP_TRANSIENT
             if elements is None:
                 if before_each is not None:
                     before_each(int(loop * sum(p.nbytes for p in part)))

@@ -326,20 +326,21 @@ class BudgetedStep:
         part = part_bytes_within(self.optimizer, budget - self._meter.current() - new_state,
                                  _OPTIMIZER_SLACK * self._optimizer_scale(False),
                                  _OPTIMIZER_SLACK * self._optimizer_scale(True))
-        opt_start = [self._meter.start(trim=False)]
+        opt_start = self._meter.start(trim=False)
         part_scale = _OPTIMIZER_SLACK * self._optimizer_scale(True)
 
         def before_part(nbytes: int) -> None:
             # a part that starts lower (after a trim) is measured from there, not from the phase's start
+            nonlocal opt_start
             self._make_room(budget - new_state - part_scale * nbytes)
-            opt_start[0] = min(opt_start[0], self._meter.current())
+            opt_start = min(opt_start, self._meter.current())
 
         parts = step_in_parts(self.optimizer, part, before_part)
         self.optimizer.zero_grad(set_to_none=True)
         opt_peak = self._meter.peak()
         step_s = time.perf_counter() - t0
         # 4. correct
-        self._correct_model(act_ratio, opt_peak - opt_start[0] - new_state, part)
+        self._correct_model(act_ratio, opt_peak - opt_start - new_state, part)
         record = StepRecord(len(self.history), budget, plan, max(acc_peak, opt_peak), start_rss, step_s, loss,
                             replanned, rank_plan, optimizer_parts=parts, planning=first is not None)
         self.history.append(record)
