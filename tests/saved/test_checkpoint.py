@@ -84,6 +84,14 @@ def test_auto_bits_recompute_at_the_default_fixed_bits() -> None:
     assert ctx.recomputation_context().config.bits == daftrain.CompressionConfig().bits
 
 
+@pytest.mark.parametrize(("avg_bits", "bits"), [(2.0, 2), (3.5, 2), (4.0, 4), (1.5, 1), (8.0, 8)])
+def test_auto_bits_with_avg_bits_recompute_at_its_bytes(avg_bits: float, bits: int) -> None:
+    """The bytes an ``avg_bits`` target asks for: what its allocation stores before the first estimate."""
+    ctx = daftrain.compress(bits="auto", avg_bits=avg_bits, model=_model())
+    assert ctx.recomputation_context().config.bits == bits
+    assert not ctx.recomputation_context().config.auto
+
+
 def test_retain_graph_recomputes_again() -> None:
     model, x = _model(), torch.randn(64, 128, requires_grad=True)
     ctx = daftrain.compress(bits=None)

@@ -103,6 +103,20 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # step's first micro-batch has run, what it measured where that is more: a model corrected only after
 # the step (``alpha``) let the first steps of a plan it underestimated go over.
 
+# NOTE [ Bits by importance under a plan ]
+# The planner prices a compressed plan by the bytes its bit-width stores (``Profile.segments``' saved
+# bytes at 8, 4 or 2 bits, measured at fixed bits). Given ``compression=CompressionConfig(bits="auto")``
+# a plan at ``b`` bits runs under ``compress(bits="auto", avg_bits=b)``: the same bytes (the allocation's
+# budget is fixed ``b``-bit's, counted with the layout's group overhead, and its adaptation steps store
+# every tensor at ``b``), spent where the gradient needs them (docs/auto.md). The step owns that byte
+# target, so a base configuration that names one (``avg_bits``, ``packed_bytes``, ``error_share``) is
+# refused. A checkpointed segment's recomputation is stored at ``b`` too (``recomputation_context``), as
+# the cost model counts it. Slots are keyed by forward position and size (``NOTE [ Slots ]`` in
+# auto/report.py), and a plan's balanced micro-batches have two sizes at most: one context per
+# (bits, micro-batch size) keeps an allocation for each, where one context would re-estimate at every
+# change of size. Under micro-batching the variance warning's probe compares accumulated gradients, so
+# it reads a micro-batch's gradient as the minibatch noise: it can stay silent where it would warn.
+
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
 # counts: ``count(micro) / count(batch)``. ``count`` defaults to the number of samples; for token
@@ -151,7 +165,9 @@ class BudgetedStep:
         count: the number of elements a mean loss averages over in a batch (default: samples); see
             ``token_count`` for token losses. Ignored when ``reduction="sum"``.
         reduction: ``"mean"`` or ``"sum"``, how ``loss_fn`` reduces over the batch.
-        compression: base ``CompressionConfig`` for compressed plans (its ``bits`` is replaced).
+        compression: base ``CompressionConfig`` for compressed plans (its ``bits`` is replaced). With
+            ``bits="auto"``, a plan at ``b`` bits stores the bytes of fixed ``b``-bit with each tensor's
+            bits chosen by its importance (``avg_bits=b``; NOTE [ Bits by importance under a plan ]).
         inplace: exact in-place savings: activation modules run in place where autograd allows it
             (verified on the first step, see ``inplace_activations``), and ``Linear`` and ``Embedding``
             weight gradients are added into ``.grad`` in backward (``weight_grads_in_place``; not under
@@ -201,6 +217,12 @@ class BudgetedStep:
         if compression is not None and not isinstance(compression, CompressionConfig):
             raise ArgumentTypeError(f"BudgetedStep compression must be a CompressionConfig, got "
                                     f"{type(compression).__name__}; pass e.g. CompressionConfig(group_size=64)")
+        targets = [n for n in ("avg_bits", "packed_bytes", "error_share")
+                   if compression is not None and getattr(compression, n) is not None]
+        if targets:
+            raise InvalidArgumentError(f"BudgetedStep sets the bytes of a compressed plan itself (avg_bits = the "
+                                       f"plan's bits), so compression must not name {targets[0]}; pass "
+                                       "CompressionConfig(bits='auto') without a target")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self._ddp = ddp_of(model)
         local = unwrap(model)
@@ -211,7 +233,8 @@ class BudgetedStep:
         self.reduction = reduction
         self._compression = dataclasses.replace(compression if compression is not None else CompressionConfig(),
                                                 tune_allocator=tune_allocator)
-        self._contexts: dict[int, compress] = {}
+        self._auto = self._compression.auto
+        self._contexts: dict[tuple[int, int], compress] = {}
         self.profile: Profile | None = None
         self.plan: Plan | None = None
         self.alpha = 1.0
@@ -409,12 +432,17 @@ class BudgetedStep:
                           stacklevel=3)
 
     # -- running ---------------------------------------------------------------------------------------
-    def _context(self, bits: int | None) -> contextlib.AbstractContextManager[Any]:
+    def _context(self, bits: int | None, micro: int) -> contextlib.AbstractContextManager[Any]:
+        """The context a micro-batch of ``micro`` samples runs under at ``bits`` (NOTE [ Bits by importance
+        under a plan ])."""
         if bits is None:
             return contextlib.nullcontext()
-        if bits not in self._contexts:
-            self._contexts[bits] = compress(dataclasses.replace(self._compression, bits=bits), model=self.model)
-        return self._contexts[bits]
+        key = (bits, micro if self._auto else 0)
+        if key not in self._contexts:
+            config = (dataclasses.replace(self._compression, avg_bits=float(bits)) if self._auto
+                      else dataclasses.replace(self._compression, bits=bits))
+            self._contexts[key] = compress(config, model=self.model)
+        return self._contexts[key]
 
     def _inplace(self) -> contextlib.AbstractContextManager[Any]:
         return inplace_activations(self.model) if self.inplace else contextlib.nullcontext()
@@ -458,7 +486,7 @@ class BudgetedStep:
             if ceiling is not None and i != run[0]:
                 self._make_room(ceiling)
             model = micro_batch_model(self.model, self._ddp, i == run[-1])
-            context = self._context(plan.bits)
+            context = self._context(plan.bits, batch_size(parts[i]))
             recompute = context if isinstance(context, compress) else None
             with self._weight_grads():  # over the backward too (NOTE [ Weight gradients accumulated in place ])
                 with checkpointing(self.segments, plan.checkpointed, recompute), self._inplace(), context:

@@ -21,7 +21,7 @@ from ..auto.report import AllocationReport
 from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, UnsupportedError
 from ..kernels import load_fast_kernels
-from ..layout import record_seed
+from ..layout import SUPPORTED_BITS, record_seed
 from ..params import ParameterRegistry
 from ..pool import PagePool
 from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
@@ -280,13 +280,15 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     def recomputation_context(self) -> compress:
         """The context that stores what ``daftrain.checkpoint`` regions save when backward recomputes them
         (``NOTE [ Compressed recomputation ]`` in ``checkpoint.py``): this one's configuration, at its fixed
-        bits (``bits="auto"`` contexts: the default fixed bits, since a recomputation is one block, not a
-        forward pass to allocate over), made once."""
+        bits, made once. A recomputation is one block, not a forward pass to allocate over, so a
+        ``bits="auto"`` context's is stored at fixed bits: those of its ``avg_bits`` rounded down to a
+        supported width where it names one (the bytes it asked for), else the default fixed bits."""
         if self._recomputation is None:
             config = self.config
             if config.auto:
-                config = dataclasses.replace(config, bits=CompressionConfig.bits, avg_bits=None, packed_bytes=None,
-                                             error_share=None)
+                bits = (max(b for b in SUPPORTED_BITS if b <= config.avg_bits) if config.avg_bits is not None
+                        else CompressionConfig.bits)
+                config = dataclasses.replace(config, bits=bits, avg_bits=None, packed_bytes=None, error_share=None)
             self._recomputation = compress(config, model=self._model)
         return self._recomputation
 
