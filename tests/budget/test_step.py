@@ -20,6 +20,7 @@ from daftrain.budget.step import BudgetedStep
 from daftrain.budget.weight_grads import weight_grads_in_place
 from daftrain.config import CompressionConfig
 from daftrain.errors import ArgumentTypeError, InvalidArgumentError
+from daftrain.pool import PagePool, PoolConfig
 from daftrain.rss import current_rss_bytes, reset_peak_rss
 
 
@@ -249,6 +250,70 @@ def test_bits_by_importance_recompute_at_the_plans_bits():
     assert recompute.config.bits == 4 and recompute.stats.compressed > 0
 
 
+def test_the_pool_holds_a_compressed_plans_records_under_the_plans_cap():
+    """NOTE [ The pool under the plan's cap ]: records in the pool's pages, a cap from the plan that the
+    model's own estimate meets (no eviction), every chunk freed after the micro-batches."""
+    model, batch = big_case(4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    pool = PagePool(PoolConfig(page_size=4096))
+    caps = []
+    set_max_bytes = pool.set_max_bytes
+    pool.set_max_bytes = lambda n: (caps.append(n), set_max_bytes(n))[1]
+    limit = {"now": "100GB"}
+    step = BudgetedStep(model, ce, opt, budget=lambda: limit["now"], pool=pool,
+                        config=PlannerConfig(bits=(2,), compression_reserve=0, checkpoint=False))
+    step(batch)
+    whole = step.plan.predicted_activation_bytes  # one micro-batch of the whole batch
+    reset_peak_rss()
+    limit["now"] = current_rss_bytes() + sum(p.nbytes for p in model.parameters()) + int(0.7 * whole)
+    for _ in range(3):
+        step(batch)
+    assert all(r.plan.bits == 2 for r in step.history) and step.plan.num_micro_batches > 1
+    stats = pool.stats()
+    assert stats.peak_used_bytes > 0 and stats.evictions == 0
+    assert all(r.pool_evictions == 0 for r in step.history)
+    assert stats.reserved_bytes == 0 and stats.max_bytes == pool.page_size  # released after the micro-batches
+    room = [c for c in caps if c > pool.page_size]
+    assert room and stats.peak_used_bytes <= min(room)
+    for rec in step.history:
+        assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes)
+    step.close()
+    pool.close()
+
+
+def test_the_pool_evicts_where_the_plan_underestimates_its_records():
+    """Records beyond the room the plan left are demoted, then spilled, and counted; the gradient stays a
+    gradient."""
+    torch.manual_seed(5)
+    model, batch = big_case(5)
+    batch = (batch[0][:512], batch[1][:512])
+    ref = copy.deepcopy(model)
+    ce(ref, batch).backward()
+    pool = PagePool(PoolConfig(page_size=4096))
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=1e-3), budget="100GB", pool=pool,
+                        config=PlannerConfig(bits=(2,), compression_reserve=0, checkpoint=False))
+    step(batch)  # the profile
+    from daftrain.budget.planner import Plan
+
+    records = step.profile.outside[2] + sum(s.saved[2] for s in step.profile.segments)
+    micro, room = 256, 300_000  # two micro-batches; the room holds about a quarter of one's records
+    assert records * micro > 3 * room
+    plan = Plan(0, 0, 512, micro, 2, (), 2, 0, 0.0, 1.0, predicted_activation_bytes=int(step.alpha * micro * records))
+    step.plan = plan
+    model.zero_grad(set_to_none=True)
+    before = step._cap_pool(plan, micro, budget=10**9 + room, persistent=10**9)
+    assert pool.stats().max_bytes == room
+    step._accumulate(batch, plan, 2, 512.0)
+    assert pool.stats().peak_used_bytes <= room
+    evicted = step._release_pool(before)
+    assert evicted > 0 and pool.stats().demotions > 0
+    cos = F.cosine_similarity(flat_grad(model), flat_grad(ref), dim=0)
+    # spilled records are lossless and the demoted ones unbiased at 1 bit: a noisier gradient, not a wrong one
+    assert cos > 0.9, cos
+    step.close()
+    pool.close()
+
+
 def test_batchnorm_warning_and_groupnorm_remedy():
     from daftrain.demo.models.resnet import resnet18
 
@@ -364,6 +429,8 @@ def test_constructor_errors_name_the_argument():
         BudgetedStep(model, ce, opt, budget="1GB", config={"bits": (None,)})
     with pytest.raises(ArgumentTypeError, match="compression must be a CompressionConfig"):
         BudgetedStep(model, ce, opt, budget="1GB", compression=2)
+    with pytest.raises(ArgumentTypeError, match=r"pool must be a daftrain\.PagePool"):
+        BudgetedStep(model, ce, opt, budget="1GB", pool=PoolConfig())
     for target in ({"avg_bits": 3.0}, {"packed_bytes": 10**6}, {"error_share": 0.01}):
         name = next(iter(target))
         with pytest.raises(InvalidArgumentError, match=f"compression must not name {name}"):

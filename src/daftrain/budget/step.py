@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from ..allocator import tighten_allocator
 from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..pool import PagePool
 from ..saved.hooks import compress
 from .batching import CountFn, balanced_sizes, batch_size, split_batch
 from .budgets import Budget
@@ -117,6 +118,22 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # change of size. Under micro-batching the variance warning's probe compares accumulated gradients, so
 # it reads a micro-batch's gradient as the minibatch noise: it can stay silent where it would warn.
 
+# NOTE [ The pool under the plan's cap ]
+# Given a ``PagePool``, a compressed plan's micro-batches store their packed records in its pages: a
+# micro-batch's backward frees its records' pages and the next one's forward takes the same pages, so
+# records never go through the allocator, whose freed blocks the model otherwise counts. Before the
+# micro-batches run the step sets the pool's byte cap to the room the plan leaves for records: the
+# budget, less what the process holds, less the plan's predicted footprint without the records of one
+# micro-batch (the model's own split: saved activations outside blocks and in blocks not checkpointed,
+# at the plan's bits, ``alpha`` applied). Where the model holds, records fit under it and nothing is
+# evicted; where it underestimates, the pool demotes the least important records to fewer bits and then
+# spills them to files (``NOTE [ Eviction order ]`` in pool/store.py) instead of the step going over
+# its budget. ``StepRecord.pool_evictions`` counts them, so a lossy step is never silent. After the
+# micro-batches the cap drops to one page, which frees every chunk: between steps the room belongs to
+# the optimizer step and the next plan, and the held bytes the next plan reads hold no empty pages. A
+# recomputation's records are stored outside the pool (``recomputation_context``), as the model counts
+# them in the working set. The step owns the cap: one set on the pool before is replaced.
+
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
 # counts: ``count(micro) / count(batch)``. ``count`` defaults to the number of samples; for token
@@ -146,6 +163,9 @@ class StepRecord:
     optimizer_parts: int = 1
     """How many ``optimizer.step()`` calls the optimizer step made: parts, and slices of a parameter
     larger than a part (NOTEs [ Stepping in parts ] and [ Slicing a parameter ] in optimizer_step.py)."""
+    pool_evictions: int = 0
+    """With a ``pool``: records it demoted or spilled during the step because they exceeded the byte cap
+    the plan set (NOTE [ The pool under the plan's cap ]); 0 where the plan's model held."""
     planning: bool = False
     """Whether this was a planning step (the first of a batch size): its measuring slices trained part
     of the batch and ``plan`` the rest; ``step_s`` includes them."""
@@ -172,6 +192,8 @@ class BudgetedStep:
             (verified on the first step, see ``inplace_activations``), and ``Linear`` and ``Embedding``
             weight gradients are added into ``.grad`` in backward (``weight_grads_in_place``; not under
             DDP, whose hooks on the gradient accumulators must run).
+        pool: optional ``PagePool`` for compressed plans' packed records, its byte cap set from each plan
+            (NOTE [ The pool under the plan's cap ]).
         tune_allocator: fix glibc's mmap threshold so RSS follows live memory (see
             NOTE [ Freed memory goes back to the OS ] in ``allocator.py``; process-wide). Off by default:
             it makes a step slower (NOTE [ Metering a planned step ]); the compression contexts of
@@ -198,8 +220,8 @@ class BudgetedStep:
                  budget: Budget | str | int | float | Callable[[], str | int | float], *,
                  config: PlannerConfig | None = None, segments: Mapping[str, nn.Module] | None = None,
                  count: CountFn | None = None, reduction: str = "mean",
-                 compression: CompressionConfig | None = None, tune_allocator: bool = False,
-                 inplace: bool = True) -> None:
+                 compression: CompressionConfig | None = None, pool: PagePool | None = None,
+                 tune_allocator: bool = False, inplace: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentTypeError(f"BudgetedStep model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -217,6 +239,9 @@ class BudgetedStep:
         if compression is not None and not isinstance(compression, CompressionConfig):
             raise ArgumentTypeError(f"BudgetedStep compression must be a CompressionConfig, got "
                                     f"{type(compression).__name__}; pass e.g. CompressionConfig(group_size=64)")
+        if pool is not None and not isinstance(pool, PagePool):
+            raise ArgumentTypeError(f"BudgetedStep pool must be a daftrain.PagePool or None, got "
+                                    f"{type(pool).__name__}")
         targets = [n for n in ("avg_bits", "packed_bytes", "error_share")
                    if compression is not None and getattr(compression, n) is not None]
         if targets:
@@ -233,6 +258,7 @@ class BudgetedStep:
         self.reduction = reduction
         self._compression = dataclasses.replace(compression if compression is not None else CompressionConfig(),
                                                 tune_allocator=tune_allocator)
+        self.pool = pool
         self._auto = self._compression.auto
         self._contexts: dict[tuple[int, int], compress] = {}
         self.profile: Profile | None = None
@@ -314,6 +340,7 @@ class BudgetedStep:
         trained = first.trained if first is not None else 0
         loss = first.loss if first is not None else 0.0
         act_ratio: float | None = None
+        evicted = 0
         if trained < samples:
             rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
             k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
@@ -324,9 +351,13 @@ class BudgetedStep:
             if first is not None:  # what the slices freed, before the remainder allocates
                 self._make_room(ceiling)
             rest_start = self._meter.start(trim=False) if first is not None else start_rss
+            evicted = self._cap_pool(plan, micro, budget, persistent)
             acc_t0 = time.perf_counter()
-            value, first_peak = self._accumulate(rest, plan, k, total, ceiling=ceiling, budget=budget,
-                                                 grads=missing_grads if first is None else 0)
+            try:
+                value, first_peak = self._accumulate(rest, plan, k, total, ceiling=ceiling, budget=budget,
+                                                     grads=missing_grads if first is None else 0)
+            finally:
+                evicted = self._release_pool(evicted)
             loss += value
             self._correct_time(plan, time.perf_counter() - acc_t0,
                                accumulation_time(self.profile, plan, samples - trained, k, self.alpha * predicted,
@@ -365,7 +396,8 @@ class BudgetedStep:
         # 4. correct
         self._correct_model(act_ratio, opt_peak - opt_start - new_state, part)
         record = StepRecord(len(self.history), budget, plan, max(acc_peak, opt_peak), start_rss, step_s, loss,
-                            replanned, rank_plan, optimizer_parts=parts, planning=first is not None)
+                            replanned, rank_plan, optimizer_parts=parts, pool_evictions=evicted,
+                            planning=first is not None)
         self.history.append(record)
         return loss
 
@@ -441,8 +473,28 @@ class BudgetedStep:
         if key not in self._contexts:
             config = (dataclasses.replace(self._compression, avg_bits=float(bits)) if self._auto
                       else dataclasses.replace(self._compression, bits=bits))
-            self._contexts[key] = compress(config, model=self.model)
+            self._contexts[key] = compress(config, model=self.model, pool=self.pool)
         return self._contexts[key]
+
+    def _cap_pool(self, plan: Plan, micro: int, budget: int, persistent: int) -> int:
+        """Set the pool's byte cap to the room ``plan`` leaves for one micro-batch's records (NOTE [ The
+        pool under the plan's cap ]); return its evictions so far."""
+        if self.pool is None or plan.bits is None:
+            return 0
+        assert self.profile is not None
+        ckpt = frozenset(plan.checkpointed)
+        records = self.profile.outside[plan.bits] + sum(
+            s.saved[plan.bits] for s in self.profile.segments if s.name not in ckpt)
+        others = plan.predicted_activation_bytes - self.alpha * micro * records
+        self.pool.set_max_bytes(max(self.pool.page_size, int(budget - persistent - others)))
+        return self.pool.stats().evictions
+
+    def _release_pool(self, evicted_before: int) -> int:
+        """Free the pool's chunks after the micro-batches; return the evictions they caused."""
+        if self.pool is None or self.plan is None or self.plan.bits is None:
+            return 0
+        self.pool.set_max_bytes(self.pool.page_size)
+        return self.pool.stats().evictions - evicted_before
 
     def _inplace(self) -> contextlib.AbstractContextManager[Any]:
         return inplace_activations(self.model) if self.inplace else contextlib.nullcontext()
