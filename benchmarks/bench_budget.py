@@ -76,6 +76,22 @@ def _case(name: str, batch: int):
         token_count("labels")
 
 
+def levers(spec: dict) -> dict:
+    """``BudgetedStep``'s optional levers a spec names (``bench_levers.py``): ``bits``, the planner's
+    allowed bit-widths (with no compression reserve, so that compressed plans are taken where they fit);
+    ``auto``, bits by importance at the plan's bytes; ``pool``, a ``PagePool`` under the plan's cap."""
+    from daftrain import CompressionConfig, PagePool, PlannerConfig, PoolConfig
+
+    out: dict = {}
+    if spec.get("bits"):
+        out["config"] = PlannerConfig(bits=tuple(spec["bits"]), compression_reserve=0)
+    if spec.get("auto"):
+        out["compression"] = CompressionConfig(bits="auto")
+    if spec.get("pool"):
+        out["pool"] = PagePool(PoolConfig(page_size=4096))
+    return out
+
+
 def worker(spec: dict) -> None:
     # The protocol owns the real stdout; anything else printed (by C code too) goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -99,7 +115,7 @@ def worker(spec: dict) -> None:
     baseline = rss0 + 3 * sum(p.nbytes for p in model.parameters())
     method, B = spec["method"], spec["batch"]
     if method == "daftrain":
-        step = BudgetedStep(model, loss_fn, opt, budget=spec["budget"], count=count)
+        step = BudgetedStep(model, loss_fn, opt, budget=spec["budget"], count=count, **levers(spec))
         run, peak = (lambda: step(batch)), (lambda: step.process_peak_bytes)
     else:
         if method == "compile":
@@ -137,7 +153,7 @@ def worker(spec: dict) -> None:
         if method == "daftrain":
             r = step.history[-1]
             out.update(step_peak=r.peak_bytes, budget=r.budget_bytes, micro=r.plan.micro_batch_size,
-                       checkpointed=len(r.plan.checkpointed), bits=r.plan.bits)
+                       checkpointed=len(r.plan.checkpointed), bits=r.plan.bits, pool_evictions=r.pool_evictions)
         reply(out)
     reply({"peak": peak()})
 

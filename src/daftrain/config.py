@@ -79,9 +79,10 @@ class CompressionConfig:
     """``bits="auto"`` only: re-estimate importance and re-allocate bits every this many steps (and
     whenever the saved tensors' shapes change)."""
 
-    variance_warning: float = 0.1
+    variance_warning: float | None = 0.1
     """``bits="auto"`` only: warn when the estimated quantization variance of the gradient exceeds this
-    fraction of the minibatch gradient's own variance (needs ``model`` to measure the latter)."""
+    fraction of the minibatch gradient's own variance (needs ``model`` to measure the latter: a copy of
+    the gradients, kept over one step after each adaptation step). ``None`` measures and warns nothing."""
 
     def __post_init__(self) -> None:
         if self.bits is not None and self.bits != AUTO_BITS and (
@@ -144,11 +145,12 @@ class CompressionConfig:
         interval = self.adapt_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise InvalidArgumentError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")
-        if (
+        if self.variance_warning is not None and (
             isinstance(self.variance_warning, bool) or not isinstance(self.variance_warning, int | float)
             or not self.variance_warning > 0
         ):
-            raise InvalidArgumentError(f"variance_warning must be a positive number, got {self.variance_warning!r}")
+            raise InvalidArgumentError(f"variance_warning must be a positive number or None, got "
+                                       f"{self.variance_warning!r}")
 
     @property
     def auto(self) -> bool:

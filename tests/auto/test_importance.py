@@ -209,9 +209,9 @@ def test_state_dict_between_forward_and_backward_of_an_adaptation_step_is_refuse
     assert ctx.state_dict()["slots"]
 
 
-def test_shape_change_triggers_re_estimation():
+def test_shape_change_under_a_byte_count_triggers_re_estimation():
     model = fresh()
-    ctx = daftrain.compress(bits="auto", avg_bits=2.0, model=model, adapt_interval=1000, seed=7)
+    ctx = daftrain.compress(bits="auto", packed_bytes=20_000, model=model, adapt_interval=1000, seed=7)
     train(model, ctx, 2, batch=16)
     assert ctx.report().estimated_at_step == 0
     train(model, ctx, 1, start=2, batch=8)  # new shapes: fallback bits, re-estimate next step
@@ -219,6 +219,60 @@ def test_shape_change_triggers_re_estimation():
     report = ctx.report()
     assert report.estimated_at_step == 3
     assert {s.key.numel for s in report.slots} == {8 * 8 * 16 * 16}
+
+
+def recorded_assignments(ctx) -> list[tuple[int, int, int | None]]:
+    """Wrap the context's bit policy to record ``(index, numel, bits)`` of every quantized record."""
+    policy, seen = ctx._bit_policy, []
+    assign = policy.assign
+
+    def record(step, index, source, flat, min_bits, saved_again=False):
+        out = assign(step, index, source, flat, min_bits, saved_again)
+        if not saved_again:
+            seen.append((index, flat.numel(), out.bits))
+        return out
+
+    policy.assign = record
+    return seen
+
+
+def test_another_batch_size_keeps_the_allocation_under_avg_bits():
+    """NOTE [ Another batch size ]: every slot scaled by one ratio keeps its position's bits; no
+    re-estimation."""
+    model = fresh()
+    ctx = daftrain.compress(bits="auto", avg_bits=3.0, model=model, adapt_interval=1000, seed=7)
+    train(model, ctx, 2, batch=16, scale_b=100.0)  # head b weighs more: an uneven allocation
+    assert len({s.bits for s in ctx.report().slots}) > 1
+    seen = recorded_assignments(ctx)
+    train(model, ctx, 1, start=2, batch=16, scale_b=100.0)
+    whole, seen[:] = list(seen), []
+    train(model, ctx, 2, start=3, batch=8, scale_b=100.0)  # a ragged batch, twice
+    half = seen[:len(whole)]
+    assert [(i, n // 2, b) for i, n, b in whole] == half
+    assert ctx.report().estimated_at_step == 0
+
+
+class Attention(nn.Module):
+    """Saves q and k (numel in proportion to the sequence length) and the scores' softmax (its square)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.proj(x).chunk(2, dim=-1)
+        return torch.softmax(q @ k.transpose(1, 2), dim=-1) @ k
+
+
+def test_another_sequence_length_triggers_re_estimation():
+    torch.manual_seed(0)
+    model = Attention()
+    ctx = daftrain.compress(bits="auto", avg_bits=2.0, model=model, adapt_interval=1000, seed=7, min_numel=1)
+    for length in (64, 64, 32, 32):
+        with ctx:
+            loss = model(torch.randn(4, length, 64)).square().mean()
+        loss.backward()
+    assert ctx.report().estimated_at_step == 3
 
 
 def test_interval_re_estimation():
@@ -246,6 +300,18 @@ def test_warning_when_quantization_variance_is_a_large_share():
         warnings.simplefilter("error", QuantizationVarianceWarning)
         train(model, ctx, 3)
     assert ctx.report().variance_share < 0.1
+
+
+def test_no_variance_warning_keeps_no_gradient_copies():
+    """``variance_warning=None``: nothing measured, no warning even where one would be due."""
+    model = fresh()
+    ctx = daftrain.compress(bits="auto", avg_bits=1.0, model=model, adapt_interval=100, seed=7,
+                            variance_warning=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantizationVarianceWarning)
+        train(model, ctx, 3)
+    report = ctx.report()
+    assert report.grad_variance is None and ctx._bit_policy._probe is None
 
 
 def test_auto_gradients_match_fixed_bits_when_the_allocation_is_uniform():

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from daftrain.budget.weight_grads import weight_grads_in_place
@@ -171,3 +172,33 @@ def test_checkpointed_layers_recompute_under_the_context(use_reentrant):
         loss_of(model).backward()
     loss_of(twin).backward()
     _assert_grads_close(model, twin)
+
+
+def test_an_in_place_linear_is_seen_as_linear_by_torch_function_modes():
+    """NOTE [ Seen as a linear ]: the layer's input is saved inside a call named ``linear``, with
+    ``F.linear``'s arguments, so tracers attribute it as they do autograd's own linear."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    saved_during: list[str | None] = []
+    current: list[str] = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            current.append(getattr(func, "__name__", ""))
+            try:
+                out = func(*args, **(kwargs or {}))
+            finally:
+                current.pop()
+            return out
+
+    def pack(t):
+        saved_during.append(current[-1] if current else None)
+        return t
+
+    with weight_grads_in_place(model) as n, Mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        assert n == 2
+        model(x).sum().backward()
+    # each Linear's input and weight are saved inside ``linear``: none outside a traced call
+    assert saved_during.count("linear") == 4 and None not in saved_during
+    assert model[0].weight.grad is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fractions
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -208,6 +209,9 @@ class AutoBits:
         self._by_index: dict[int, Observation] = {}
         self._pending = False
         self._bits: dict[SlotKey, int | None] = {}
+        # the allocation by (position, dtype), and the step's numel ratio to it: NOTE [ Another batch size ]
+        self._positions: tuple[dict[SlotKey, int | None], dict[tuple[int, str], tuple[int, int | None]]] | None = None
+        self._step_ratio: fractions.Fraction | None = None
         self._report: AllocationReport | None = None
         self._probe: GradProbe | None = None
         self._grad_variance: float | None = None
@@ -270,8 +274,36 @@ class AutoBits:
         if key in self._bits:
             return self._bits[key]
         if self._bits and not self._adapting:
+            scaled = self._scaled_bits(key)
+            if scaled is not None:
+                return scaled[0]
             self._reestimate = True  # shapes changed: see NOTE [ Slots ]
         return self._fallback
+
+    # NOTE [ Another batch size ]
+    # A batch of another size (a ragged last batch, or the micro-batches a memory budget plans) saves the
+    # same tensors at the same forward positions, each with its numel scaled by one ratio. Under an
+    # ``avg_bits`` target the allocation carries over: each position keeps its bits, and the bytes scale
+    # with the values, so the average stays the target. So where a step's unknown slot is at a known
+    # position with the same dtype, and its numel over the allocation's is the ratio every other such slot
+    # of the step has (the first one sets it), it gets that position's bits; any other change (another
+    # sequence length scales attention scores by the ratio squared) is new shapes, and the next step
+    # re-estimates. Under ``packed_bytes`` (an absolute byte count) or ``error_share`` (a bound the
+    # calibration measured at the old size) the allocation is not carried over.
+    def _scaled_bits(self, key: SlotKey) -> tuple[int | None] | None:
+        """The bits of ``key``'s position in the allocation, where ``key`` is that slot at the step's one
+        numel ratio (NOTE [ Another batch size ]); ``None`` otherwise."""
+        if self.avg_bits is None:
+            return None
+        if self._positions is None or self._positions[0] is not self._bits:
+            self._positions = (self._bits, {(k.index, k.dtype): (k.numel, b) for k, b in self._bits.items()})
+        known = self._positions[1].get((key.index, key.dtype))
+        if known is None:
+            return None
+        ratio = fractions.Fraction(key.numel, known[0])
+        if self._step_ratio is None:
+            self._step_ratio = ratio
+        return (known[1],) if ratio == self._step_ratio else None
 
     def _importance_of(self, key: SlotKey) -> float | None:
         """The estimated gradient variance the slot adds at its allocated bits (``None`` before the first
@@ -285,6 +317,7 @@ class AutoBits:
 
     def _new_step(self, step: int) -> None:
         self._step = step
+        self._step_ratio = None
         if self._pending:
             self._finalize()
         if self._probe is not None:
@@ -300,7 +333,7 @@ class AutoBits:
             self._reestimate = False
             self._observed, self._by_index = {}, {}
             self._pending = True
-            if self._params and self._probe is None:
+            if self._params and self._probe is None and self.config.variance_warning is not None:
                 self._probe = GradProbe(self._params)
 
     def _observe(self, key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int) -> None:

@@ -20,9 +20,10 @@ __all__ = ["AllocationReport", "SlotAllocation", "SlotEstimate", "SlotKey"]
 # parameters, tensors kept exact and deduplicated saves create none). The same model running the same
 # code path saves the same sequence, so slot ``i`` is the same layer's same saved tensor every step. A
 # slot whose ``(numel, dtype)`` differs from the allocation's, or an index past its end, means the
-# shapes changed (another batch size or sequence length): that tensor gets the fallback bits
-# (``avg_bits`` rounded down to a supported width; 1 with ``target_bytes``) and the next step
-# re-estimates. A ragged last batch therefore costs two re-estimations per epoch; drop it to avoid them.
+# shapes changed: that tensor gets the fallback bits (``avg_bits`` rounded down to a supported width; 1
+# with ``packed_bytes``) and the next step re-estimates. Except for another batch size under an
+# ``avg_bits`` target, every slot's numel scaled by one ratio, whose allocation carries over (``NOTE
+# [ Another batch size ]`` in policy.py): a ragged last batch costs no re-estimation there.
 @dataclass(frozen=True, order=True)
 class SlotKey:
     """A saved tensor's identity across steps; see ``NOTE [ Slots ]``."""

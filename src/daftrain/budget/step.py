@@ -112,11 +112,11 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # every tensor at ``b``), spent where the gradient needs them (docs/auto.md). The step owns that byte
 # target, so a base configuration that names one (``avg_bits``, ``packed_bytes``, ``error_share``) is
 # refused. A checkpointed segment's recomputation is stored at ``b`` too (``recomputation_context``), as
-# the cost model counts it. Slots are keyed by forward position and size (``NOTE [ Slots ]`` in
-# auto/report.py), and a plan's balanced micro-batches have two sizes at most: one context per
-# (bits, micro-batch size) keeps an allocation for each, where one context would re-estimate at every
-# change of size. Under micro-batching the variance warning's probe compares accumulated gradients, so
-# it reads a micro-batch's gradient as the minibatch noise: it can stay silent where it would warn.
+# the cost model counts it. Micro-batches of other sizes keep the allocation (``NOTE [ Another batch
+# size ]`` in auto/policy.py), so one context per bit-width serves every plan at it. The variance
+# warning is off (``variance_warning=None``): its probe copies every gradient for a step, memory the plan
+# does not count, and under micro-batching it would compare accumulated gradients, reading one
+# micro-batch's gradient as the minibatch noise.
 
 # NOTE [ The pool under the plan's cap ]
 # Given a ``PagePool``, a compressed plan's micro-batches store their packed records in its pages: a
@@ -260,7 +260,7 @@ class BudgetedStep:
                                                 tune_allocator=tune_allocator)
         self.pool = pool
         self._auto = self._compression.auto
-        self._contexts: dict[tuple[int, int], compress] = {}
+        self._contexts: dict[int, compress] = {}
         self.profile: Profile | None = None
         self.plan: Plan | None = None
         self.alpha = 1.0
@@ -464,17 +464,15 @@ class BudgetedStep:
                           stacklevel=3)
 
     # -- running ---------------------------------------------------------------------------------------
-    def _context(self, bits: int | None, micro: int) -> contextlib.AbstractContextManager[Any]:
-        """The context a micro-batch of ``micro`` samples runs under at ``bits`` (NOTE [ Bits by importance
-        under a plan ])."""
+    def _context(self, bits: int | None) -> contextlib.AbstractContextManager[Any]:
+        """The context a micro-batch runs under at ``bits`` (NOTE [ Bits by importance under a plan ])."""
         if bits is None:
             return contextlib.nullcontext()
-        key = (bits, micro if self._auto else 0)
-        if key not in self._contexts:
-            config = (dataclasses.replace(self._compression, avg_bits=float(bits)) if self._auto
-                      else dataclasses.replace(self._compression, bits=bits))
-            self._contexts[key] = compress(config, model=self.model, pool=self.pool)
-        return self._contexts[key]
+        if bits not in self._contexts:
+            config = (dataclasses.replace(self._compression, avg_bits=float(bits), variance_warning=None)
+                      if self._auto else dataclasses.replace(self._compression, bits=bits))
+            self._contexts[bits] = compress(config, model=self.model, pool=self.pool)
+        return self._contexts[bits]
 
     def _cap_pool(self, plan: Plan, micro: int, budget: int, persistent: int) -> int:
         """Set the pool's byte cap to the room ``plan`` leaves for one micro-batch's records (NOTE [ The
@@ -538,7 +536,7 @@ class BudgetedStep:
             if ceiling is not None and i != run[0]:
                 self._make_room(ceiling)
             model = micro_batch_model(self.model, self._ddp, i == run[-1])
-            context = self._context(plan.bits, batch_size(parts[i]))
+            context = self._context(plan.bits)
             recompute = context if isinstance(context, compress) else None
             with self._weight_grads():  # over the backward too (NOTE [ Weight gradients accumulated in place ])
                 with checkpointing(self.segments, plan.checkpointed, recompute), self._inplace(), context:

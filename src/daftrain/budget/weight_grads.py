@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 __all__ = ["weight_grads_in_place"]
 
@@ -113,11 +114,27 @@ class _EmbeddingInPlace(torch.autograd.Function):
         return None, None, None
 
 
+# NOTE [ Seen as a linear ]
+# ``bits="auto"`` learns which torch function saved each tensor, and how the gradient of its output
+# scales the tensor's rounding noise, from a ``TorchFunctionMode`` (``auto/tracing.py``); so do the op
+# rules (``saved/op_rules.py``). An ``autograd.Function`` saves its tensors outside any call that mode
+# sees, so the Linear inputs saved by ``_LinearInPlace`` would go unattributed and get the median
+# importance of the others, whatever their real weight in the gradient. ``linear`` below is therefore a
+# torch function of its own: under a mode it hands itself to the mode, which runs it and attributes what
+# it saved to a call named ``linear`` with ``F.linear``'s arguments, the op it computes.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight's gradient added into ``.grad`` in backward; a torch
+    function as ``F.linear`` is (NOTE [ Seen as a linear ])."""
+    if has_torch_function_variadic(x, weight, bias):
+        return handle_torch_function(linear, (x, weight, bias), x, weight, bias)
+    return _LinearInPlace.apply(x, weight, bias)
+
+
 def _linear_forward(mod: nn.Linear) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not _eligible(mod.weight):
             return F.linear(x, mod.weight, mod.bias)
-        return _LinearInPlace.apply(x, mod.weight, mod.bias)
+        return linear(x, mod.weight, mod.bias)
     return forward
 
 
