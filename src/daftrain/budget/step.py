@@ -134,6 +134,14 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # recomputation's records are stored outside the pool (``recomputation_context``), as the model counts
 # them in the working set. The step owns the cap: one set on the pool before is replaced.
 
+# NOTE [ The optimizer step that creates the state ]
+# The optimizer's first step creates its state (Adam's two moments) one parameter at a time, between
+# the per-parameter transients, and the allocator lays the new state beside the free memory the
+# micro-batches left rather than in it: that step peaks well above its state plus the transient
+# measured on later steps, and no step before it has measured it (docs/budget.md). So before a step
+# that creates state the step returns the allocator's free memory unconditionally, whatever the
+# estimate says: once per run, and the room it frees is what that step's extra transient takes.
+
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
 # counts: ``count(micro) / count(batch)``. ``count`` defaults to the number of samples; for token
@@ -376,6 +384,8 @@ class BudgetedStep:
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
         new_state = missing_state_bytes(self.model, self.optimizer) - missing_grad_bytes(self.model)
         assert self.profile is not None
+        if new_state > 0:  # NOTE [ The optimizer step that creates the state ]
+            self._meter.release()
         self._make_room(budget - self.profile.optimizer_transient - new_state)
         part = part_bytes_within(self.optimizer, budget - self._meter.current() - new_state,
                                  _OPTIMIZER_SLACK * self._optimizer_scale(False),
