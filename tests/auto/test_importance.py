@@ -449,3 +449,73 @@ def test_operands_of_a_product_of_two_activations_get_two_bits_at_least():
     assert [s.min_bits for s in by_op["matmul"]] == [2, 2, 1, 1]  # q, k, mixed, mixed cast to bfloat16
     assert [s.min_bits for s in by_op["bmm"]] == [2, 2]
     assert [s.key.dtype for s in by_op["matmul"]][-1] == "bfloat16"
+
+
+class Mixer(nn.Module):
+    """Linear layers around GELU and a log-softmax head: inputs of contractions with a parameter (the
+    Linear inputs), an elementwise op's input (GELU's) and a record with an 8-bit floor of its own
+    (log_softmax's output, ``saved/decide.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 128), nn.Linear(128, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.a(x))
+        return torch.log_softmax(self.c(self.b(h) * 0.5), dim=-1)
+
+
+def _mixer_steps(ctx, steps=2):
+    torch.manual_seed(0)
+    model = Mixer()
+    for step in range(steps):
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(step))
+        with ctx:
+            loss = -model(x)[:, 0].mean()
+        loss.backward()
+    return model
+
+
+def test_below_the_width_asked_for_only_where_the_noise_lands_in_a_parameter():
+    """NOTE [ Below the width asked for ]: uncalibrated, a tensor not saved only by contractions with a
+    parameter never goes below the target's width; the Linear inputs may."""
+    ctx = daftrain.compress(bits="auto", avg_bits=4.0, seed=7, min_numel=1)
+    _mixer_steps(ctx)
+    slots = ctx.report().slots
+    for s in slots:
+        if s.op != "linear":
+            assert s.min_bits >= 4 and (s.bits is None or s.bits >= 4), (s.op, s.min_bits, s.bits)
+    assert any(s.op == "linear" and s.min_bits < 4 for s in slots)
+
+
+def test_an_integer_avg_bits_budget_is_the_bytes_of_fixed_bits():
+    """Fixed bits raise a record to its treatment's floor (log_softmax's output: 8): the ``avg_bits``
+    budget counts the same, so the allocation has the bytes fixed bits store, not fewer."""
+    fixed = daftrain.compress(bits=2, seed=7, min_numel=1)
+    _mixer_steps(fixed, steps=1)
+    auto = daftrain.compress(bits="auto", avg_bits=2.0, seed=7, min_numel=1)
+    _mixer_steps(auto)
+    report = auto.report()
+    assert any(s.min_bits == 8 for s in report.slots)
+    assert report.target_bytes == fixed.stats.packed_bytes
+    assert report.used_bytes <= report.target_bytes
+
+
+def test_a_record_whose_consumer_is_rewritten_in_place_gets_the_median_sensitivity():
+    """Observation.rewritten: an output written into in place later in the forward hides the gradient
+    that reaches the record (its prehook never fires); that is not a zero."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(64, 64), nn.Linear(64, 8)
+    ctx = daftrain.compress(bits="auto", avg_bits=2.0, seed=3, min_numel=1)
+    for step in range(2):
+        x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        with ctx:
+            h = first(x * 2.0)  # the scaled input is saved by the linear alone; h is a view of its product
+            h[:, :2] = 0.0  # as HuBERT writes its masked time steps into the projection's output
+            out = second(torch.sigmoid(h))
+        out.square().mean().backward()
+    slots = {s.op: s for s in ctx.report().slots}
+    assert set(slots) == {"linear", "sigmoid+linear"}
+    rewritten = slots["linear"]
+    assert rewritten.grad_sq is None and rewritten.sensitivity == slots["sigmoid+linear"].sensitivity > 0
+    assert rewritten.bits is not None and rewritten.bits >= 2

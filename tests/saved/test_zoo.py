@@ -60,3 +60,33 @@ def test_every_architecture_runs_and_exact_mode_is_bit_identical(model_type, kin
     for bits in (8, 4, 2):
         grads = _grads(model, inputs, daftrain.compress(bits=bits, model=model))
         assert torch.isfinite(grads).all(), f"{model_type} at {bits} bits"
+
+
+def _mean_error(model, inputs, ref, make, draws=2, adapt=False):
+    errors = []
+    for seed in range(draws):
+        ctx = make(seed)
+        if adapt:
+            _grads(model, inputs, ctx)  # the adaptation step
+        errors.append(1.0 - _cos(_grads(model, inputs, ctx), ref))
+    return sum(errors) / draws, ctx.stats.stored_bytes
+
+
+# Issue 17: bits="auto" must not do worse than uniform bits at the same bytes. Before NOTE [ Below the width
+# asked for ] and the floors counted in the budget, the llama family was 6x worse at 4 bits and BERT's
+# attention and T5's projections paid for the op rules' 8-bit floors (benchmarks/bench_zoo_auto.py runs
+# all 82 architectures). The mean over two rounding draws varies by a few per cent on these models: 10 %
+# is outside that.
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "bert", "t5", "resnet"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_auto_bits_are_no_worse_than_uniform_bits_at_the_same_bytes(model_type, bits):
+    _, kind, overrides = _entry(model_type)
+    model = tiny_model(model_type, overrides)
+    inputs = tiny_inputs(model, kind)
+    ref = _grads(model, inputs, None)
+    fixed, fixed_bytes = _mean_error(model, inputs, ref, lambda s: daftrain.compress(bits=bits, model=model, seed=s))
+    auto, auto_bytes = _mean_error(
+        model, inputs, ref, lambda s: daftrain.compress(bits="auto", avg_bits=float(bits), model=model, seed=s),
+        adapt=True)
+    assert auto_bytes <= fixed_bytes
+    assert auto <= 1.1 * fixed, (auto, fixed)

@@ -40,6 +40,7 @@ from .tracing import (
     Observation,
     SaveTracer,
     floor_bits,
+    lands_in_a_parameter,
     nonlinear_saver,
     observe,
 )
@@ -365,22 +366,34 @@ class AutoBits:
         for o in observed:
             if o.grad_sq is not None:
                 sens.append(o.sensitivity)
-            elif o.traced and self.config.error_share is None:
+            elif o.traced and not o.rewritten and self.config.error_share is None:
                 sens.append(0.0)  # saved by traced ops whose outputs got no gradient: its noise should not reach one
             else:  # NOTE [ A variance target ]: a bound does not take an unmeasured zero on trust
                 sens.append(default)
         slots = [SlotEstimate(o.key, o.shape, o.itemsize, "+".join(o.ops), o.producer, o.grad_sq, o.noise, s,
-                              floor_bits(o.ops, o.min_bits, o.noise, o.activation_product))
-                 for o, s in zip(observed, sens, strict=True)]
+                              self._floor(o)) for o, s in zip(observed, sens, strict=True)]
         next_adapt = self._adapt_step + self.config.adapt_interval
         self._bits, self._report = self._solve(slots, self._adapt_step, next_adapt, self._grad_variance)
         self._next_adapt = next_adapt
 
-    def _budget(self, numels: list[int]) -> int:
+    def _floor(self, o: Observation) -> int:
+        """The fewest bits of an observed record: NOTE [ Fewest bits ] in tracing.py, and the uniform width
+        of an ``avg_bits`` target until a calibration (NOTE [ Below the width asked for ])."""
+        floor = floor_bits(o.ops, o.min_bits, o.noise, o.activation_product)
+        if self.avg_bits is not None and not self._calibration and not lands_in_a_parameter(
+                o.ops, o.activation_product):
+            floor = max(floor, self._fallback)
+        return floor
+
+    def _budget(self, slots: list[SlotEstimate]) -> int:
+        """The byte budget: ``packed_bytes``, or ``avg_bits`` per value where each slot counts at its floor
+        where that is more, as fixed bits raise a record to its treatment's floor: an integer
+        ``avg_bits`` is then exactly the bytes fixed bits of that width store."""
         if self.config.packed_bytes is not None:
             return self.config.packed_bytes
         assert self.avg_bits is not None
-        return budget_for_avg_bits(numels, self.avg_bits, self.config.group_size)
+        avg, group = self.avg_bits, self.config.group_size
+        return sum(budget_for_avg_bits([e.key.numel], max(avg, e.min_bits), group) for e in slots)
 
     def _solve(self, slots: list[SlotEstimate], estimated_at: int, next_adapt: int,
                grad_variance: float | None) -> tuple[dict[SlotKey, int | None], AllocationReport]:
@@ -404,7 +417,7 @@ class AutoBits:
             solution = self._solve_for_variance(items)
             budget = solution.nbytes
         else:
-            budget = self._budget([e.key.numel for e in slots])
+            budget = self._budget(slots)
             if sum(c[0].nbytes for c in items) > budget:  # a budget below the floors: NOTE [ Fewest bits ]
                 items = choices(floored=False)
             solution = solve(items, budget)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,10 @@ class Observation:
     """A contraction of two activations saved it; see ``NOTE [ Fewest bits ]``."""
     hooked: bool = False
     """A prehook waits for the output gradient of an op that saved it."""
+    rewritten: bool = False
+    """An output of an op that saved it was modified in place later in the forward: its gradient then
+    passes inside the in-place op's node, not the prehook's, and a gradient that never came proves
+    nothing (NOTE [ Importance estimate ])."""
 
 
 def observe(key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int,
@@ -120,6 +125,32 @@ def floor_bits(ops: list[str], min_bits: int, noise: NoiseProfile, activation_pr
     if any(op not in _LINEAR_SAVERS for op in ops) or noise.zero_r2 > 0 or activation_product:
         return max(min_bits, NONLINEAR_SAVER_MIN_BITS)
     return min_bits
+
+
+# Contractions whose other operand can be a parameter: see NOTE [ Below the width asked for ].
+_PARAMETER_CONTRACTIONS = frozenset({
+    "linear", "conv1d", "conv2d", "conv3d", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm",
+    "baddbmm", "addbmm", "einsum",
+})
+
+
+# NOTE [ Below the width asked for ]
+# The analytic estimate (NOTE [ Importance estimate ]) counts a tensor's noise where it first lands. For a
+# tensor that a contraction with a parameter saved (a layer's input), that is the parameter's gradient,
+# the quantity the gradient error is measured in; for any other (an elementwise op's operand, a norm's
+# input, an attention operand) it is an activation gradient, which the backward of every layer before
+# it carries on to the parameters, and the estimate undercounts it by orders of magnitude (docs/zoo.md).
+# Ranked together, the allocation under an ``avg_bits`` target took bits from the latter to give them to
+# the former: over the zoo of 82 architectures it made the gradient worse than uniform bits at the same
+# bytes on about half of them (``benchmarks/bench_zoo_auto.py``). So until ``calibrate`` has measured the
+# classes' corrections, a tensor goes below the uniform width of the target (``avg_bits`` rounded down
+# to a supported width) only where every op that saved it is a contraction with a parameter
+# (``lands_in_a_parameter``); the others may get more bits, never fewer. With ``packed_bytes`` (no width)
+# or ``error_share`` (calibrated by its own) nothing changes.
+def lands_in_a_parameter(ops: list[str], activation_product: bool) -> bool:
+    """Every op that saved the tensor contracts it with a parameter, so its rounding noise lands in that
+    parameter's gradient; see ``NOTE [ Below the width asked for ]``."""
+    return bool(ops) and not activation_product and all(op in _PARAMETER_CONTRACTIONS for op in ops)
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -250,7 +281,10 @@ def _mean_rstd_sq(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -
 #      A tensor saved by several ops sums their terms. A record whose op's output has no ``grad_fn``,
 #      or whose ``grad_fn`` receives no gradient, gets ``s_i = 0`` (its noise cannot reach a
 #      gradient); one created outside any traced call (e.g. inside a custom ``autograd.Function``)
-#      gets the median of the others (``AutoBits._finalize``).
+#      gets the median of the others (``AutoBits._finalize``), and so does one whose op's output the
+#      forward later writes into in place (``Observation.rewritten``: HuBERT writes its masked time
+#      steps into the feature projection's output, whose gradient then reaches it inside the in-place
+#      op's node, past the prehook, and a zero would put its input at 1 bit).
 # The error of a contraction lands directly in a parameter's gradient; that of a fan-out-one op lands
 # in an activation gradient and reaches the parameters through the backward of the layers before it;
 # the estimate counts it at that first landing, not through the rest of the network (doing so exactly
@@ -312,6 +346,8 @@ def _attribute(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out:
         node.register_prehook(on_grad)
     for obs, _ in contribs:
         obs.hooked = True
+    for t in outs:
+        tracer.watch(t, [obs for obs, _ in contribs])
 
 
 # Autograd nodes that only re-view their input: the producer of a saved view is the node behind them.
@@ -339,6 +375,24 @@ def _producer(t: torch.Tensor | None) -> str:
     return type(node).__name__ if node is not None else ""
 
 
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                               "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__",
+                               "__ilshift__", "__irshift__"})
+
+
+def _writes_in_place(func: Any) -> bool:
+    """``func`` modifies its first argument in place (``add_``, ``masked_fill_``, ``x[i] = v``, ``+=``)."""
+    name = getattr(func, "__name__", "")
+    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+
+
 class _SaverMode(TorchFunctionMode):
     """One thread's tracer: attributes each record its forward saves to the call that saved it."""
 
@@ -351,6 +405,8 @@ class _SaverMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if args and not torch.compiler.is_compiling() and _writes_in_place(func):
+            self.tracer.written(args[0])  # eager only: compiled graphs store exact under bits="auto"
         saved = self.saved
         start = len(saved)
         out = func(*args, **kwargs)  # the mode is off inside: nested calls belong to this one
@@ -392,13 +448,31 @@ class SaveTracer:
         mode = _SaverMode(self)
         mode.__enter__()
         self._local.mode = mode
+        self._local.watched = {}
 
     def stop(self) -> None:
         """Stop tracing this thread's forward."""
         mode = getattr(self._local, "mode", None)
         self._local.mode = None
+        self._local.watched = {}
         if mode is not None:
             mode.__exit__(None, None, None)
+
+    def watch(self, out: torch.Tensor, observations: list[Observation]) -> None:
+        """``out`` is an output of the call that saved ``observations``: an in-place write into its
+        storage later in the forward marks them ``rewritten`` (``written``)."""
+        self._local.watched.setdefault(_storage(out), []).append((weakref.ref(out), observations))
+
+    def written(self, target: Any) -> None:
+        """The forward modifies ``target`` in place: mark the records saved by a call whose output shares
+        its storage, if that output is still alive (its storage was not freed and reused)."""
+        watched = getattr(self._local, "watched", None)
+        if not watched or not isinstance(target, torch.Tensor):
+            return
+        for ref, observations in watched.get(_storage(target), ()):
+            if ref() is not None:
+                for obs in observations:
+                    obs.rewritten = True
 
     def note(self, obs: Observation, source: torch.Tensor) -> None:
         """``source`` was saved as ``obs``'s record inside the call this thread is tracing, if any."""
