@@ -111,6 +111,12 @@ class PackedLayout:
         return self.codes_nbytes + self.num_groups * (4 + 2)
 
 
+def widest_bits_within(avg_bits: float) -> int:
+    """The widest supported bit-width not above ``avg_bits`` (at least 1): what an ``avg_bits`` target
+    stores where it allocates nothing."""
+    return max((b for b in SUPPORTED_BITS if b <= avg_bits), default=SUPPORTED_BITS[0])
+
+
 def bool_nbytes(numel: int) -> int:
     """Bytes of a bool tensor packed 1 bit per value (LSB first)."""
     return (numel + 7) // 8

@@ -299,13 +299,12 @@ def test_the_pool_evicts_where_the_plan_underestimates_its_records():
     micro, room = 256, 300_000  # two micro-batches; the room holds about a quarter of one's records
     assert records * micro > 3 * room
     plan = Plan(0, 0, 512, micro, 2, (), 2, 0, 0.0, 1.0, predicted_activation_bytes=int(step.alpha * micro * records))
-    step.plan = plan
     model.zero_grad(set_to_none=True)
     before = step._cap_pool(plan, micro, budget=10**9 + room, persistent=10**9)
     assert pool.stats().max_bytes == room
     step._accumulate(batch, plan, 2, 512.0)
     assert pool.stats().peak_used_bytes <= room
-    evicted = step._release_pool(before)
+    evicted = step._release_pool(plan, before)
     assert evicted > 0 and pool.stats().demotions > 0
     cos = F.cosine_similarity(flat_grad(model), flat_grad(ref), dim=0)
     # spilled records are lossless and the demoted ones unbiased at 1 bit: a noisier gradient, not a wrong one

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import CompressionConfig
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..layout import SUPPORTED_BITS
+from ..layout import widest_bits_within
 from ..params import ParameterRegistry
 from .allocation import AllocationError, Choice, Solution, budget_for_avg_bits, choices_for, solve, solve_for_variance
 from .report import AllocationReport, SlotAllocation, SlotEstimate, SlotKey
@@ -198,7 +198,7 @@ class AutoBits:
             self._fallback = 1
         else:
             self.avg_bits = float(config.avg_bits) if config.avg_bits is not None else 2.0
-            self._fallback = max(b for b in SUPPORTED_BITS if b <= self.avg_bits)
+            self._fallback = widest_bits_within(self.avg_bits)
         self._lock = threading.RLock()
         self._tracer = SaveTracer(ParameterRegistry(model))
         self._step = -1

@@ -161,14 +161,19 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 where it has none to read."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def _same_storage(a: Any, b: torch.Tensor) -> bool:
     if not isinstance(a, torch.Tensor):
         return False
-    try:
-        pa = a.untyped_storage().data_ptr()
-        return pa != 0 and pa == b.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return False
+    pa = _storage(a)
+    return pa != 0 and pa == _storage(b)
 
 
 def _arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], i: int, name: str) -> Any:
@@ -375,13 +380,6 @@ def _producer(t: torch.Tensor | None) -> str:
     return type(node).__name__ if node is not None else ""
 
 
-def _storage(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                                "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__",
                                "__ilshift__", "__irshift__"})
@@ -461,7 +459,9 @@ class SaveTracer:
     def watch(self, out: torch.Tensor, observations: list[Observation]) -> None:
         """``out`` is an output of the call that saved ``observations``: an in-place write into its
         storage later in the forward marks them ``rewritten`` (``written``)."""
-        self._local.watched.setdefault(_storage(out), []).append((weakref.ref(out), observations))
+        storage = _storage(out)
+        if storage:
+            self._local.watched.setdefault(storage, []).append((weakref.ref(out), observations))
 
     def written(self, target: Any) -> None:
         """The forward modifies ``target`` in place: mark the records saved by a call whose output shares
@@ -469,7 +469,7 @@ class SaveTracer:
         watched = getattr(self._local, "watched", None)
         if not watched or not isinstance(target, torch.Tensor):
             return
-        for ref, observations in watched.get(_storage(target), ()):
+        for ref, observations in watched.get(_storage(target), ()):  # 0, no storage, is never watched
             if ref() is not None:
                 for obs in observations:
                     obs.rewritten = True

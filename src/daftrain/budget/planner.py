@@ -232,16 +232,17 @@ def _bits_rank(b: Bits) -> int:
     return 64 if b is None else b
 
 
+def _records_per_sample(profile: Profile, bits: Bits, ckpt: frozenset[str]) -> float:
+    """What the forward stores per sample at ``bits``: saved outside the segments and in those not
+    checkpointed (NOTE [ The cost model ], 1.)."""
+    return profile.outside[bits] + sum(s.saved[bits] for s in profile.segments if s.name not in ckpt)
+
+
 def _activation_per_sample(profile: Profile, bits: Bits, ckpt: frozenset[str]) -> float:
-    total = profile.outside[bits] + profile.work_per_sample[bits]
-    recompute_peak = 0.0
-    for s in profile.segments:
-        if s.name in ckpt:
-            total += s.input_bytes
-            recompute_peak = max(recompute_peak, s.saved[bits])
-        else:
-            total += s.saved[bits]
-    return total + recompute_peak
+    checkpointed = [s for s in profile.segments if s.name in ckpt]
+    recompute_peak = max((s.saved[bits] for s in checkpointed), default=0.0)
+    return (_records_per_sample(profile, bits, ckpt) + profile.work_per_sample[bits]
+            + sum(s.input_bytes for s in checkpointed) + recompute_peak)
 
 
 def _step_time(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, samples: int | None = None) -> float:

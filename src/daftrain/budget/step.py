@@ -42,6 +42,7 @@ from .planner import (
     Profile,
     _activation_per_sample,
     _headroom,
+    _records_per_sample,
     accumulation_time,
     keeps_freed,
     lever,
@@ -267,7 +268,6 @@ class BudgetedStep:
         self._compression = dataclasses.replace(compression if compression is not None else CompressionConfig(),
                                                 tune_allocator=tune_allocator)
         self.pool = pool
-        self._auto = self._compression.auto
         self._contexts: dict[int, compress] = {}
         self.profile: Profile | None = None
         self.plan: Plan | None = None
@@ -365,7 +365,7 @@ class BudgetedStep:
                 value, first_peak = self._accumulate(rest, plan, k, total, ceiling=ceiling, budget=budget,
                                                      grads=missing_grads if first is None else 0)
             finally:
-                evicted = self._release_pool(evicted)
+                evicted = self._release_pool(plan, evicted)
             loss += value
             self._correct_time(plan, time.perf_counter() - acc_t0,
                                accumulation_time(self.profile, plan, samples - trained, k, self.alpha * predicted,
@@ -480,7 +480,7 @@ class BudgetedStep:
             return contextlib.nullcontext()
         if bits not in self._contexts:
             config = (dataclasses.replace(self._compression, avg_bits=float(bits), variance_warning=None)
-                      if self._auto else dataclasses.replace(self._compression, bits=bits))
+                      if self._compression.auto else dataclasses.replace(self._compression, bits=bits))
             self._contexts[bits] = compress(config, model=self.model, pool=self.pool)
         return self._contexts[bits]
 
@@ -490,16 +490,14 @@ class BudgetedStep:
         if self.pool is None or plan.bits is None:
             return 0
         assert self.profile is not None
-        ckpt = frozenset(plan.checkpointed)
-        records = self.profile.outside[plan.bits] + sum(
-            s.saved[plan.bits] for s in self.profile.segments if s.name not in ckpt)
+        records = _records_per_sample(self.profile, plan.bits, frozenset(plan.checkpointed))
         others = plan.predicted_activation_bytes - self.alpha * micro * records
         self.pool.set_max_bytes(max(self.pool.page_size, int(budget - persistent - others)))
         return self.pool.stats().evictions
 
-    def _release_pool(self, evicted_before: int) -> int:
-        """Free the pool's chunks after the micro-batches; return the evictions they caused."""
-        if self.pool is None or self.plan is None or self.plan.bits is None:
+    def _release_pool(self, plan: Plan, evicted_before: int) -> int:
+        """Free the pool's chunks after ``plan``'s micro-batches; return the evictions they caused."""
+        if self.pool is None or plan.bits is None:
             return 0
         self.pool.set_max_bytes(self.pool.page_size)
         return self.pool.stats().evictions - evicted_before

@@ -21,7 +21,7 @@ from ..auto.report import AllocationReport
 from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, UnsupportedError
 from ..kernels import load_fast_kernels
-from ..layout import SUPPORTED_BITS, record_seed
+from ..layout import record_seed, widest_bits_within
 from ..params import ParameterRegistry
 from ..pool import PagePool
 from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
@@ -286,8 +286,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._recomputation is None:
             config = self.config
             if config.auto:
-                bits = (max(b for b in SUPPORTED_BITS if b <= config.avg_bits) if config.avg_bits is not None
-                        else CompressionConfig.bits)
+                bits = widest_bits_within(config.avg_bits) if config.avg_bits is not None else CompressionConfig.bits
                 config = dataclasses.replace(config, bits=bits, avg_bits=None, packed_bytes=None, error_share=None)
             self._recomputation = compress(config, model=self._model)
         return self._recomputation
