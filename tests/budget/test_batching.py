@@ -7,7 +7,15 @@ from collections import namedtuple
 import pytest
 import torch
 
-from daftrain.budget.batching import balanced_sizes, batch_size, head_copy, slice_copy, split_batch, token_count
+from daftrain.budget.batching import (
+    balanced_sizes,
+    batch_size,
+    head_copy,
+    shapes_of,
+    slice_copy,
+    split_batch,
+    token_count,
+)
 from daftrain.errors import ArgumentTypeError
 
 
@@ -61,3 +69,12 @@ def test_token_count_after_the_shift():
     labels = torch.tensor([[1, 2, -100, 4], [-100, -100, 3, 3]])
     assert token_count()({"labels": labels}).item() == 4  # columns 1..3: 2, -100, 4 / -100, 3, 3
     assert token_count(1, shift=False)((None, labels)).item() == 5
+
+
+def test_shapes_of_names_every_tensor_with_the_slice_size():
+    batch = {"ids": torch.zeros(8, 5, dtype=torch.long), "extra": (torch.zeros(8, 2, 3), torch.tensor(1.0)),
+             "tag": "x"}
+    assert shapes_of(batch) == ((8, 5), (8, 2, 3), ())
+    assert shapes_of(batch, 3) == ((3, 5), (3, 2, 3), ())  # the 0-d tensor is passed to every slice whole
+    assert shapes_of(split_batch(batch, [3, 5])[0]) == shapes_of(batch, 3)
+    assert shapes_of(torch.zeros(4, 7), 2) == ((2, 7),)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import daftrain.budget.step as step_module
-from daftrain.budget.batching import token_count
+from daftrain.budget.batching import balanced_sizes, shapes_of, token_count
 from daftrain.budget.budgets import BudgetTooSmallError
 from daftrain.budget.planner import PlannerConfig, plan_step
 from daftrain.budget.segments import batchnorm_to_groupnorm
@@ -154,6 +155,66 @@ def test_budget_change_replans_and_fits():
     assert step.plan.micro_batch_size > step.history[-2].plan.micro_batch_size
     for rec in step.history:
         assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes)
+
+
+class KeepsPerShape(nn.Module):
+    """Holds ``nbytes`` for good for every input shape it runs, as backends keep state per shape
+    (oneDNN's primitive cache, cuDNN's plans)."""
+
+    def __init__(self, inner: nn.Module, nbytes: int) -> None:
+        super().__init__()
+        self.inner, self.nbytes, self.kept = inner, nbytes, {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape) not in self.kept:
+            self.kept[tuple(x.shape)] = torch.ones(self.nbytes // 4)  # written: resident
+        return self.inner(x)
+
+
+def test_memory_kept_per_input_shape_is_measured():
+    model, batch = big_case(3)
+    per_shape = 6 * 10**6
+    kept = KeepsPerShape(model, per_shape)
+    opt = torch.optim.Adam(kept.parameters(), lr=1e-3)
+    budget = current_rss_bytes() + state_bytes(model) + 200 * 10**6
+    step = BudgetedStep(kept, ce, opt, budget=budget, config=PlannerConfig(bits=(None,)))
+
+    def close(measured: float) -> bool:  # the buffer, and at most the allocator's noise beside it
+        return 0.9 * per_shape <= measured <= per_shape + 3 * 10**6
+
+    step(batch)  # the planning step's slices: each of a new shape
+    assert len(step._held_per_shape) >= 2 and all(map(close, step._held_per_shape)), step._held_per_shape
+    step(batch)
+    kept.kept.clear()
+    step._shapes.clear()  # the next step's shapes are new again, to the model and to the step
+    step(batch)
+    step(batch)  # measures what the step before left held, at its start
+    assert close(step._held_per_shape[-1]), step._held_per_shape
+    measured = list(step._held_per_shape)
+    step(batch)  # no new shape: nothing measured
+    assert list(step._held_per_shape) == measured and step._new_shapes_since is None
+    for rec in step.history:
+        assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes, str(rec.plan))
+
+
+def test_plan_reserves_room_for_the_shapes_it_brings():
+    model, batch = big_case(4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = BudgetedStep(model, ce, opt, budget=current_rss_bytes() + state_bytes(model) + 60 * 10**6,
+                        config=PlannerConfig(bits=(None,)))
+    step(batch)
+    budget, held = step.budget.bytes(), step.plan.persistent_bytes
+    unreserved = plan_step(step.profile, budget_bytes=budget, persistent_bytes=held, config=step.config,
+                           alpha=step.alpha, time_scale=step._time_scale())
+    step._held_per_shape.extend([5e6] * 3)
+    step._shapes.clear()  # every plan's micro-batches are new shapes
+    new, reserve = step._plan(batch, None, budget, held)
+    assert reserve >= math.ceil(5e6 * len(set(balanced_sizes(4096, new.num_micro_batches)))) > 0
+    assert new.persistent_bytes == held + reserve
+    assert new.micro_batch_size <= unreserved.micro_batch_size
+    step._shapes |= {shapes_of(batch, n) for n in range(1, 4097)}  # every size run before
+    known, reserve = step._plan(batch, None, budget, held)
+    assert reserve == 0 and known == unreserved
 
 
 def test_too_small_budget_raises_naming_the_floor():
@@ -345,11 +406,18 @@ def test_inplace_refused_where_autograd_needs_the_input():
             h = torch.sigmoid(self.lin(x))  # sigmoid saves its output h ...
             return self.act(h)              # ... which an in-place ReLU would overwrite
 
-    model = NeedsInput()
-    step = BudgetedStep(model, lambda m, b: m(b).sum(), torch.optim.SGD(model.parameters(), lr=0.0),
+    model = NeedsInput().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(16, 8, dtype=torch.float64)
+    step = BudgetedStep(model, lambda m, b: m(b).mean(), torch.optim.SGD(model.parameters(), lr=1.0),
                         budget="100GB", config=PlannerConfig(bits=(None,)))
-    step(torch.randn(16, 8))
+    step(x)
     assert step.inplace is False
+    # the slice that tried in place is trained again, not skipped: the step is the full batch's
+    ref(x).mean().backward()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
     relu = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     step = BudgetedStep(relu, lambda m, b: m(b).sum(), torch.optim.SGD(relu.parameters(), lr=0.0),
                         budget="100GB", config=PlannerConfig(bits=(None,)))

@@ -13,7 +13,8 @@ import torch
 
 from ..errors import ArgumentTypeError
 
-__all__ = ["CountFn", "balanced_sizes", "batch_size", "head_copy", "slice_copy", "split_batch", "token_count"]
+__all__ = ["CountFn", "balanced_sizes", "batch_size", "head_copy", "shapes_of", "slice_copy", "split_batch",
+           "token_count"]
 
 CountFn = Callable[[Any], int | torch.Tensor]
 
@@ -93,6 +94,20 @@ def balanced_sizes(total: int, k: int) -> list[int]:
     """``total`` samples in ``k`` slices whose sizes differ by at most one, the larger ones first."""
     base, extra = divmod(total, k)
     return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def shapes_of(batch: Any, samples: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The shapes of ``batch``'s tensors in order, dim 0 set to ``samples`` where given (the shapes of a
+    slice of that many samples): what a backend's per-shape caches tell micro-batches apart by."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or samples is None:
+            return (tuple(batch.shape),)
+        return ((samples, *batch.shape[1:]),)
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return tuple(shape for item in batch for shape in shapes_of(item, samples))
+    return ()
 
 
 def token_count(labels_key: str | int = "labels", *, ignore_index: int = -100, shift: bool = True) -> CountFn:

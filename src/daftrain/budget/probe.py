@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import CompressionConfig
 from ..saved.hooks import compress
-from .batching import batch_size, head_copy, slice_copy
+from .batching import batch_size, head_copy, shapes_of, slice_copy
 from .budgets import BudgetTooSmallError
 from .memory import (
     REFAULT_BLOCK_BYTES,
@@ -100,6 +100,8 @@ class _Measurement:
     peak_delta: float = 0.0
     peak: int = 0
     loss: float = 0.0
+    held: float = 0.0
+    """What the process holds after the slice beyond its start and the gradients it allocated."""
 
 
 def _nbytes(x: Any) -> int:
@@ -125,6 +127,11 @@ class FirstStep:
     """Samples trained: the first ``trained`` samples of the batch; the step trains the rest."""
     peak_bytes: int
     """The highest memory reading during the slices."""
+    shapes: frozenset[tuple[tuple[int, ...], ...]] = frozenset()
+    """The shapes of the slices trained (``shapes_of``)."""
+    held_per_shape: tuple[float, ...] = ()
+    """What each exact slice of new shapes left held, the first slice excepted (NOTE [ Memory kept per
+    input shape ] in step.py)."""
 
 
 class Prober:
@@ -162,15 +169,22 @@ class Prober:
         headroom = (budget - persistent) * self.config.safety
         trained, loss, peak = 0, 0.0, 0
         runs: dict[Mode, list[tuple[int, _Measurement]]] = {}
+        shapes: set[tuple[tuple[int, ...], ...]] = set()
+        held: list[float] = []
 
         def train(n: int, mode: Mode, use_inplace: bool) -> _Measurement | None:
             nonlocal trained, loss, peak
             part = slice_copy(batch, trained, n)
             weight = share(part)
-            trained += n
             if weight <= 0:  # counts nothing in a mean loss (e.g. every label ignored): nothing to learn
+                trained += n
                 return None
+            key, first_backward = shapes_of(part), not shapes
             m = self._measure(part, mode, weight, use_inplace)
+            trained += n  # not before: a slice that raised (in place refused) is trained again
+            if key not in shapes and not first_backward and (mode is None or mode == "ckpt"):
+                held.append(max(0.0, m.held))  # the process's first backward holds more than its shapes
+            shapes.add(key)
             loss += m.loss * weight
             peak = max(peak, m.peak)
             return m
@@ -217,7 +231,8 @@ class Prober:
         if not runs:  # every sample weighed nothing: measure one exact slice, then drop its gradients
             runs[mode] = [(m1, self._measure(head_copy(batch, m1), mode, 0.0, False))]
             self.optimizer.zero_grad(set_to_none=True)
-        return FirstStep(self._profile(B, m1, count, runs), inplace, loss, trained, peak)
+        return FirstStep(self._profile(B, m1, count, runs), inplace, loss, trained, peak, frozenset(shapes),
+                         tuple(held))
 
     # -- the pieces of the planning step ----------------------------------------------------------------
     def _count(self, batch: Any) -> tuple[int, _Measurement]:
@@ -360,6 +375,8 @@ class Prober:
             del loss
             m.peak = self.meter.peak()
             m.peak_delta = m.peak - start - (grads if mode != "count" else 0)
+            if mode != "count":  # the next slice's start trims as much (NOTE [ Memory kept per input shape ])
+                m.held = self.meter.start() - start - (grads - missing_grad_bytes(self.model))
         finally:
             for h in handles:
                 h.remove()

@@ -30,7 +30,7 @@ from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..pool import PagePool
 from ..saved.hooks import compress
-from .batching import CountFn, balanced_sizes, batch_size, split_batch
+from .batching import CountFn, balanced_sizes, batch_size, shapes_of, split_batch
 from .budgets import Budget
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
@@ -142,6 +142,20 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # measured on later steps, and no step before it has measured it (docs/budget.md). So before a step
 # that creates state the step returns the allocator's free memory unconditionally, whatever the
 # estimate says: once per run, and the room it frees is what that step's extra transient takes.
+
+# NOTE [ Memory kept per input shape ]
+# Backends keep memory for every input shape they have run, for good: oneDNN's primitive cache on a CPU
+# (about the same few MB for every new micro-batch size of a CNN, nothing for a size run before;
+# docs/budget.md), cuDNN's plans on a GPU. A step whose plan brings a new micro-batch size holds that
+# much more at its end than at its start, and its own peak carries it, but the model predicts the
+# activations from what the process holds at the step's start. So the step keeps the shapes it has run
+# (``shapes_of`` of each micro-batch) and measures what a new one leaves held: each exact slice of the
+# planning step that brings one (the first excepted, which pays the process's first backward), then
+# each step that brought any, its growth in held bytes (state and gradients excluded) over the count
+# of new shapes. A plan whose micro-batches bring new shapes is made with that many times the largest
+# of the last three measurements reserved out of the room (two shapes at most: balanced micro-batches
+# take two sizes), and planned again if the reserved plan brings more. A step that loaded the
+# compression kernels measures nothing: their one-time footprint is not a shape's.
 
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
@@ -278,6 +292,11 @@ class BudgetedStep:
         self._optimizer_ratios: dict[bool, collections.deque[float]] = {
             False: collections.deque(maxlen=_ALPHA_WINDOW), True: collections.deque(maxlen=_ALPHA_WINDOW)}
         self._last_lever: Lever | None = None
+        # NOTE [ Memory kept per input shape ]: shapes run, bytes each new one left held, and the last
+        # step's held bytes at its start with the count of new shapes it brought
+        self._shapes: set[tuple[tuple[int, ...], ...]] = set()
+        self._held_per_shape: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
+        self._new_shapes_since: tuple[int, int] | None = None
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._meter = meter_for(self.device)
@@ -304,7 +323,7 @@ class BudgetedStep:
                 "the batch given to BudgetedStep has 0 samples (dim 0 of its first tensor is 0), and a step "
                 "needs at least one; skip empty batches before calling the step")
         total = float(self.count(batch)) if self.reduction == "mean" else 1.0
-        budget = start_rss = persistent = 0
+        budget = start_rss = persistent = reserve = 0
         own: Plan | None = None
         first: FirstStep | None = None
         self.optimizer.zero_grad(set_to_none=True)
@@ -315,16 +334,18 @@ class BudgetedStep:
             budget = self.budget.bytes()
             start_rss = self._meter.start()
             persistent = start_rss + missing_state_bytes(self.model, self.optimizer)
+            self._measure_new_shapes(persistent)
             if self.profile is None or self.profile.batch_size != samples:
                 first = self._prober.planning_step(
                     batch, budget, persistent, inplace=self.inplace, share=self._share(total),
                     keep=1 if self._ddp is not None and samples > 1 else 0)
                 self.profile, self.inplace = first.profile, first.inplace
+                self._shapes |= first.shapes
+                self._held_per_shape.extend(first.held_per_shape)
                 # the slices' gradients are held now; the optimizer state is not yet
                 persistent = max(persistent, self._meter.start() + missing_state_bytes(self.model, self.optimizer))
             # 2. plan
-            own = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent, config=self.config,
-                            alpha=self.alpha, time_scale=self._time_scale())
+            own, reserve = self._plan(batch, first, budget, persistent)
         except Exception as exc:
             self.optimizer.zero_grad(set_to_none=True)  # what the planning step trained is not stepped
             if self._ddp is None:
@@ -336,7 +357,8 @@ class BudgetedStep:
             assert own is not None
             plan, rank_plan = own, None
         else:  # every rank reaches this collective, also one that failed above
-            plan = agree_plan(own, error, profile=self.profile, budget_bytes=budget, persistent_bytes=persistent,
+            plan = agree_plan(own, error, profile=self.profile, budget_bytes=budget,
+                              persistent_bytes=persistent + reserve,
                               config=self.config, alpha=self.alpha, segment_names=list(self.segments),
                               group=self._ddp.process_group, time_scale=self._time_scale())
             rank_plan = own
@@ -349,17 +371,18 @@ class BudgetedStep:
         loss = first.loss if first is not None else 0.0
         act_ratio: float | None = None
         evicted = 0
+        contexts = len(self._contexts)
         if trained < samples:
             rest = split_batch(batch, [trained, samples - trained])[1] if trained else batch
-            k = plan.num_micro_batches if first is None else math.ceil((samples - trained) / plan.micro_batch_size)
+            k = self._micro_batches(plan, samples - trained, first is None)
             micro = math.ceil((samples - trained) / k)
             predicted = self._predicted_activation(plan, micro)
-            headroom = _headroom(budget, persistent, self.config)
+            headroom = _headroom(budget, persistent + reserve, self.config)
             ceiling = budget - self.alpha * predicted
             if first is not None:  # what the slices freed, before the remainder allocates
                 self._make_room(ceiling)
             rest_start = self._meter.start(trim=False) if first is not None else start_rss
-            evicted = self._cap_pool(plan, micro, budget, persistent)
+            evicted = self._cap_pool(plan, micro, budget, persistent + reserve)
             acc_t0 = time.perf_counter()
             try:
                 value, first_peak = self._accumulate(rest, plan, k, total, ceiling=ceiling, budget=budget,
@@ -379,6 +402,11 @@ class BudgetedStep:
             if predicted > 0:
                 act_ratio = max((first_peak - rest_start - grads) / predicted,
                                 (self._meter.peak() - rest_start - grads) / footprint)
+            new_shapes = self._shapes_of(batch, plan, trained, first is None) - self._shapes
+            self._shapes |= new_shapes
+            # a step that loaded the compression kernels measures nothing (NOTE [ Memory kept per input shape ])
+            self._new_shapes_since = (persistent, len(new_shapes)) if new_shapes and len(self._contexts) == contexts \
+                else None
         elif self._ddp is not None:
             all_reduce_grads(self._ddp)
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
@@ -424,6 +452,42 @@ class BudgetedStep:
         assert self.profile is not None
         per = _activation_per_sample(self.profile, plan.bits, frozenset(plan.checkpointed))
         return self.profile.work_fixed + per * micro
+
+    def _measure_new_shapes(self, persistent: int) -> None:
+        """What the last step's new shapes left held, per shape, from ``persistent``, held at this step's
+        start (NOTE [ Memory kept per input shape ])."""
+        if self._new_shapes_since is not None and self._meter.resettable:
+            before, count = self._new_shapes_since
+            self._held_per_shape.append(max(0.0, (persistent - before) / count))
+        self._new_shapes_since = None
+
+    def _micro_batches(self, plan: Plan, samples: int, planned: bool) -> int:
+        """How many micro-batches ``plan`` runs ``samples`` in: its own count, or, for the samples a
+        planning step left, as many as its micro-batch size needs."""
+        return plan.num_micro_batches if planned else math.ceil(samples / plan.micro_batch_size)
+
+    def _shapes_of(self, batch: Any, plan: Plan, trained: int, planned: bool) -> set[tuple[tuple[int, ...], ...]]:
+        """The shapes of the micro-batches ``plan`` runs the samples of ``batch`` from ``trained`` on in."""
+        left = batch_size(batch) - trained
+        if left <= 0:
+            return set()
+        k = self._micro_batches(plan, left, planned)
+        return {shapes_of(batch, n) for n in balanced_sizes(left, max(1, min(k, left)))}
+
+    def _plan(self, batch: Any, first: FirstStep | None, budget: int, persistent: int) -> tuple[Plan, int]:
+        """The plan for the samples of ``batch`` the planning step ``first`` (if any) left, and the bytes
+        reserved out of its room for what its new shapes will hold (NOTE [ Memory kept per input shape ])."""
+        assert self.profile is not None
+        trained = first.trained if first is not None else 0
+        per_shape = max(self._held_per_shape, default=0.0)
+        reserve = 0
+        while True:  # the reserve only grows, to two shapes' at most: three rounds at most
+            plan = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent + reserve,
+                             config=self.config, alpha=self.alpha, time_scale=self._time_scale())
+            need = math.ceil(per_shape * len(self._shapes_of(batch, plan, trained, first is None) - self._shapes))
+            if need <= reserve:
+                return plan, reserve
+            reserve = need
 
     def _correct_model(self, act_ratio: float | None, measured_opt: int, part: float | None) -> None:
         """Set ``alpha`` from what the last steps measured against what the model predicted (NOTE [ The
