@@ -155,7 +155,8 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # of new shapes. A plan whose micro-batches bring new shapes is made with that many times the largest
 # of the last three measurements reserved out of the room (two shapes at most: balanced micro-batches
 # take two sizes), and planned again if the reserved plan brings more. A step that loaded the
-# compression kernels measures nothing: their one-time footprint is not a shape's.
+# compression kernels, or created the optimizer's state, measures nothing: what those leave held
+# beyond their own bytes is not a shape's.
 
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
@@ -414,6 +415,7 @@ class BudgetedStep:
         assert self.profile is not None
         if new_state > 0:  # NOTE [ The optimizer step that creates the state ]
             self._meter.release()
+            self._new_shapes_since = None  # what it holds beyond the state is not a shape's
         self._make_room(budget - self.profile.optimizer_transient - new_state)
         part = part_bytes_within(self.optimizer, budget - self._meter.current() - new_state,
                                  _OPTIMIZER_SLACK * self._optimizer_scale(False),
