@@ -150,6 +150,57 @@ def test_clip_mask_record_is_one_bit_per_value() -> None:
     assert ctx.stats.packed_bytes == x.numel() // 8
 
 
+def test_maximum_and_minimum_against_a_scalar_tensor_are_exact() -> None:
+    gen = torch.Generator().manual_seed(0)
+    floor = torch.tensor(torch.finfo(torch.float32).min)
+    scores = torch.randn(8, 64, 64, generator=gen)
+    scores[:, :, 32:] = floor  # an attention mask's floor: the ties, and a group range of ~1e38 next to them
+    near = torch.cat([torch.rand(4096, generator=gen) * 0.02 - 0.01, torch.zeros(512)]).reshape(64, -1)
+    fns = {
+        "max_mask": (lambda x: torch.max(x * 1.0, floor), scores),
+        "maximum": (lambda x: torch.maximum(x * 1.0, torch.tensor(0.0)), near),
+        "min_method": (lambda x: (x * 1.0).min(torch.tensor(0.0)), near),
+        "minimum_first": (lambda x: torch.minimum(torch.tensor(0.0), x * 1.0), near),
+    }
+    for name, (fn, x) in fns.items():
+        ref = _grads(fn, [x], None)[0]
+        # with the comparison and the ties exact the gradient is bit-identical (a tie gets half)
+        assert torch.equal(_grads(fn, [x], _ctx(2))[0], ref), name
+        if name != "max_mask":  # values crowding the compared value: plain rounding flips their side
+            assert not torch.equal(_grads(fn, [x], _ctx(2, rules=False))[0], ref), name
+    ctx = daftrain.compress(bits=8, min_numel=2, seed=3)  # the 0-d floor kept as it is
+    _grads(fns["max_mask"][0], [scores], ctx)
+    assert ctx.stats.packed_bytes == 2 * scores.numel() // 8  # the mask and the ties, whatever the bits
+
+
+def test_comparison_rule_leaves_reductions_and_nans_alone() -> None:
+    x = torch.randn(64, 64)
+    for fn in (lambda x: (x * 1.0).max(1).values, lambda x: torch.max(x * 1.0, dim=0).values):
+        ctx = _ctx(8)
+        _grads(fn, [x], ctx)
+        assert ctx.stats.bool_packed == 0
+    y = x.clone()
+    y[3, 5] = float("nan")
+    fn = lambda x: torch.maximum(x * 1.0, torch.tensor(0.0))  # noqa: E731
+    ref, got = _grads(fn, [y], None)[0], _grads(fn, [y], _ctx(2))[0]
+    assert torch.equal(got, ref)  # a tensor holding a NaN is kept exact
+
+
+def test_auto_bits_allocate_nothing_to_an_exact_mask() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    ctx = daftrain.compress(bits="auto", avg_bits=4.0, model=model, min_numel=0, seed=0, variance_warning=None)
+    for _ in range(2):
+        with ctx:
+            y = model(x)
+            out = torch.maximum(y, torch.tensor(0.5)) + F.relu6(y)
+        out.sum().backward()
+    assert ctx.stats.bool_packed == 2  # this step's
+    # the second linear's input has the allocation's bytes; the two masks are outside it
+    assert [s.op for s in ctx.report().slots] == ["linear"]
+
+
 def test_exact_mode_traces_nothing() -> None:
     ctx = daftrain.compress(bits=None)
     with ctx:

@@ -11,7 +11,7 @@ from ..config import AUTO_BITS, CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
 from .op_rules import OpMatch, keeps, match_saved
-from .records import Derivative, Encoding
+from .records import ClipMask, Derivative, Encoding
 
 
 class Treatment(enum.Enum):
@@ -105,4 +105,6 @@ def _by_rule(t: torch.Tensor, match: OpMatch, config: CompressionConfig) -> Deci
         return Decision(Treatment.QUANTIZE, "", min_bits=match.rule.min_bits, rule=match.rule.name)
     if not t.is_contiguous() and not isinstance(match.encoding, Derivative):
         return Decision(Treatment.KEEP, "op_rule")
+    if isinstance(match.encoding, ClipMask):  # exact at any bits: packed like a bool mask, no bits to allocate
+        return Decision(Treatment.PACK_BOOL, "", encoding=match.encoding, rule=match.rule.name)
     return Decision(Treatment.QUANTIZE, "", encoding=match.encoding, rule=match.rule.name)

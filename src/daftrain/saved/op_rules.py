@@ -37,7 +37,7 @@ class OpRule:
 
 # NOTE [ Op rules ]
 # Plain quantization adds unbiased noise of the order of a group's range / 2**bits to every saved
-# value; that is harmless where backward is linear in the value with bounded factors. Four classes of
+# value; that is harmless where backward is linear in the value with bounded factors. Five classes of
 # ops break that (measured over the zoo, ``docs/zoo.md``):
 #   1. normalisations re-normalise their saved input with their exact statistics: the error of a row
 #      or channel of small spread is multiplied by its rstd (``Normalized`` encoding); a constant row
@@ -48,7 +48,9 @@ class OpRule:
 #   3. clips that save their input (hardtanh, relu6, clamp, threshold) read it only through the mask
 #      of values inside their bounds; a rounded value near a bound flips it (``ClipMask`` encoding:
 #      the mask, exact, at 1 bit per value);
-#   4. smooth activations (GELU, SiLU) read their saved input only through their derivative f'(x),
+#   4. an elementwise maximum or minimum against a 0-d tensor reads its input only through the
+#      comparison with it, like a clip, ties included (``ClipMask`` with ties);
+#   5. smooth activations (GELU, SiLU) read their saved input only through their derivative f'(x),
 #      which is nonlinear: rounding x makes f'(x) noisier (by |f''| up to 0.8) and biased, and through
 #      a stack of such layers without a residual path the errors compound (``Derivative`` encoding:
 #      f'(x) itself, quantized, see ``NOTE [ Activations stored as their derivative ]``).
@@ -71,6 +73,12 @@ RULES: tuple[OpRule, ...] = (
             torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_),
            "the backward reads the saved tensor only as the mask of values inside the bounds; rounding flips "
            "it near a bound: the mask is stored exactly, 1 bit per value"),
+    OpRule("comparison",
+           (torch.max, torch.min, torch.maximum, torch.minimum, torch.Tensor.max, torch.Tensor.min,
+            torch.Tensor.maximum, torch.Tensor.minimum),
+           "an elementwise maximum or minimum against a 0-d tensor reads its input only through the comparison "
+           "with it (ties split the gradient): the comparison and the ties are stored exactly, 2 bits per value; "
+           "quantized, an attention mask's finfo.min floor gives the input a group range of ~1e38"),
     OpRule("activation_derivative", (F.gelu, F.silu),
            "the backward reads the input only as f'(x), nonlinear: a rounded x gives a biased, noisier f'(x), "
            "compounding through stacked layers without a residual path: f'(x) (bounded) is stored quantized, "
@@ -214,6 +222,27 @@ def _clip(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ClipMa
     return None
 
 
+def _comparison(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+                ) -> tuple[torch.Tensor, ClipMask] | None:
+    """The input of ``max``/``min``/``maximum``/``minimum`` against a 0-d tensor (not a dim: an int
+    ``other`` of ``max``/``min`` is a reduction), with the encoding of its comparison."""
+    a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or len(args) + len(kwargs) != 2:
+        return None
+    x, c = (a, b) if b.dim() == 0 and a.dim() > 0 else (b, a) if a.dim() == 0 and b.dim() > 0 else (None, None)
+    if x is None or c is None or not x.is_floating_point() or c.dtype != x.dtype:
+        return None
+    value = c.item()  # one value per call (a device sync on an accelerator)
+    if not math.isfinite(value):
+        return None
+    above = torch.nextafter(c.detach().cpu(), torch.tensor(math.inf, dtype=c.dtype))
+    below = torch.nextafter(c.detach().cpu(), torch.tensor(-math.inf, dtype=c.dtype))
+    upper = func in (torch.min, torch.minimum, torch.Tensor.min, torch.Tensor.minimum)
+    if upper:  # the input's gradient flows where x < c
+        return x, ClipMask(None, value, False, below.item(), above.item(), tie=value)
+    return x, ClipMask(value, None, False, above.item(), below.item(), tie=value)
+
+
 def _derivative(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Derivative | None:
     x = _arg(args, kwargs, 0, "input")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -239,6 +268,9 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         if found is None:
             return None
         return OpMatch(rule, (found[0],), found[1], keep=() if found[2] is None else (found[2],))
+    if rule.name == "comparison":
+        compared = _comparison(func, args, kwargs)
+        return OpMatch(rule, (compared[0],), compared[1]) if compared is not None else None
     if rule.name == "attention_qk":
         q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
         targets = tuple(t for t in (q, k) if isinstance(t, torch.Tensor))

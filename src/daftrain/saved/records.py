@@ -166,7 +166,7 @@ def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
     1-bit layout is exact, else keep) or ``"bool"``; an op rule's ``encoding`` (``NOTE [ Op-aware
     encodings ]``) replaces a quantize. Runs on the caller's or the packer's thread."""
-    if encoding is not None and kind == "quantize":
+    if encoding is not None and kind in ("quantize", "bool"):
         return encoding.encode(flat, bits, group_size, seed)
     if kind == "bool":
         return PackedRecord.bitmap(torch.ops.daftrain.pack_bool(flat), flat.numel())
@@ -298,7 +298,11 @@ class SavedHandle:
 #      side of its bounds each value lies on (hardtanh, relu6, clamp with number bounds, threshold).
 #      The record is that mask, bit-packed, exactly; restoring writes one value strictly inside the
 #      bounds where the mask is set and one outside elsewhere, so backward's comparisons give the
-#      exact mask. The record is keyed apart from the values other ops save of the same storage.
+#      exact mask. The record is keyed apart from the values other ops save of the same storage. The
+#      input of an elementwise maximum or minimum against a 0-d tensor (``torch.max(x, c)``, an
+#      attention mask's floor) is read only through ``x > c``, ``x == c`` (a tie splits the gradient
+#      in halves) and ``x < c``: it stores the mask and the ties, 2 bits per value, and restores
+#      ``c`` at the ties and the neighbouring float on either side elsewhere.
 #   3. ``Derivative``: the input of GELU or SiLU, stored as the derivative its backward multiplies by
 #      (``NOTE [ Activations stored as their derivative ]``).
 @dataclass(frozen=True)
@@ -356,13 +360,15 @@ class NormalizedRecord:
 @dataclass(frozen=True)
 class ClipMask:
     """Store only where ``lower (<|<=) x (<|<=) upper`` holds; see ``NOTE [ Op-aware encodings ]``.
-    ``inside`` and ``outside`` are the values restored (checked by the rule to compare as required)."""
+    ``inside`` and ``outside`` are the values restored (checked by the rule to compare as required).
+    With ``tie``, where ``x == tie`` is stored too (one more bit per value) and restored as ``tie``."""
 
     lower: float | None
     upper: float | None
     inclusive: bool
     inside: float
     outside: float
+    tie: float | None = None
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         keep = torch.ones_like(x, dtype=torch.bool)
@@ -374,7 +380,12 @@ class ClipMask:
 
     def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> Record:
         with torch.no_grad():
-            bitmap = PackedRecord.bitmap(torch.ops.daftrain.pack_bool(self.mask(flat)), flat.numel())
+            # a NaN compares false both ways, and a maximum's backward sends it the gradient on both sides:
+            # no ordered value restores it (NOTE [ Non-finite activations ])
+            if self.tie is not None and bool(flat.isnan().any()):
+                return ExactRecord(flat, "nonfinite")
+            mask = self.mask(flat) if self.tie is None else torch.cat([self.mask(flat), flat == self.tie])
+            bitmap = PackedRecord.bitmap(torch.ops.daftrain.pack_bool(mask), mask.numel())
         return ClipMaskRecord(bitmap, self, flat.dtype)
 
 
@@ -407,7 +418,11 @@ class ClipMaskRecord(_EncodedRecord):
         keep = self.inner.decode()
         enc = self.encoding
         inside = torch.tensor(enc.inside, dtype=self.dtype, device=keep.device)
-        return torch.where(keep, inside, torch.tensor(enc.outside, dtype=self.dtype, device=keep.device))
+        if enc.tie is None:
+            return torch.where(keep, inside, torch.tensor(enc.outside, dtype=self.dtype, device=keep.device))
+        keep, tie = keep.view(2, -1)
+        values = torch.where(keep, inside, torch.tensor(enc.outside, dtype=self.dtype, device=keep.device))
+        return values.masked_fill_(tie, enc.tie)
 
 
 # NOTE [ Activations stored as their derivative ]
