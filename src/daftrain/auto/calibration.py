@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -15,7 +15,7 @@ from ..layout import record_seed
 from .policy import AutoBits, BitPolicy
 from .report import SlotAllocation
 
-__all__ = ["CalibrationPass", "LossCatcher", "calibrate", "graph_leaves", "squared_distance"]
+__all__ = ["CalibrationPass", "LossCatcher", "StoredQuantity", "calibrate", "graph_leaves", "squared_distance"]
 
 # NOTE [ Calibration ]
 # The analytic importance estimate (``NOTE [ Importance estimate ]`` in ``tracing.py``) counts a
@@ -49,6 +49,14 @@ __all__ = ["CalibrationPass", "LossCatcher", "calibrate", "graph_leaves", "squar
 _CALIBRATION_SEED = 0x5EEDCA1B  # calibrate()'s noise draws differ from the records' rounding draws
 
 
+class StoredQuantity(Protocol):
+    """An op-aware encoding that stores another quantity than the values (``Derivative``: ``f'(x)``)."""
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def restored(self, stored: torch.Tensor) -> torch.Tensor: ...
+
+
 class CalibrationPass:
     """One extra backward pass: the records at ``indices`` (forward positions) get zero-mean noise as they
     are unpacked; ``noise`` collects its squared norm, per record. With ``bits`` (a verification pass,
@@ -64,15 +72,18 @@ class CalibrationPass:
         self.noise: dict[int, float] = {}
 
     def perturb(self, index: int | None, flat: torch.Tensor,
-                requantize: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor:
+                requantize: Callable[[torch.Tensor, int, int], torch.Tensor],
+                quantity: StoredQuantity | None = None) -> torch.Tensor:
         """``flat`` with this pass's noise when it is the record at ``index`` of a measured class;
         ``requantize(flat, bits, seed)`` stores and restores ``flat`` the way its record was (used by a
-        verification pass)."""
+        verification pass). Where the record stores another ``quantity`` of the values, the noise is
+        added to that and measured there (NOTE [ Derivative encoding under bits="auto" ] in
+        saved/decide.py)."""
         if index is None or self.indices.get(index) != flat.numel() or not flat.is_floating_point():
             return flat
         if self.bits is not None:
-            return self._quantize_again(index, flat, requantize)
-        values = flat.detach().float()
+            return self._quantize_again(index, flat, requantize, quantity)
+        values = flat.detach().float() if quantity is None else quantity.stored(flat)
         n, group = values.numel(), self.group_size
         mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
         step = (mx - mn) / 3  # the 2-bit step of each group
@@ -81,17 +92,21 @@ class CalibrationPass:
         noise = (uniform * step[:, None]).view(-1)[:n] * (values != 0)
         if not bool(torch.isfinite(noise).all()):
             return flat
-        out = (values + noise).to(flat.dtype)
+        noisy = values + noise
+        out = noisy.to(flat.dtype) if quantity is None else None
         if index not in self.noise:  # a record two ops saved is drawn the same way for both: count it once
-            self.noise[index] = squared_distance([out], [flat])
-        return out
+            self.noise[index] = squared_distance([out], [flat]) if out is not None else \
+                squared_distance([noisy], [values])
+        return out if out is not None else quantity.restored(noisy).to(flat.dtype)
 
     def _quantize_again(self, index: int, flat: torch.Tensor,
-                        requantize: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor:
+                        requantize: Callable[[torch.Tensor, int, int], torch.Tensor],
+                        quantity: StoredQuantity | None) -> torch.Tensor:
         assert self.bits is not None
         out = requantize(flat.detach().contiguous(), self.bits[index], record_seed(self.base_seed, self.step, index))
         if index not in self.noise:
-            self.noise[index] = squared_distance([out], [flat])
+            self.noise[index] = squared_distance([out], [flat]) if quantity is None else \
+                squared_distance([quantity.stored(out)], [quantity.stored(flat)])
         return out
 
 

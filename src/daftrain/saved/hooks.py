@@ -31,6 +31,7 @@ from .nesting import warn_if_nested
 from .op_rules import OpMatch, OpTracer
 from .packer import AsyncPacker
 from .records import (
+    Derivative,
     Encoding,
     ExactRecord,
     KeptTensor,
@@ -361,9 +362,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._calibration_pass is not None:
             flat = packed.record.decode()
             index = self._record_index.get(packed.record)
-            requantize = functools.partial(_requantize, group_size=self.config.group_size,
-                                           encoding=self._record_encoding.get(packed.record))
-            return packed.restore(self._calibration_pass.perturb(index, flat, requantize))
+            encoding = self._record_encoding.get(packed.record)
+            requantize = functools.partial(_requantize, group_size=self.config.group_size, encoding=encoding)
+            quantity = encoding if isinstance(encoding, Derivative) else None
+            return packed.restore(self._calibration_pass.perturb(index, flat, requantize, quantity))
         shared = self._shared.get(packed.record)
         if shared is not None and shared.flat is not None:
             flat = shared.flat
@@ -397,7 +399,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         kind = _KINDS[decision.treatment]
         index = self._num_records
         if decision.treatment is Treatment.QUANTIZE:
-            assignment = self._bit_policy.assign(self.step, index, source, flat, decision.min_bits)
+            # bits="auto" observes what the record stores (NOTE [ Derivative encoding under bits="auto" ])
+            observed = decision.encoding.stored(flat) if self.config.auto and isinstance(
+                decision.encoding, Derivative) else flat
+            assignment = self._bit_policy.assign(self.step, index, source, observed, decision.min_bits)
         else:  # bool masks and constants: stored exactly (encode ignores the bits), pooled by forward position
             assignment = Assignment(1, float(index))
         self._num_records += 1

@@ -472,9 +472,19 @@ class Derivative:
 
     kind: str
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> ExactRecord | DerivativeRecord:
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """What the record stores of ``x``: ``f'(x)``, float32."""
         with torch.no_grad():
-            inner = encode(_derivative_of(self.kind, flat.float()), "quantize", bits, group_size, seed)
+            return _derivative_of(self.kind, x.detach().float())
+
+    def restored(self, d: torch.Tensor) -> torch.Tensor:
+        """An input whose derivative is ``d`` (float32, overwritten: table positions are made in place)."""
+        table, d_min, d_max = _inverse_table(self.kind, d.device)
+        pos = d.sub_(d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
+        return table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
+
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> ExactRecord | DerivativeRecord:
+        inner = encode(self.stored(flat), "quantize", bits, group_size, seed)
         if isinstance(inner, ExactRecord):  # a non-finite input
             return ExactRecord(flat, "nonfinite")
         return DerivativeRecord(inner, self, flat.dtype)
@@ -488,10 +498,7 @@ class DerivativeRecord(_EncodedRecord):
     encoding: Derivative
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        d = self.inner.decode(buffers)  # float32, a fresh decode: turned into table positions in place
-        table, d_min, d_max = _inverse_table(self.encoding.kind, d.device)
-        pos = d.sub_(d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
-        x = table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
+        x = self.encoding.restored(self.inner.decode(buffers))  # a fresh decode: reused in place
         return x if self.dtype == torch.float32 else x.to(self.dtype)
 
 
