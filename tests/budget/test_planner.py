@@ -170,6 +170,22 @@ def test_trims_are_weighed_against_smaller_micro_batches():
     assert plan_step(costly_batches, **kw).micro_batch_size == free.micro_batch_size
 
 
+@pytest.mark.parametrize("kept", [0.25, 0.6])
+def test_a_measured_kept_share_lets_larger_micro_batches_run_without_trims(kept):
+    """NOTE [ The cost model ], 3.: where the allocator was measured to keep only a share of a micro-batch's
+    activations beside the next, the plan that never trims takes larger micro-batches, and predicts that
+    share beside its own."""
+    kw = dict(budget_bytes=200 * MB, persistent_bytes=100 * MB, config=PlannerConfig(bits=(None,), checkpoint=False))
+    dear = replace(profile(), refault_s_per_byte=1e-9, fixed_s={b: 0.001 for b in (None, 8, 4, 2)})
+    whole = plan_step(dear, **kw)
+    measured = plan_step(replace(dear, freed_kept=kept), **kw)
+    assert measured.micro_batch_size > whole.micro_batch_size
+    one = dear.work_fixed + (dear.outside[None] + dear.work_per_sample[None] +
+                             sum(s.saved[None] for s in dear.segments)) * measured.micro_batch_size
+    assert (1 + kept) * one <= 0.9 * 100 * MB
+    assert measured.predicted_activation_bytes == pytest.approx((1 + kept) * one, abs=1)
+
+
 def test_time_scale_corrects_the_choice_between_bit_widths():
     """NOTE [ The cost model ], 4.: the measured time of each lever decides once it is known."""
     p = profile()

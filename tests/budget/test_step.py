@@ -187,14 +187,37 @@ def test_memory_kept_per_input_shape_is_measured():
     step(batch)
     kept.kept.clear()
     step._shapes.clear()  # the next step's shapes are new again, to the model and to the step
+    step._new_shapes_since = None  # what the cache held before it was emptied by hand is not measured
     step(batch)
     step(batch)  # measures what the step before left held, at its start
     assert close(step._held_per_shape[-1]), step._held_per_shape
+    step._shapes |= {shapes_of(batch, n) for n in range(1, 4097)}  # whatever the next plans, no shape is new
+    step(batch)
+    assert step._new_shapes_since is None
     measured = list(step._held_per_shape)
-    step(batch)  # no new shape: nothing measured
-    assert list(step._held_per_shape) == measured and step._new_shapes_since is None
+    step(batch)  # nothing to measure
+    assert list(step._held_per_shape) == measured
     for rec in step.history:
         assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes, str(rec.plan))
+
+
+def test_the_share_the_allocator_keeps_is_measured_from_steps_that_did_not_trim():
+    model, batch = big_case(5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    budget = current_rss_bytes() + state_bytes(model) + 120 * 10**6
+    step = BudgetedStep(model, ce, opt, budget=budget, config=PlannerConfig(bits=(None,)))
+    for _ in range(5):
+        step(batch)
+    assert step._kept, "no plan kept one micro-batch's freed memory beside the next"
+    assert all(0.0 <= k <= 1.0 for k in step._kept) and step.profile.freed_kept == max(step._kept)
+    for rec in step.history:
+        assert rec.peak_bytes <= rec.budget_bytes, (rec.peak_bytes, rec.budget_bytes, str(rec.plan))
+    # a plan that had to trim is no measurement of what the allocator keeps: it counts as all of it
+    step._kept.clear()
+    step._correct_kept(1.0)
+    assert step.profile.freed_kept == 1.0
+    untrimmed = step._accumulate(batch, step.plan, 4, 4096.0, ceiling=100.0)[2]
+    assert untrimmed == 0  # a ceiling of 100 bytes trims before every micro-batch
 
 
 def test_plan_reserves_room_for_the_shapes_it_brings():

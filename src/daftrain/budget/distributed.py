@@ -223,7 +223,7 @@ def _local_plan(profile: Profile, bits: Bits, ckpt: frozenset[str], k: int, *, b
     B = profile.batch_size
     k_local = min(k, B)
     m, act = _local_activation(profile, bits, ckpt, k, alpha)
-    act = _footprint(act, k_local, headroom)
+    act = _footprint(profile, act, k_local, headroom)
     order = tuple(s.name for s in profile.segments if s.name in ckpt)
     return Plan(budget_bytes=int(budget_bytes), persistent_bytes=int(persistent_bytes), batch_size=B,
                 micro_batch_size=m, num_micro_batches=k_local, checkpointed=order, bits=bits,

@@ -53,11 +53,15 @@ _ALLOWED_BITS = (None, 8, 4, 2, 1)
 # 3. Trims. A planned step returns the allocator's free memory before a micro-batch, or its backward,
 #    when what the process holds leaves it less room than the model gives it (NOTE [ Metering a planned
 #    step ] in step.py), and every byte returned is faulted in again by the next allocations. What the
-#    previous micro-batch freed and the allocator kept (glibc reuses it only in part) is taken to be at
-#    most its activation bytes. So a plan of several micro-batches whose two micro-batches' activations
-#    fit the headroom never trims, and its peak is modelled as ``2 act(m)``; a larger one trims about
-#    twice per micro-batch after the first: ``T += (2k - 1) * refault_s_per_byte * act(m)``, and its
-#    peak is ``act(m)``. For each bit-width and checkpoint set the search weighs the largest
+#    previous micro-batch freed and the allocator kept (glibc reuses it only in part) is the share
+#    ``kept`` (``Profile.freed_kept``) of its activation bytes: 1 until steps measure it (``BudgetedStep``:
+#    the largest of its last three plans that ran without a trim, measured as the phase's peak over its
+#    first micro-batch's, less one; a plan that had to trim counts as 1). So a plan of several
+#    micro-batches with ``(1 + kept) act(m)`` within the headroom never trims, and its peak is modelled
+#    as that; a larger one trims about twice per micro-batch after the first: ``T += (2k - 1) *
+#    refault_s_per_byte * act(m)``, and its peak is ``act(m)``. A plan whose kept share was
+#    underestimated stays under its budget all the same: its micro-batches trim where the room runs
+#    short (NOTE [ Metering a planned step ]). For each bit-width and checkpoint set the search weighs the largest
 #    micro-batch that fits against the largest that never trims (on a CPU, where small micro-batches
 #    cost little, usually the latter).
 # 4. Time is corrected from measurement too: ``time_scale`` multiplies the predicted time of each
@@ -169,6 +173,9 @@ class Profile:
     refault_s_per_byte: float = 0.0
     """Seconds per byte a trim costs: handing memory back to the OS and faulting it in again (NOTE [ The
     cost model ], 3.); 0 where releasing cached memory costs no price per byte."""
+    freed_kept: float = 1.0
+    """The share of a micro-batch's activations the allocator still holds while the next one peaks (NOTE
+    [ The cost model ], 3.): 1 until steps measure it."""
 
     @property
     def bits_options(self) -> tuple[Bits, ...]:
@@ -257,22 +264,22 @@ def accumulation_time(profile: Profile, plan: Plan, samples: int, k: int, act: f
     return _step_time(profile, plan.bits, ckpt, k, samples) + _trim_time(profile, act, k, headroom)
 
 
-def keeps_freed(act: float, k: int, headroom: float) -> bool:
+def keeps_freed(profile: Profile, act: float, k: int, headroom: float) -> bool:
     """Whether a plan of ``k`` micro-batches of ``act`` activation bytes runs without trims, holding what
     one micro-batch freed beside the next (NOTE [ The cost model ], 3.)."""
-    return k > 1 and 2 * act <= headroom
+    return k > 1 and (1 + profile.freed_kept) * act <= headroom
 
 
-def _footprint(act: float, k: int, headroom: float) -> float:
+def _footprint(profile: Profile, act: float, k: int, headroom: float) -> float:
     """The accumulation phase's share of the peak: one micro-batch's activations, and the freed memory
-    of the one before where the plan does not trim."""
-    return 2 * act if keeps_freed(act, k, headroom) else act
+    of the one before that the allocator keeps where the plan does not trim."""
+    return (1 + profile.freed_kept) * act if keeps_freed(profile, act, k, headroom) else act
 
 
 def _trim_time(profile: Profile, act: float, k: int, headroom: float) -> float:
-    """What a plan's trims cost: none where two micro-batches' activations fit (NOTE [ The cost model ],
-    3.)."""
-    if k <= 1 or keeps_freed(act, k, headroom):
+    """What a plan's trims cost: none where a micro-batch's activations fit beside what the allocator
+    keeps of the one before (NOTE [ The cost model ], 3.)."""
+    if k <= 1 or keeps_freed(profile, act, k, headroom):
         return 0.0
     return (2 * k - 1) * profile.refault_s_per_byte * act
 
@@ -289,8 +296,9 @@ def _micro_batching(profile: Profile, bits: Bits, ckpt: frozenset[str], headroom
         return None
     # one sample fits, so one sample is a candidate, whatever the float rounding of the division says
     caps = {max(1, min(B, int((headroom - fixed) // per))) if per > 0 else B}
-    if per > 0 and headroom / 2 - fixed >= per:
-        caps.add(max(1, min(B, int((headroom / 2 - fixed) // per))))
+    kept_room = headroom / (1 + profile.freed_kept)  # where the previous micro-batch's kept memory fits too
+    if per > 0 and kept_room - fixed >= per:
+        caps.add(max(1, min(B, int((kept_room - fixed) // per))))
     best: tuple[float, int, int, float] | None = None
     for cap in sorted(caps, reverse=True):
         k = math.ceil(B / cap)
@@ -362,7 +370,7 @@ def plan_step(profile: Profile, *, budget_bytes: int, persistent_bytes: int, con
     # within the margin, the most bits, then the fewest recomputed segments: measured time corrections
     # (NOTE [ The cost model ], 4.) are noisy, and a gap that small is no reason to lose precision or recompute
     t, bits, ckpt, m, k, act = max(near, key=lambda c: (_bits_rank(c[1]), -len(c[2]), -c[0]))
-    act = _footprint(act, k, headroom)
+    act = _footprint(profile, act, k, headroom)
     order = [s.name for s in profile.segments if s.name in ckpt]
     return Plan(
         budget_bytes=int(budget_bytes), persistent_bytes=int(persistent_bytes), batch_size=B, micro_batch_size=m,

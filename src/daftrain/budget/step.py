@@ -298,6 +298,9 @@ class BudgetedStep:
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
         self._held_per_shape: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
         self._new_shapes_since: tuple[int, int] | None = None
+        # the share of a micro-batch's activations the allocator kept beside the next (NOTE [ The cost
+        # model ], 3. in planner.py)
+        self._kept: collections.deque[float] = collections.deque(maxlen=_ALPHA_WINDOW)
         self.history: list[StepRecord] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._meter = meter_for(self.device)
@@ -341,6 +344,8 @@ class BudgetedStep:
                     batch, budget, persistent, inplace=self.inplace, share=self._share(total),
                     keep=1 if self._ddp is not None and samples > 1 else 0)
                 self.profile, self.inplace = first.profile, first.inplace
+                if self._kept:  # what earlier steps measured of the allocator holds for a new batch size too
+                    self.profile = dataclasses.replace(self.profile, freed_kept=max(self._kept))
                 self._shapes |= first.shapes
                 self._held_per_shape.extend(first.held_per_shape)
                 # the slices' gradients are held now; the optimizer state is not yet
@@ -386,8 +391,9 @@ class BudgetedStep:
             evicted = self._cap_pool(plan, micro, budget, persistent + reserve)
             acc_t0 = time.perf_counter()
             try:
-                value, first_peak = self._accumulate(rest, plan, k, total, ceiling=ceiling, budget=budget,
-                                                     grads=missing_grads if first is None else 0)
+                value, first_peak, untrimmed = self._accumulate(rest, plan, k, total, ceiling=ceiling,
+                                                                budget=budget,
+                                                                grads=missing_grads if first is None else 0)
             finally:
                 evicted = self._release_pool(plan, evicted)
             loss += value
@@ -399,10 +405,13 @@ class BudgetedStep:
             # (what the allocator kept of one micro-batch beside the next included); the planning
             # step's slices allocated the gradients already, a planned step allocates them itself
             grads = missing_grads if first is None else 0
-            footprint = predicted * (2 if keeps_freed(self.alpha * predicted, k, headroom) else 1)
+            kept = keeps_freed(self.profile, self.alpha * predicted, k, headroom)
+            footprint = predicted * ((1 + self.profile.freed_kept) if kept else 1)
+            one, phase = first_peak - rest_start - grads, self._meter.peak() - rest_start - grads
             if predicted > 0:
-                act_ratio = max((first_peak - rest_start - grads) / predicted,
-                                (self._meter.peak() - rest_start - grads) / footprint)
+                act_ratio = max(one / predicted, phase / footprint)
+            if kept and first is None and one > 0:  # NOTE [ The cost model ], 3. in planner.py
+                self._correct_kept(phase / one - 1 if untrimmed >= 2 else 1.0 if untrimmed == 0 else None)
             new_shapes = self._shapes_of(batch, plan, trained, first is None) - self._shapes
             self._shapes |= new_shapes
             # a step that loaded the compression kernels measures nothing (NOTE [ Memory kept per input shape ])
@@ -454,6 +463,15 @@ class BudgetedStep:
         assert self.profile is not None
         per = _activation_per_sample(self.profile, plan.bits, frozenset(plan.checkpointed))
         return self.profile.work_fixed + per * micro
+
+    def _correct_kept(self, measured: float | None) -> None:
+        """Record the share of a micro-batch's activations the allocator kept beside the next (1 for a
+        plan that had to trim; ``None``: nothing measured), and give the profile the largest of the last
+        three."""
+        if measured is None or not self._meter.resettable or self.profile is None:
+            return
+        self._kept.append(min(1.0, max(0.0, measured)))
+        self.profile = dataclasses.replace(self.profile, freed_kept=max(self._kept))
 
     def _measure_new_shapes(self, persistent: int) -> None:
         """What the last step's new shapes left held, per shape, from ``persistent``, held at this step's
@@ -581,17 +599,20 @@ class BudgetedStep:
             return lambda part: 1.0
         return lambda part: float(self.count(part)) / total if total > 0 else 0.0
 
-    def _make_room(self, ceiling: float) -> None:
+    def _make_room(self, ceiling: float) -> bool:
         """Return the allocator's free memory if more than ``ceiling`` bytes are held (NOTE [ Metering a
-        planned step ])."""
+        planned step ]); whether it did."""
         if self._meter.current() > ceiling:
             self._meter.release()
+            return True
+        return False
 
     def _accumulate(self, batch: Any, plan: Plan, k: int, total: float, ceiling: float | None = None,
-                    budget: int | None = None, grads: int = 0) -> tuple[float, int]:
+                    budget: int | None = None, grads: int = 0) -> tuple[float, int, int]:
         """Forward+backward of ``batch`` in ``k`` balanced micro-batches under ``plan``, each loss
         weighted by its share (NOTE [ Micro-batching keeps the math ]); return the summed weighted
-        loss and the memory peak when the first micro-batch's backward ended. A micro-batch, or its
+        loss, the memory peak when the first micro-batch's backward ended and how many micro-batches ran
+        without a trim before them or their backward (0 where any trimmed). A micro-batch, or its
         backward, that would start above ``ceiling`` bytes held first returns the allocator's free
         memory (NOTE [ Metering a planned step ]); once the first micro-batch has run, the ceiling
         leaves room for what it measured (``grads``: bytes it allocated that stay) below ``budget``
@@ -604,11 +625,11 @@ class BudgetedStep:
         run = [i for i, w in enumerate(weights) if self.reduction == "sum" or w > 0]
         if not run and self._ddp is not None:
             run = [len(parts) - 1]  # the all-reduce must still happen once on this rank, with weight 0
-        value, first_peak = 0.0, 0
+        value, first_peak, trimmed = 0.0, 0, False
         start = self._meter.current()
         for i in run:
             if ceiling is not None and i != run[0]:
-                self._make_room(ceiling)
+                trimmed |= self._make_room(ceiling)
             model = micro_batch_model(self.model, self._ddp, i == run[-1])
             context = self._context(plan.bits)
             recompute = context if isinstance(context, compress) else None
@@ -616,7 +637,7 @@ class BudgetedStep:
                 with checkpointing(self.segments, plan.checkpointed, recompute), self._inplace(), context:
                     loss = self.loss_fn(model, parts[i])
                 if ceiling is not None:
-                    self._make_room(ceiling)  # what the forward freed, before the backward allocates
+                    trimmed |= self._make_room(ceiling)  # what the forward freed, before the backward allocates
                 (loss * weights[i]).backward()
                 value += float(loss.detach()) * weights[i]
                 del loss  # free the graph's last references before the next slice
@@ -624,4 +645,4 @@ class BudgetedStep:
                 first_peak = self._meter.peak()
                 if ceiling is not None and budget is not None:
                     ceiling = min(ceiling, budget - (first_peak - start - grads))
-        return value, first_peak or self._meter.peak()
+        return value, first_peak or self._meter.peak(), 0 if trimmed else len(run)
