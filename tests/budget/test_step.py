@@ -240,6 +240,25 @@ def test_plan_reserves_room_for_the_shapes_it_brings():
     assert reserve == 0 and known == unreserved
 
 
+def test_a_budget_the_compression_kernels_took_is_named_in_the_error(monkeypatch):
+    torch.manual_seed(0)
+    model = mlp()
+    batch = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB",
+                        config=PlannerConfig(bits=(2,), compression_reserve=0, checkpoint=False))
+
+    def no_plan(*args, **kwargs):
+        raise BudgetTooSmallError(10**9, 2 * 10**9)
+
+    monkeypatch.setattr(step_module, "plan_step", no_plan)
+    with pytest.raises(BudgetTooSmallError, match="loaded the compression kernels") as info:
+        step(batch)  # the planning step measures 2-bit slices: the kernels are loaded, for good
+    assert isinstance(info.value.__cause__, BudgetTooSmallError) and info.value.required_bytes == 2 * 10**9
+    with pytest.raises(BudgetTooSmallError) as info:
+        step(batch)  # loaded before this step: nothing to add
+    assert "compression kernels" not in str(info.value)
+
+
 def test_too_small_budget_raises_naming_the_floor():
     model, batch = big_case(2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -31,7 +31,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..pool import PagePool
 from ..saved.hooks import compress
 from .batching import CountFn, balanced_sizes, batch_size, shapes_of, split_batch
-from .budgets import Budget
+from .budgets import Budget, BudgetTooSmallError
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
 from .optimizer_step import leanest_part_bytes, optimizer_transient_bytes, part_bytes_within, step_in_parts
@@ -333,6 +333,7 @@ class BudgetedStep:
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         missing_grads = missing_grad_bytes(self.model)
+        kernels_loaded = self._prober.compression_loaded
         try:
             # 1. measure
             budget = self.budget.bytes()
@@ -354,9 +355,19 @@ class BudgetedStep:
             own, reserve = self._plan(batch, first, budget, persistent)
         except Exception as exc:
             self.optimizer.zero_grad(set_to_none=True)  # what the planning step trained is not stepped
+            failure: BaseException = exc
+            if isinstance(exc, BudgetTooSmallError) and self._prober.compression_loaded and not kernels_loaded:
+                failure = BudgetTooSmallError(
+                    exc.budget_bytes, exc.required_bytes,
+                    "this planning step loaded the compression kernels to measure compressed plans, and they stay "
+                    "in the process (more than PlannerConfig.compression_reserve here); with PlannerConfig(bits="
+                    "(None,)) or a larger compression_reserve they are not loaded at this budget")
+                failure.__cause__ = exc
             if self._ddp is None:
-                raise
-            error: BaseException | None = exc
+                if failure is exc:
+                    raise
+                raise failure from exc
+            error: BaseException | None = failure
         else:
             error = None
         if self._ddp is None:
