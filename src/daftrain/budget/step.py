@@ -101,9 +101,10 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # backward, or the optimizer step, that would start with less room than the model gives it below the
 # budget first returns the free memory (``meter.release()``): a trim only where the budget needs one.
 # The planner prices those trims (NOTE [ The cost model ], 3. in planner.py) and usually prefers a plan
-# whose two micro-batches fit, which needs none. The room is the model's activations or, once the
-# step's first micro-batch has run, what it measured where that is more: a model corrected only after
-# the step (``alpha``) let the first steps of a plan it underestimated go over.
+# whose micro-batch fits beside what the allocator keeps of the one before, which needs none. The room
+# is the model's activations or, once the step's first micro-batch has run, what it measured where that
+# is more: a model corrected only after the step (``alpha``) let the first steps of a plan it
+# underestimated go over.
 
 # NOTE [ Bits by importance under a plan ]
 # The planner prices a compressed plan by the bytes its bit-width stores (``Profile.segments``' saved
