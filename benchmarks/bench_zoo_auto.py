@@ -2,11 +2,13 @@
 
 For each architecture of ``TINY_ZOO`` and each width ``b`` of ``--bits`` (default 4 and 2): the gradient
 of ``bench_zoo.py``'s loss in plain PyTorch, under ``compress(bits=b)`` and under ``compress(bits="auto",
-avg_bits=b)`` (its second step: the first is the adaptation step that estimates importance), each over
-``--draws`` rounding seeds. Reported per model and width: the mean gradient error ``1 - cosine`` of
-each, their ratio (auto over uniform; below 1 is better), and the stored bytes of each. Issue 17 asks
-that auto never do worse than uniform bits at the same bytes; a model counts as worse where auto's
-mean error exceeds uniform's by more than the spread of the draws allows (``NOISE``, below).
+avg_bits=b)``, each on its second step (auto's first is the adaptation step that estimates importance;
+fixed bits run a first step too, so that both are measured on the same rounding draws: where the
+allocation is uniform the two gradients are then identical), each over ``--draws`` rounding seeds.
+Reported per model and width: the mean gradient error ``1 - cosine`` of each, their ratio (auto over
+uniform; below 1 is better), and the stored bytes of each. Issue 17 asks that auto never do worse than
+uniform bits at the same bytes; a model counts as worse where auto's mean error exceeds uniform's by more
+than the spread of the draws allows (``NOISE``, below).
 
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo_auto.py
 """
@@ -50,6 +52,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], widths: lis
             fixed, auto, fixed_bytes, auto_bytes = [], [], 0, 0
             for seed in range(draws):
                 ctx = daftrain.compress(bits=b, model=model, seed=seed)
+                zoo_gradient(model, inputs, ctx)  # a first step, as auto's adaptation step: the same draws
                 fixed.append(_error(zoo_gradient(model, inputs, ctx), ref))
                 fixed_bytes = ctx.stats.stored_bytes
                 ctx = daftrain.compress(bits="auto", avg_bits=float(b), model=model, seed=seed)

@@ -488,6 +488,26 @@ def test_below_the_width_asked_for_only_where_the_noise_lands_in_a_parameter():
     assert any(s.op == "linear" and s.min_bits < 4 for s in slots)
 
 
+def test_a_weight_the_forward_computes_is_not_priced_as_a_parameter():
+    """NOTE [ Fewest bits ]: a layer whose weight the forward computes (``weight_norm``) saves that weight,
+    whose noise lands in the input's gradient: like an operand of a product of two activations it never
+    goes below the target's width uncalibrated, where the inputs of layers with parameter weights may."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(),
+                          nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)), nn.GELU(), nn.Linear(64, 10))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    ctx = daftrain.compress(bits="auto", avg_bits=4.0, model=model, seed=7, min_numel=1, variance_warning=None)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+    slots = ctx.report().slots
+    computed = [s for s in slots if s.shape == (64, 64)]  # the normalised weight, saved by its linear
+    assert computed and all(s.min_bits >= 4 for s in computed), [(s.op, s.min_bits) for s in computed]
+    assert any(s.op == "linear" and s.shape == (16, 64) and s.min_bits < 4 for s in slots)  # the last input
+
+
 def test_an_integer_avg_bits_budget_is_the_bytes_of_fixed_bits():
     """Fixed bits raise a record to its treatment's floor (log_softmax's output: 8): the ``avg_bits``
     budget counts the same, so the allocation has the bytes fixed bits store, not fewer."""

@@ -380,8 +380,9 @@ class AutoBits:
         """The fewest bits of an observed record: NOTE [ Fewest bits ] in tracing.py, and the uniform width
         of an ``avg_bits`` target until a calibration (NOTE [ Below the width asked for ])."""
         floor = floor_bits(o.ops, o.min_bits, o.noise, o.activation_product)
-        if self.avg_bits is not None and not self._calibration and not lands_in_a_parameter(
-                o.ops, o.activation_product):
+        unmeasured = o.grad_sq is None and (o.rewritten or not o.traced)  # it is priced at the median
+        if self.avg_bits is not None and not self._calibration and (
+                unmeasured or not lands_in_a_parameter(o.ops, o.activation_product)):
             floor = max(floor, self._fallback)
         return floor
 

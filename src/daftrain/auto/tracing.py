@@ -78,7 +78,10 @@ def observe(key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_b
 # level, the midpoint of its positive range (``layout.py``), so every positive value is *replaced*, not
 # rounded without bias (tiny probabilities become half the largest one). So does an operand of a
 # *contraction of two activations* (``q @ k^T`` and ``P @ V`` of attention: matmul/bmm/einsum/sdpa whose
-# every operand is computed by the forward, none a parameter, a view of one, a constant or an input).
+# every operand is computed by the forward, none a parameter, a view of one, a constant or an input; and
+# a linear or convolution whose weight the forward computes, as ``weight_norm`` does: the weight's noise
+# lands in the input's gradient, not a parameter's, and HuBERT's positional convolution, its weight at
+# 2 bits, gave 1.7x uniform 4-bit's gradient error).
 # Its backward is linear in it and its variance is estimated and calibrated like any other, yet that
 # variance misses what 1 bit does there: on the character GPT-2 of ``benchmarks/bench_accuracy_parity.py``
 # the calibrated allocation put most of q, k and v at 1 bit and its loss curve parted from FP32's where
@@ -97,8 +100,9 @@ NONLINEAR_SAVER_MIN_BITS = 2
 # Contractions that can multiply two activations; see NOTE [ Fewest bits ].
 _CONTRACTIONS = frozenset({
     "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addbmm", "einsum",
-    "scaled_dot_product_attention",
+    "scaled_dot_product_attention", "linear", "conv1d", "conv2d", "conv3d",
 })
+_LAYERS = frozenset({"linear", "conv1d", "conv2d", "conv3d"})  # (input, weight, bias, ...)
 
 
 def _activation_product(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -109,6 +113,8 @@ def _activation_product(name: str, args: tuple[Any, ...], kwargs: Mapping[str, A
         return False
     if name in ("baddbmm", "addbmm"):  # the added term is not contracted
         args, kwargs = args[1:], {k: v for k, v in kwargs.items() if k != "input"}
+    if name in _LAYERS:  # nor is a layer's bias; its weight is a parameter unless the forward computed it
+        args, kwargs = args[:2], {k: v for k, v in kwargs.items() if k in ("input", "weight")}
     operands = _tensors(list(args) + list(kwargs.values()))
     return len(operands) >= 2 and all(t.grad_fn is not None and not is_parameter_like(t, registry)
                                       for t in operands)
@@ -145,8 +151,11 @@ _PARAMETER_CONTRACTIONS = frozenset({
 # bytes on about half of them (``benchmarks/bench_zoo_auto.py``). So until ``calibrate`` has measured the
 # classes' corrections, a tensor goes below the uniform width of the target (``avg_bits`` rounded down
 # to a supported width) only where every op that saved it is a contraction with a parameter
-# (``lands_in_a_parameter``); the others may get more bits, never fewer. With ``packed_bytes`` (no width)
-# or ``error_share`` (calibrated by its own) nothing changes.
+# (``lands_in_a_parameter``) and its gradient was measured; the others may get more bits, never fewer.
+# A tensor whose gradient was not measured (saved outside a traced call, or an output written in place
+# later, ``Observation.rewritten``) is priced at the median sensitivity, a guess: HuBERT's feature
+# projection input, priced so, went to 1 bit at ``avg_bits=2`` and gave 2.4x uniform's error. With
+# ``packed_bytes`` (no width) or ``error_share`` (calibrated by its own) nothing changes.
 def lands_in_a_parameter(ops: list[str], activation_product: bool) -> bool:
     """Every op that saved the tensor contracts it with a parameter, so its rounding noise lands in that
     parameter's gradient; see ``NOTE [ Below the width asked for ]``."""

@@ -98,11 +98,11 @@ class PlannerConfig:
     prefer_exact_within: float = 0.05
     """Among plans at most this much slower than the fastest, take the one with the most bits, then the one
     with the fewest checkpointed segments."""
-    compression_reserve: int = 100_000_000
-    """Bytes the compression kernels add to the process the first time they run (on CPU: numba's
-    compiled code and LLVM, loaded from numba's cache, for good). Compressed plans are measured only
-    where the headroom holds this much besides the measuring slice and the exact plan's activations
-    are larger than it."""
+    compression_reserve: int = 200_000_000
+    """Bytes the compression kernels and the planning step's compressed slices add to the process, for
+    good (on CPU: numba's compiled code and LLVM, loaded from numba's cache; docs/budget.md has the
+    measured footprint). Compressed plans are measured only where the headroom holds this much besides
+    the measuring slice and the exact plan's activations are larger than it."""
     max_alpha: float = 4.0
     """Upper bound on the measured correction of the activation-memory model (its lower bound is 1)."""
     compressed_time_factor: float = 1.1
