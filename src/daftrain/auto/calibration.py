@@ -93,11 +93,15 @@ class CalibrationPass:
         if not bool(torch.isfinite(noise).all()):
             return flat
         noisy = values + noise
-        out = noisy.to(flat.dtype) if quantity is None else None
-        if index not in self.noise:  # a record two ops saved is drawn the same way for both: count it once
-            self.noise[index] = squared_distance([out], [flat]) if out is not None else \
-                squared_distance([noisy], [values])
-        return out if out is not None else quantity.restored(noisy).to(flat.dtype)
+        first = index not in self.noise  # a record two ops saved is drawn the same way for both: count it once
+        if quantity is None:
+            out = noisy.to(flat.dtype)
+            if first:
+                self.noise[index] = squared_distance([out], [flat])
+            return out
+        if first:
+            self.noise[index] = squared_distance([noisy], [values])
+        return quantity.restored(noisy).to(flat.dtype)  # restored() overwrites noisy
 
     def _quantize_again(self, index: int, flat: torch.Tensor,
                         requantize: Callable[[torch.Tensor, int, int], torch.Tensor],
