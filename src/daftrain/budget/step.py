@@ -155,9 +155,10 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # each step that brought any, its growth in held bytes (state and gradients excluded) over the count
 # of new shapes. A plan whose micro-batches bring new shapes is made with that many times the largest
 # of the last three measurements reserved out of the room (two shapes at most: balanced micro-batches
-# take two sizes), and planned again if the reserved plan brings more. A step that loaded the
-# compression kernels, or created the optimizer's state, measures nothing: what those leave held
-# beyond their own bytes is not a shape's.
+# take two sizes), and planned again if the reserved plan brings more; where no plan fits beside the
+# reserve, the plan made without it runs (a budget that tight is the leanest plan's, reserve or not).
+# A step that loaded the compression kernels, or created the optimizer's state, measures nothing: what
+# those leave held beyond their own bytes is not a shape's.
 
 # NOTE [ Micro-batching keeps the math ]
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
@@ -194,6 +195,20 @@ class StepRecord:
     planning: bool = False
     """Whether this was a planning step (the first of a batch size): its measuring slices trained part
     of the batch and ``plan`` the rest; ``step_s`` includes them."""
+
+
+_KERNELS_TOOK_THE_ROOM = (
+    "this planning step loaded the compression kernels to measure compressed plans, and they stay in the "
+    "process (more than PlannerConfig.compression_reserve here); with PlannerConfig(bits=(None,)) or a larger "
+    "compression_reserve they are not loaded at this budget")
+
+
+def _with_detail(error: BaseException, detail: str) -> BudgetTooSmallError:
+    """``error``, a ``BudgetTooSmallError``, with ``detail`` on what took the room."""
+    assert isinstance(error, BudgetTooSmallError)
+    detailed = BudgetTooSmallError(error.budget_bytes, error.required_bytes, detail)
+    detailed.__cause__ = error
+    return detailed
 
 
 class BudgetedStep:
@@ -356,19 +371,12 @@ class BudgetedStep:
             own, reserve = self._plan(batch, first, budget, persistent)
         except Exception as exc:
             self.optimizer.zero_grad(set_to_none=True)  # what the planning step trained is not stepped
-            failure: BaseException = exc
-            if isinstance(exc, BudgetTooSmallError) and self._prober.compression_loaded and not kernels_loaded:
-                failure = BudgetTooSmallError(
-                    exc.budget_bytes, exc.required_bytes,
-                    "this planning step loaded the compression kernels to measure compressed plans, and they stay "
-                    "in the process (more than PlannerConfig.compression_reserve here); with PlannerConfig(bits="
-                    "(None,)) or a larger compression_reserve they are not loaded at this budget")
-                failure.__cause__ = exc
+            kernels = isinstance(exc, BudgetTooSmallError) and self._prober.compression_loaded and not kernels_loaded
             if self._ddp is None:
-                if failure is exc:
-                    raise
-                raise failure from exc
-            error: BaseException | None = failure
+                if kernels:
+                    raise _with_detail(exc, _KERNELS_TOOK_THE_ROOM) from exc
+                raise
+            error: BaseException | None = _with_detail(exc, _KERNELS_TOOK_THE_ROOM) if kernels else exc
         else:
             error = None
         if self._ddp is None:
@@ -513,11 +521,16 @@ class BudgetedStep:
         trained = first.trained if first is not None else 0
         per_shape = max(self._held_per_shape, default=0.0)
         reserve = 0
+        plan = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent, config=self.config,
+                         alpha=self.alpha, time_scale=self._time_scale())
         while True:  # the reserve only grows, to two shapes' at most: three rounds at most
-            plan = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent + reserve,
-                             config=self.config, alpha=self.alpha, time_scale=self._time_scale())
             need = math.ceil(per_shape * len(self._shapes_of(batch, plan, trained, first is None) - self._shapes))
             if need <= reserve:
+                return plan, reserve
+            try:
+                plan = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent + need,
+                                 config=self.config, alpha=self.alpha, time_scale=self._time_scale())
+            except BudgetTooSmallError:  # no room for the reserve: the plan made without it, as before
                 return plan, reserve
             reserve = need
 
