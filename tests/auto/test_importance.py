@@ -226,8 +226,8 @@ def recorded_assignments(ctx) -> list[tuple[int, int, int | None]]:
     policy, seen = ctx._bit_policy, []
     assign = policy.assign
 
-    def record(step, index, source, flat, min_bits, saved_again=False):
-        out = assign(step, index, source, flat, min_bits, saved_again)
+    def record(step, index, source, flat, min_bits, saved_again=False, stored_as=None):
+        out = assign(step, index, source, flat, min_bits, saved_again, stored_as)
         if not saved_again:
             seen.append((index, flat.numel(), out.bits))
         return out

@@ -14,7 +14,7 @@ import dataclasses
 import fractions
 import math
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -78,11 +78,14 @@ class BitPolicy(Protocol):
         """This thread's forward ends."""
 
     def assign(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int,
-               saved_again: bool = False) -> Assignment:
+               saved_again: bool = False, stored_as: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> Assignment:
         """The record at forward position ``index`` of ``step``: ``flat`` its values, ``source`` the
         tensor autograd saved, ``min_bits`` the floor its treatment sets (``saved/decide.py``). With
         ``saved_again`` the record exists already and another op saves it once more (only ``index``
-        and ``source`` are read, and the return value means nothing)."""
+        and ``source`` are read, and the return value means nothing). ``stored_as(flat)`` is what the
+        record stores where that is not the values (a GELU input's ``f'(x)``, NOTE [ Derivative
+        encoding under bits="auto" ] in saved/decide.py): what an estimate observes."""
         ...
 
     def report(self) -> AllocationReport | None:
@@ -133,7 +136,8 @@ class FixedBits:
         """Nothing to do: fixed bits trace nothing."""
 
     def assign(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int,
-               saved_again: bool = False) -> Assignment:
+               saved_again: bool = False, stored_as: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> Assignment:
         """``config.bits`` raised to ``min_bits``, importance ``float(index)``."""
         bits = self._bits
         return Assignment(None if bits is None else max(bits, min_bits), float(index))
@@ -248,7 +252,8 @@ class AutoBits:
 
     # -- the per-record decision -------------------------------------------------------------------
     def assign(self, step: int, index: int, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int,
-               saved_again: bool = False) -> Assignment:
+               saved_again: bool = False, stored_as: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> Assignment:
         """Bits and pool importance of the record at forward position ``index`` of ``step``; see
         ``BitPolicy.assign``."""
         with self._lock:
@@ -259,7 +264,7 @@ class AutoBits:
                 self._new_step(step)
             key = SlotKey.of(index, flat)
             if self._adapting:
-                self._observe(key, source, flat, min_bits)
+                self._observe(key, source, flat if stored_as is None else stored_as(flat), min_bits)
             bits = self._bits_for(key)
             importance = self._importance_of(key)
         return Assignment(None if bits is None else max(bits, min_bits),

@@ -203,6 +203,11 @@ _KERNELS_TOOK_THE_ROOM = (
     "compression_reserve they are not loaded at this budget")
 
 
+def _split(samples: int, k: int) -> list[int]:
+    """The sizes of ``k`` balanced micro-batches of ``samples`` (one per sample where there are fewer)."""
+    return balanced_sizes(samples, max(1, min(k, samples)))
+
+
 def _with_detail(error: BaseException, detail: str) -> BudgetTooSmallError:
     """``error``, a ``BudgetTooSmallError``, with ``detail`` on what took the room."""
     assert isinstance(error, BudgetTooSmallError)
@@ -361,8 +366,7 @@ class BudgetedStep:
                     batch, budget, persistent, inplace=self.inplace, share=self._share(total),
                     keep=1 if self._ddp is not None and samples > 1 else 0)
                 self.profile, self.inplace = first.profile, first.inplace
-                if self._kept:  # what earlier steps measured of the allocator holds for a new batch size too
-                    self.profile = dataclasses.replace(self.profile, freed_kept=max(self._kept))
+                self.profile = self._with_kept(self.profile)  # measured of the allocator: it holds for any size
                 self._shapes |= first.shapes
                 self._held_per_shape.extend(first.held_per_shape)
                 # the slices' gradients are held now; the optimizer state is not yet
@@ -491,7 +495,11 @@ class BudgetedStep:
         if measured is None or not self._meter.resettable or self.profile is None:
             return
         self._kept.append(min(1.0, max(0.0, measured)))
-        self.profile = dataclasses.replace(self.profile, freed_kept=max(self._kept))
+        self.profile = self._with_kept(self.profile)
+
+    def _with_kept(self, profile: Profile) -> Profile:
+        """``profile`` with the largest kept share of the last three measured (as it is before any)."""
+        return dataclasses.replace(profile, freed_kept=max(self._kept)) if self._kept else profile
 
     def _measure_new_shapes(self, persistent: int) -> None:
         """What the last step's new shapes left held, per shape, from ``persistent``, held at this step's
@@ -511,8 +519,7 @@ class BudgetedStep:
         left = batch_size(batch) - trained
         if left <= 0:
             return set()
-        k = self._micro_batches(plan, left, planned)
-        return {shapes_of(batch, n) for n in balanced_sizes(left, max(1, min(k, left)))}
+        return {shapes_of(batch, n) for n in _split(left, self._micro_batches(plan, left, planned))}
 
     def _plan(self, batch: Any, first: FirstStep | None, budget: int, persistent: int) -> tuple[Plan, int]:
         """The plan for the samples of ``batch`` the planning step ``first`` (if any) left, and the bytes
@@ -520,16 +527,17 @@ class BudgetedStep:
         assert self.profile is not None
         trained = first.trained if first is not None else 0
         per_shape = max(self._held_per_shape, default=0.0)
+        scale = self._time_scale()
         reserve = 0
         plan = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent, config=self.config,
-                         alpha=self.alpha, time_scale=self._time_scale())
+                         alpha=self.alpha, time_scale=scale)
         while True:  # the reserve only grows, to two shapes' at most: three rounds at most
             need = math.ceil(per_shape * len(self._shapes_of(batch, plan, trained, first is None) - self._shapes))
             if need <= reserve:
                 return plan, reserve
             try:
                 plan = plan_step(self.profile, budget_bytes=budget, persistent_bytes=persistent + need,
-                                 config=self.config, alpha=self.alpha, time_scale=self._time_scale())
+                                 config=self.config, alpha=self.alpha, time_scale=scale)
             except BudgetTooSmallError:  # no room for the reserve: the plan made without it, as before
                 return plan, reserve
             reserve = need
@@ -644,7 +652,7 @@ class BudgetedStep:
         where that is more than the model predicted. Under DDP only the last
         micro-batch runs through the wrapper and all-reduces the gradients (NOTE [ One all-reduce per
         step ])."""
-        parts = split_batch(batch, balanced_sizes(batch_size(batch), max(1, min(k, batch_size(batch)))))
+        parts = split_batch(batch, _split(batch_size(batch), k))
         share = self._share(total)
         weights = [share(p) for p in parts]
         run = [i for i, w in enumerate(weights) if self.reduction == "sum" or w > 0]

@@ -92,12 +92,13 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
 
 # NOTE [ Derivative encoding under bits="auto" ]
 # A GELU's or SiLU's input is stored as ``f'(x)`` (``NOTE [ Activations stored as their derivative ]``
-# in ``op_rules.py``) under bits="auto" too, and bits="auto" sees what the record stores: the
-# allocation observes the group ranges of ``f'(x)``, not of ``x`` (``compress._make_record``), and a
-# calibration pass adds its noise to ``f'(x)`` and restores an input from it (``CalibrationPass``), so
-# the estimate and its calibration are of the quantity that is rounded. Before, auto stored these
-# inputs as values, and a model whose gradient runs through a stack of GELUs without a residual path
-# (data2vec-audio's positional convolution) got 4.6x fixed 4-bit's gradient error at the same bytes.
+# in ``op_rules.py``) under bits="auto" too, and bits="auto" sees what the record stores: an
+# adaptation step observes the group ranges of ``f'(x)``, not of ``x`` (``BitPolicy.assign``'s
+# ``stored_as``), and a calibration pass adds its noise to ``f'(x)`` and restores an input from it
+# (``CalibrationPass``), so the estimate and its calibration are of the quantity that is rounded.
+# Before, auto stored these inputs as values, and a model whose gradient runs through a stack of GELUs
+# without a residual path (data2vec-audio's positional convolution) got 4.6x fixed 4-bit's gradient
+# error at the same bytes.
 def _by_rule(t: torch.Tensor, match: OpMatch, config: CompressionConfig) -> Decision:
     """A tensor an op rule treats; an encoding by rows needs its memory order to be its logical order
     (``Derivative`` is elementwise)."""

@@ -400,9 +400,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         index = self._num_records
         if decision.treatment is Treatment.QUANTIZE:
             # bits="auto" observes what the record stores (NOTE [ Derivative encoding under bits="auto" ])
-            observed = decision.encoding.stored(flat) if self.config.auto and isinstance(
-                decision.encoding, Derivative) else flat
-            assignment = self._bit_policy.assign(self.step, index, source, observed, decision.min_bits)
+            stored_as = decision.encoding.stored if isinstance(decision.encoding, Derivative) else None
+            assignment = self._bit_policy.assign(self.step, index, source, flat, decision.min_bits,
+                                                 stored_as=stored_as)
         else:  # bool masks and constants: stored exactly (encode ignores the bits), pooled by forward position
             assignment = Assignment(1, float(index))
         self._num_records += 1

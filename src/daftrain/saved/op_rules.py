@@ -232,11 +232,12 @@ def _comparison(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     x, c = (a, b) if b.dim() == 0 and a.dim() > 0 else (b, a) if a.dim() == 0 and b.dim() > 0 else (None, None)
     if x is None or c is None or not x.is_floating_point() or c.dtype != x.dtype:
         return None
-    value = c.item()  # one value per call (a device sync on an accelerator)
+    here = c.detach().cpu()  # one value per call (a device sync on an accelerator)
+    value = here.item()
     if not math.isfinite(value):
         return None
-    above = torch.nextafter(c.detach().cpu(), torch.tensor(math.inf, dtype=c.dtype))
-    below = torch.nextafter(c.detach().cpu(), torch.tensor(-math.inf, dtype=c.dtype))
+    above = torch.nextafter(here, torch.tensor(math.inf, dtype=c.dtype))
+    below = torch.nextafter(here, torch.tensor(-math.inf, dtype=c.dtype))
     upper = func in (torch.min, torch.minimum, torch.Tensor.min, torch.Tensor.minimum)
     if upper:  # the input's gradient flows where x < c
         return x, ClipMask(None, value, False, below.item(), above.item(), tie=value)

@@ -415,14 +415,12 @@ class ClipMaskRecord(_EncodedRecord):
     encoding: ClipMask
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        keep = self.inner.decode()
-        enc = self.encoding
+        keep, tie, enc = self.inner.decode(), None, self.encoding
+        if enc.tie is not None:
+            keep, tie = keep.view(2, -1)
         inside = torch.tensor(enc.inside, dtype=self.dtype, device=keep.device)
-        if enc.tie is None:
-            return torch.where(keep, inside, torch.tensor(enc.outside, dtype=self.dtype, device=keep.device))
-        keep, tie = keep.view(2, -1)
         values = torch.where(keep, inside, torch.tensor(enc.outside, dtype=self.dtype, device=keep.device))
-        return values.masked_fill_(tie, enc.tie)
+        return values if tie is None else values.masked_fill_(tie, enc.tie)
 
 
 # NOTE [ Activations stored as their derivative ]
