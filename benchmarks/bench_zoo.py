@@ -15,7 +15,11 @@ differ by more than a target allows is listed under ``plain_noise`` for that tar
 ``--attribute BITS`` (with ``--models``) also quantizes one saved tensor at a time, the rest exact, and
 reports the ``--top`` tensors with the largest error: which saved tensor carries a model's error.
 
+``--zoo torch`` runs the ``torch.nn`` architectures of ``demo/models/torch_zoo.py`` instead.
+
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py
+    flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py --zoo torch \
+        --out benchmarks/results/zoo_torch.json
     .venv/bin/python benchmarks/bench_zoo.py --models t5 --attribute 4 --out /tmp/t5.json
 """
 
@@ -33,10 +37,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
+from common import ZOOS, build_zoo_model, write_json, zoo_entries
 
 import daftrain
-from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model, zoo_gradient
+from daftrain.demo.models.transformers_zoo import zoo_gradient
 from daftrain.saved.decide import Treatment, decide
 from daftrain.saved.op_rules import RULES, OpTracer, match_saved
 
@@ -125,8 +129,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
     row: dict[str, Any] = {"model": model_type, "kind": kind}
     t0 = time.perf_counter()
     try:
-        model = tiny_model(model_type, overrides)
-        inputs = tiny_inputs(model, kind)
+        model, inputs = build_zoo_model(model_type, kind, overrides)
         ref, _ = _step(model, inputs, None)
         again, _ = _step(model, inputs, None)
         row["plain_deterministic"] = bool(torch.equal(ref, again))
@@ -218,7 +221,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", help="model types (default: all of TINY_ZOO)")
+    parser.add_argument("--zoo", choices=ZOOS, default="transformers",
+                        help="the Hugging Face zoo (TINY_ZOO) or the torch.nn one (TORCH_ZOO)")
+    parser.add_argument("--models", nargs="*", help="model types (default: the whole zoo)")
     parser.add_argument("--out", default="benchmarks/results/zoo.json")
     parser.add_argument("--attribute", type=int, metavar="BITS",
                         help="also quantize one saved tensor at a time at BITS (slow: use with --models)")
@@ -228,13 +233,13 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    zoo = [z for z in TINY_ZOO if not args.models or z[0] in args.models]
+    zoo = [z for z in zoo_entries(args.zoo) if not args.models or z[0] in args.models]
     rows = []
     for model_type, kind, overrides in zoo:
         row = run_model(model_type, kind, overrides, args.error_share)
         if args.attribute and row["status"] == "ok":
-            model = tiny_model(model_type, overrides)
-            found = attribute(model, tiny_inputs(model, kind), args.attribute, args.top)
+            model, inputs = build_zoo_model(model_type, kind, overrides)
+            found = attribute(model, inputs, args.attribute, args.top)
             row[f"attribution{args.attribute}"] = found
             for e in found:
                 print(f"  {e['error']:.5f} #{e['index']} {e['node']} {e['shape']} rule={e['rule']!r} "
@@ -249,7 +254,8 @@ def main() -> None:
         print(f"\n== {tag} ==")
         for k, v in s.items():
             print(f"{k}: {v}")
-    write_json(args.out, {"command": "flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py",
+    write_json(args.out, {"command": "flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py "
+                          + " ".join(sys.argv[1:]),
                           "targets": {**TARGETS, **SHARE_TARGETS}, "summary": summaries, "rows": rows})
 
 

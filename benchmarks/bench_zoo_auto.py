@@ -10,7 +10,13 @@ uniform; below 1 is better), and the stored bytes of each. Issue 17 asks that au
 uniform bits at the same bytes; a model counts as worse where auto's mean error exceeds uniform's by more
 than the spread of the draws allows (``NOISE``, below).
 
+``--zoo torch`` runs the ``torch.nn`` architectures of ``demo/models/torch_zoo.py`` instead (recurrent,
+``nn.Transformer``, encoder-decoder CNN, MLP-Mixer, recommender, complex spectral operator, each also
+under bfloat16 autocast), with the same loss.
+
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo_auto.py
+    flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo_auto.py --zoo torch \
+        --out benchmarks/results/zoo_auto_torch.json
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
+from common import ZOOS, build_zoo_model, write_json, zoo_entries
 
 import daftrain
-from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model, zoo_gradient
+from daftrain.demo.models.transformers_zoo import zoo_gradient
 
 NOISE = 1.1
 """Auto counts as worse where its mean error is above ``NOISE`` times uniform's: the mean over the draws
@@ -45,8 +51,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], widths: lis
     row: dict[str, Any] = {"model": model_type, "kind": kind}
     t0 = time.perf_counter()
     try:
-        model = tiny_model(model_type, overrides)
-        inputs = tiny_inputs(model, kind)
+        model, inputs = build_zoo_model(model_type, kind, overrides)
         ref = zoo_gradient(model, inputs)
         for b in widths:
             fixed, auto, fixed_bytes, auto_bytes = [], [], 0, 0
@@ -86,7 +91,9 @@ def summarize(rows: list[dict], widths: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", help="model types (default: all of TINY_ZOO)")
+    parser.add_argument("--zoo", choices=ZOOS, default="transformers",
+                        help="the Hugging Face zoo (TINY_ZOO) or the torch.nn one (TORCH_ZOO)")
+    parser.add_argument("--models", nargs="*", help="model types (default: the whole zoo)")
     parser.add_argument("--bits", type=int, nargs="*", default=[4, 2])
     parser.add_argument("--draws", type=int, default=2, help="rounding seeds per configuration (default 2)")
     parser.add_argument("--out", default="benchmarks/results/zoo_auto.json")
@@ -94,7 +101,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     rows = []
-    for model_type, kind, overrides in (z for z in TINY_ZOO if not args.models or z[0] in args.models):
+    for model_type, kind, overrides in (z for z in zoo_entries(args.zoo) if not args.models or z[0] in args.models):
         row = run_model(model_type, kind, overrides, args.bits, args.draws)
         rows.append(row)
         print(row["model"], row["status"], row.get("error", ""), {

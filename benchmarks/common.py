@@ -44,3 +44,31 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2, default=str))
     print(f"wrote {path}")
+
+
+ZOOS = ("transformers", "torch")
+"""The zoo benchmarks' architectures: ``TINY_ZOO`` of ``demo/models/transformers_zoo.py`` (Hugging Face
+models from tiny configs) or ``TORCH_ZOO`` of ``demo/models/torch_zoo.py`` (``torch.nn`` alone)."""
+
+
+def zoo_entries(zoo: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(model_type, kind, overrides)`` of every architecture of ``zoo`` (one of ``ZOOS``)."""
+    if zoo == "torch":
+        from daftrain.demo.models.torch_zoo import TORCH_ZOO
+
+        return [(name, "torch", {}) for name in TORCH_ZOO]
+    from daftrain.demo.models.transformers_zoo import TINY_ZOO
+
+    return list(TINY_ZOO)
+
+
+def build_zoo_model(model_type: str, kind: str, overrides: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model of one zoo entry and its keyword inputs, from the same seeds every time."""
+    if kind == "torch":
+        from daftrain.demo.models.torch_zoo import zoo_inputs, zoo_model
+
+        return zoo_model(model_type), zoo_inputs(model_type)
+    from daftrain.demo.models.transformers_zoo import tiny_inputs, tiny_model
+
+    model = tiny_model(model_type, overrides)
+    return model, tiny_inputs(model, kind)

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .lineage import CAST_AND_VIEW_NODES
+
 __all__ = ["ParameterRegistry", "is_parameter_like", "is_parameter_or_view"]
 
 
@@ -54,16 +56,9 @@ def is_parameter_or_view(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
-# Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).
-_CAST_AND_VIEW_NODES = frozenset(
-    {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-     "ReshapeAliasBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0"}
-)
-
-
 def _is_cast_or_view_of_leaf(node: object, max_depth: int = 4) -> bool:
     for _ in range(max_depth):
-        if type(node).__name__ not in _CAST_AND_VIEW_NODES:
+        if type(node).__name__ not in CAST_AND_VIEW_NODES:
             return False
         inputs = [fn for fn, _ in node.next_functions if fn is not None]  # type: ignore[attr-defined]
         if len(inputs) != 1:

@@ -71,9 +71,9 @@ def test_calibrate_leaves_the_step_as_it_was():
 # the analytic estimate counts that noise in the gradient of GELU's input (``dh = g * gelu'(x)``), but it
 # reaches the parameters through ``dW1 = x^T dh``: the estimate misses a factor of about the mean squared
 # row norm of ``x`` (16 features of variance 4: ~64). Calibration measures it. What remains between the
-# calibrated estimate and the variance over DRAWS real 2-bit quantized passes: ``NoiseProfile.energy``'s
-# model of rounding noise (a value's place between two levels taken as uniform; 1.5x too high for l2's
-# input here, where calibration changes nothing), the calibration's single draw (~+-10% over ~1000
+# calibrated estimate and the variance over DRAWS real 2-bit quantized passes: the calibration's noise,
+# spread evenly across each step where real rounding noise follows the values (``NOTE [ Measured
+# rounding noise ]`` in auto/allocation.py), the calibration's single draw (~+-10% over ~1000
 # parameters) and the DRAWS sampling error (~+-15%). CALIBRATED_FACTOR = 2.5 covers those; the
 # uncalibrated estimate of GELU's input does not fit.
 CALIBRATED_FACTOR = 2.5

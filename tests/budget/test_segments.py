@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,3 +99,22 @@ def test_inplace_activations_exact_and_restored():
     assert not any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_lone_activations_and_dropouts_are_not_segments():
+    # NOTE [ Elementwise modules are not segments ]: checkpointing the in-place LeakyReLU kept the input it
+    # then overwrote, and the planning step's all-checkpointed probe failed on the version counter.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True),
+                          nn.LeakyReLU(0.2, inplace=True), nn.Dropout(0.1), nn.Conv2d(8, 4, 3, padding=1),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 2))
+    segs = find_segments(model)
+    assert list(segs) == ["0", "1", "4", "6", "7"]
+    x = torch.randn(8, 3, 8, 8)
+    with checkpointing(segs, list(segs)):
+        model(x).sum().backward()  # every segment checkpointed: trains
+    assert all(p.grad is not None for p in model.parameters())
+    step = daftrain.BudgetedStep(model, lambda m, b: m(b).pow(2).mean(), torch.optim.SGD(model.parameters(), 0.1),
+                                 budget="1MB")
+    with pytest.raises(daftrain.BudgetTooSmallError):
+        step(x)

@@ -68,8 +68,10 @@ def test_batch_norm_input() -> None:
     x = torch.randn(8, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     tiny = (torch.arange(16) // 2) % 2 == 0  # channels (and GroupNorm's pairs of them) of tiny spread
     x[:, tiny] = 5.0 + 1e-3 * x[:, tiny]
-    # GroupNorm is not in the rule yet (its 8-bit weight gradient still misses; see the report).
-    for norm in (torch.nn.BatchNorm2d(16).train(),):
+    # GroupNorm's mean and rstd are outputs with a gradient: kept exact by the rule, not quantized;
+    # InstanceNorm hands batch_norm its input reshaped to one sample of N * C channels.
+    norms = (torch.nn.BatchNorm2d(16).train(), torch.nn.GroupNorm(8, 16), torch.nn.InstanceNorm2d(16, affine=True))
+    for norm in norms:
         def weight_grad(ctx: daftrain.compress | None, norm: torch.nn.Module = norm) -> torch.Tensor:
             norm.zero_grad(set_to_none=True)
             _grads(lambda x: norm(x * 1.0), [x], ctx)
@@ -135,6 +137,12 @@ def test_relu6_and_clamp_masks_are_exact() -> None:
         "clamp": lambda x: torch.clamp(x * 1.0, 0.0, 6.0),
         "clamp_min": lambda x: (x * 1.0).clamp(min=6.0),
         "threshold": lambda x: F.threshold(x * 1.0, 0.0, 0.0),
+        # a leaky ReLU reads its input (in place: its output) only through the sign; hardsigmoid is a clip
+        "leaky_relu": lambda x: F.leaky_relu(x * 1.0, 0.2),
+        "leaky_relu_inplace": lambda x: torch.nn.LeakyReLU(0.2, inplace=True)(x * 1.0),
+        "leaky_relu_": lambda x: F.leaky_relu_(x * 1.0),
+        "hardsigmoid": lambda x: F.hardsigmoid(x * 2.0 - 3.0),
+        "hardsigmoid_inplace": lambda x: torch.nn.Hardsigmoid(inplace=True)((x * 2.0).sub_(3.0)),
     }
     for name, fn in fns.items():
         ref = _grads(fn, [x], None)[0]
@@ -311,3 +319,21 @@ def test_derivative_rule_matches_gelu_and_silu_not_inplace() -> None:
             y = fn(x.clone().requires_grad_())
         y.sum().backward()
         assert ctx.stats.compressed == 1, rule
+
+
+def test_sdpa_under_autocast_keeps_its_cast_q_and_k_at_eight_bits() -> None:
+    # Autocast hands SDPA bfloat16 copies of the float32 q and k: the copies it saves are q and k.
+    b, h, t, d = 2, 4, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=gen) for _ in range(3))
+    gain = torch.full((d,), 4.0)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            qn, kn = F.rms_norm(q * 1.0, (d,), gain), F.rms_norm(k * 1.0, (d,), gain)
+            return F.scaled_dot_product_attention(qn.float(), kn.float(), v * 1.0, is_causal=True).float()
+
+    ref = torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], None)])
+    with_rule = _cos(torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], _ctx(4))]), ref)
+    without = _cos(torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], _ctx(4, rules=False))]), ref)
+    assert with_rule >= 0.5 and without < 0.3, (with_rule, without)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import daftrain
+from daftrain.demo.models.torch_zoo import TORCH_ZOO, zoo_inputs, zoo_model
 from daftrain.demo.models.transformers_zoo import TINY_ZOO, tiny_inputs, tiny_model
 from daftrain.demo.models.transformers_zoo import zoo_gradient as _grads
 
@@ -83,10 +84,38 @@ def _mean_error(model, inputs, ref, make, draws=2):
 def test_auto_bits_are_no_worse_than_uniform_bits_at_the_same_bytes(model_type, bits):
     _, kind, overrides = _entry(model_type)
     model = tiny_model(model_type, overrides)
-    inputs = tiny_inputs(model, kind)
+    _assert_auto_no_worse(model, tiny_inputs(model, kind), bits)
+
+
+def _assert_auto_no_worse(model, inputs, bits):
     ref = _grads(model, inputs, None)
     fixed, fixed_bytes = _mean_error(model, inputs, ref, lambda s: daftrain.compress(bits=bits, model=model, seed=s))
     auto, auto_bytes = _mean_error(
         model, inputs, ref, lambda s: daftrain.compress(bits="auto", avg_bits=float(bits), model=model, seed=s))
     assert auto_bytes <= fixed_bytes
     assert auto <= 1.1 * fixed, (auto, fixed)
+
+
+# The torch.nn architectures (demo/models/torch_zoo.py): recurrent layers, nn.Transformer's attention inside
+# F.multi_head_attention_forward, complex FFTs and parameters, linear layers over transposed views, each in
+# float32 and under bfloat16 autocast. Before the copies an op saves were recognised (lineage.py) and the
+# rounding noise measured (NOTE [ Measured rounding noise ]), auto bits were 9x worse than uniform on the
+# MLP-Mixer, 2x on nn.Transformer under autocast, and failed on complex gradients.
+@pytest.mark.parametrize("name", TORCH_ZOO)
+def test_every_torch_architecture_runs_and_exact_mode_is_bit_identical(name):
+    model, inputs = zoo_model(name), zoo_inputs(name)
+    ref = _grads(model, inputs, None)
+    assert torch.equal(_grads(model, inputs, None), ref)
+    assert torch.equal(_grads(model, inputs, daftrain.compress(bits=None, model=model)), ref)
+    grads = _grads(model, inputs, daftrain.compress(bits=2, model=model))
+    assert torch.isfinite(grads).all() and _cos(grads, ref) > 0.5
+
+
+@pytest.mark.parametrize("name", [
+    "mlp_mixer", "transformer_seq2seq:bf16", "transformer_encoder_postnorm", "spectral_operator",
+    *(pytest.param(n, marks=pytest.mark.slow) for n in TORCH_ZOO
+      if n not in ("mlp_mixer", "transformer_seq2seq:bf16", "transformer_encoder_postnorm", "spectral_operator")),
+])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_auto_bits_are_no_worse_than_uniform_bits_on_torch_architectures(name, bits):
+    _assert_auto_no_worse(zoo_model(name), zoo_inputs(name), bits)

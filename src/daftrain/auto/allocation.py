@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from ..errors import InvalidArgumentError
 from ..layout import SUPPORTED_BITS, PackedLayout
 
-__all__ = ["AllocationError", "Choice", "NoiseProfile", "Solution", "budget_for_avg_bits", "choices_for", "solve",
-           "solve_for_variance"]
+__all__ = ["MEASURED_BITS", "AllocationError", "Choice", "NoiseProfile", "Solution", "budget_for_avg_bits",
+           "choices_for", "solve", "solve_for_variance"]
 
 _LO_SCALE_BYTES = 4 + 2  # float32 lo + bfloat16 scale per group (layout.py)
 
@@ -36,20 +36,38 @@ class Choice:
     variance: float
 
 
+MEASURED_BITS: tuple[int, ...] = (1, 2, 4)
+"""Widths at which the rounding noise of plain groups is measured (``NOTE [ Measured rounding noise ]``)."""
+
+
+# NOTE [ Measured rounding noise ]
+# Stochastic rounding onto a grid of step ``d`` adds ``frac * (1 - frac) * d**2`` to a value, ``frac``
+# its position inside its step. The analytic energy averages that over a uniform ``frac`` (``d**2 / 6``),
+# which holds where values are spread evenly across each step, as at 4 bits and more. At 1 and 2 bits a
+# step spans much of a group's range and the values' distribution decides: bell-shaped groups sit
+# mid-step at 1 bit (more noise than the average says), GELU outputs crowd one end of their range
+# (less; docs/auto.md has the ratios). The allocation trades exactly these widths against each other
+# (a tensor at 1 bit against another at 4), so an adaptation step measures the plain groups' energy at
+# ``MEASURED_BITS`` from the values themselves (``observe`` in ``tracing.py``, one pass per width, on
+# adaptation steps only); other widths and zero-exact groups keep the analytic energy.
 @dataclass(frozen=True)
 class NoiseProfile:
     """Sums of squared group ranges of one tensor, from which its rounding noise at any bit-width follows.
 
     ``plain_r2`` sums ``n_g * (max_g - min_g)**2`` over groups quantized in plain mode, ``zero_r2`` sums
     ``n_g * (max_g - min_positive_g)**2`` over zero-exact groups (min exactly 0, as after a ReLU);
-    ``n_g`` is the group's number of values.
+    ``n_g`` is the group's number of values. ``plain_measured``, where given, is the plain groups'
+    expected squared error at each width of ``MEASURED_BITS``, measured from the values
+    (``NOTE [ Measured rounding noise ]``).
     """
 
     plain_r2: float
     zero_r2: float
+    plain_measured: tuple[float, ...] = ()
 
     def energy(self, bits: int | None) -> float:
-        """Expected squared error ``E ||x_hat - x||^2`` of the tensor stored at ``bits``.
+        """Expected squared error ``E ||x_hat - x||^2`` of the tensor stored at ``bits`` (the plain groups'
+        measured energy where there is one).
 
         Stochastic rounding onto a grid of step ``d`` adds a variance ``frac * (1 - frac) * d**2`` per
         value, ``d**2 / 6`` on average over the position inside a step. Plain groups have ``2**b - 1``
@@ -58,7 +76,10 @@ class NoiseProfile:
         """
         if bits is None:
             return 0.0
-        plain = self.plain_r2 / (6.0 * ((1 << bits) - 1) ** 2)
+        if self.plain_measured and bits in MEASURED_BITS:
+            plain = self.plain_measured[MEASURED_BITS.index(bits)]
+        else:
+            plain = self.plain_r2 / (6.0 * ((1 << bits) - 1) ** 2)
         zero = self.zero_r2 / 12.0 if bits == 1 else self.zero_r2 / (6.0 * ((1 << bits) - 2) ** 2)
         return plain + zero
 

@@ -14,6 +14,7 @@ from ..errors import InvalidArgumentError, UnsupportedError
 from ..layout import record_seed
 from .policy import AutoBits, BitPolicy
 from .report import SlotAllocation
+from .variance import squared_norm
 
 __all__ = ["CalibrationPass", "LossCatcher", "StoredQuantity", "calibrate", "graph_leaves", "squared_distance"]
 
@@ -132,6 +133,10 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     return leaves
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.complex128 if dtype.is_complex else torch.float64
+
+
 def squared_distance(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
     """``sum_i ||a_i - b_i||^2`` in float64 (``None`` counts as zeros)."""
     total = []
@@ -142,7 +147,7 @@ def squared_distance(a: list[torch.Tensor | None], b: list[torch.Tensor | None])
             x = torch.zeros_like(y)
         if y is None:
             y = torch.zeros_like(x)
-        total.append(float(torch.linalg.vector_norm(x.detach().double() - y.detach().double()) ** 2))
+        total.append(squared_norm(x.detach().to(_wide(x.dtype)) - y.detach().to(_wide(y.dtype))))
     return math.fsum(total)
 
 

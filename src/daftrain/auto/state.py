@@ -16,20 +16,20 @@ from torch import nn
 from ..config import CompressionConfig
 from ..errors import InvalidArgumentError
 from ..layout import QUANTIZABLE_DTYPES, SUPPORTED_BITS
-from .allocation import NoiseProfile
+from .allocation import MEASURED_BITS, NoiseProfile
 from .report import AllocationReport, SlotEstimate, SlotKey
 
 __all__ = ["STATE_FORMAT", "STATE_VERSION", "AutoState", "StateDictError", "auto_config", "auto_state_dict",
            "checksum", "fixed_state_dict", "load_fixed_state", "model_fingerprint", "parse_auto_state", "refuse"]
 
 STATE_FORMAT = "daftrain.compress"
-STATE_VERSION = 4
+STATE_VERSION = 5
 
 _FIXED_FIELDS = ("format", "version", "step", "config", "checksum")
 _AUTO_FIELDS = ("format", "version", "step", "config", "model", "next_adapt", "reestimate", "estimated_at",
                 "grad_variance", "calibration", "gradient_sq", "calibrated_for", "slots", "checksum")
 _SLOT_FIELDS = ("index", "numel", "dtype", "shape", "itemsize", "op", "producer", "min_bits", "grad_sq",
-                "plain_r2", "zero_r2", "sensitivity", "bits")
+                "plain_r2", "zero_r2", "plain_energy", "sensitivity", "bits")
 _ITEMSIZE = {str(d).removeprefix("torch."): d.itemsize for d in QUANTIZABLE_DTYPES}
 _MAX_INT = 2**63 - 1  # steps, positions and sizes are int64 everywhere else
 
@@ -141,6 +141,7 @@ def auto_state_dict(*, step: int, config: Mapping[str, Any], fingerprint: str | 
                 "index": a.key.index, "numel": a.key.numel, "dtype": a.key.dtype, "shape": list(a.shape),
                 "itemsize": a.itemsize, "op": a.op, "producer": a.producer, "min_bits": a.min_bits,
                 "grad_sq": a.grad_sq, "plain_r2": a.noise.plain_r2, "zero_r2": a.noise.zero_r2,
+                "plain_energy": list(a.noise.plain_measured),
                 "sensitivity": a.sensitivity, "bits": a.bits,
             })
     return _seal({
@@ -251,7 +252,13 @@ def _parse_slot(s: Any, name: str) -> tuple[SlotEstimate, int | None]:
     min_bits = _bits(s["min_bits"], f"{name}.min_bits", allow_none=False)
     bits = _bits(s["bits"], f"{name}.bits", allow_none=True)
     grad_sq = None if s["grad_sq"] is None else _number(s["grad_sq"], f"{name}.grad_sq")
-    noise = NoiseProfile(_number(s["plain_r2"], f"{name}.plain_r2"), _number(s["zero_r2"], f"{name}.zero_r2"))
+    energy = s["plain_energy"]
+    if not isinstance(energy, list | tuple) or len(energy) not in (0, len(MEASURED_BITS)):
+        raise refuse(f"{name}.plain_energy must be a list of {len(MEASURED_BITS)} numbers (one per width of "
+                     f"{MEASURED_BITS}) or empty, got {energy!r}")
+    measured = tuple(_number(e, f"{name}.plain_energy[{j}]") for j, e in enumerate(energy))
+    noise = NoiseProfile(_number(s["plain_r2"], f"{name}.plain_r2"), _number(s["zero_r2"], f"{name}.zero_r2"),
+                         measured)
     sensitivity = _number(s["sensitivity"], f"{name}.sensitivity")
     assert min_bits is not None
     estimate = SlotEstimate(SlotKey(index, numel, dtype), dims, s["itemsize"], s["op"], s["producer"], grad_sq,

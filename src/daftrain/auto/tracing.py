@@ -14,9 +14,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..lineage import copy_of
 from ..params import ParameterRegistry, is_parameter_like
-from .allocation import NoiseProfile
+from .allocation import MEASURED_BITS, NoiseProfile
 from .report import SlotKey
+from .variance import squared_norm
 
 __all__ = ["NONLINEAR_SAVER_MIN_BITS", "Observation", "SaveTracer", "floor_bits", "nonlinear_saver", "observe"]
 
@@ -50,18 +52,49 @@ class Observation:
 
 def observe(key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_bits: int,
             group_size: int) -> Observation:
-    """Measure one record on an adaptation step: its group ranges (one read of it) and its producer."""
+    """Measure one record on an adaptation step: its group ranges, the rounding noise of its plain groups
+    (``NOTE [ Measured rounding noise ]`` in ``allocation.py``) and its producer."""
     with torch.no_grad():
         stats = torch.ops.daftrain.group_minmax(flat.detach(), group_size).double()
-    mn, mx, min_pos = stats.unbind(1)
-    sizes = torch.full_like(mn, group_size)
-    sizes[-1] = flat.numel() - group_size * (mn.numel() - 1)
-    zero = (mn == 0) & (mx > 0)
-    plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
-    zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
+        mn, mx, min_pos = stats.unbind(1)
+        sizes = torch.full_like(mn, group_size)
+        sizes[-1] = flat.numel() - group_size * (mn.numel() - 1)
+        zero = (mn == 0) & (mx > 0)
+        plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
+        zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
+        measured = _rounding_energy(flat.detach(), mn, mx, ~zero, group_size) if plain_r2 > 0 else ()
     shape = tuple(source.shape) if source is not None else (flat.numel(),)
-    return Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2), min_bits,
+    return Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2, measured), min_bits,
                        _producer(source))
+
+
+_ENERGY_CHUNK_GROUPS = 4096  # groups per pass of _rounding_energy: its temporaries stay a few MB
+
+
+def _rounding_energy(flat: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, plain: torch.Tensor,
+                     group_size: int) -> tuple[float, ...]:
+    """``sum frac * (1 - frac) * d**2`` over the values of the plain groups at each width of
+    ``MEASURED_BITS``: their expected squared stochastic-rounding error (``NOTE [ Measured rounding
+    noise ]``). The last group's padding repeats its minimum, which rounds exactly."""
+    totals = [0.0] * len(MEASURED_BITS)
+    n_groups = mn.numel()
+    for g0 in range(0, n_groups, _ENERGY_CHUNK_GROUPS):
+        g1 = min(n_groups, g0 + _ENERGY_CHUNK_GROUPS)
+        keep = plain[g0:g1]
+        if not bool(keep.any()):
+            continue
+        block = flat[g0 * group_size: g1 * group_size].double()
+        lo, hi = mn[g0:g1, None], mx[g0:g1, None]
+        if block.numel() < (g1 - g0) * group_size:
+            block = torch.cat([block, lo[-1].expand((g1 - g0) * group_size - block.numel())])
+        x = (block.view(g1 - g0, group_size) - lo)[keep]
+        span = (hi - lo)[keep]
+        for i, bits in enumerate(MEASURED_BITS):
+            step = span / ((1 << bits) - 1)
+            t = torch.where(step > 0, x / step, torch.zeros_like(x))
+            frac = t - t.floor()
+            totals[i] += float((frac * (1 - frac) * step**2).sum())
+    return tuple(totals)
 
 
 # NOTE [ Fewest bits ]
@@ -185,15 +218,21 @@ def _same_storage(a: Any, b: torch.Tensor) -> bool:
     return pa != 0 and pa == _storage(b)
 
 
+def _operand(a: Any, saved: torch.Tensor) -> bool:
+    """``saved`` is the operand ``a``, a view of it, or a copy the op made of it (``NOTE [ Copies an op
+    saves ]`` in ``lineage.py``: an autocast cast, a transposed operand folded contiguous)."""
+    return _same_storage(a, saved) or copy_of(saved, a)
+
+
 def _arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], i: int, name: str) -> Any:
     return args[i] if len(args) > i else kwargs.get(name)
 
 
 def _ab_contracted(a: Any, b: Any, saved: torch.Tensor) -> int | None:
     """``K`` for the saved operand of ``a @ b``: ``a``'s last dim, ``b``'s second-to-last."""
-    if _same_storage(a, saved) and a.dim() >= 1:
+    if _operand(a, saved) and a.dim() >= 1:
         return int(a.shape[-1])
-    if _same_storage(b, saved) and b.dim() >= 1:
+    if _operand(b, saved) and b.dim() >= 1:
         return int(b.shape[-2] if b.dim() >= 2 else b.shape[0])
     return None
 
@@ -207,7 +246,7 @@ def _einsum_contracted(args: tuple[Any, ...], saved: torch.Tensor) -> int | None
     if len(operands) != 2 or len(terms) != 2:
         return None
     for term, op in zip(terms, operands, strict=True):
-        if _same_storage(op, saved) and op.dim() == len(term):
+        if _operand(op, saved) and op.dim() == len(term):
             return math.prod(int(n) for c, n in zip(term, op.shape, strict=True) if c not in out)
     return None
 
@@ -217,7 +256,7 @@ def _contracted(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], sav
     contraction operand (``rows = numel / K``); see ``NOTE [ Importance estimate ]``."""
     if name == "linear":
         x = _arg(args, kwargs, 0, "input")
-        return int(x.shape[-1]) if _same_storage(x, saved) and x.dim() >= 1 else None
+        return int(x.shape[-1]) if _operand(x, saved) and x.dim() >= 1 else None
     if name in ("matmul", "__matmul__", "mm", "bmm"):
         return _ab_contracted(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "mat2")
                               if name in ("mm", "bmm") else _arg(args, kwargs, 1, "other"), saved)
@@ -228,12 +267,14 @@ def _contracted(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], sav
         return _ab_contracted(_arg(args, kwargs, 1, first), _arg(args, kwargs, 2, second), saved)
     if name in ("conv1d", "conv2d", "conv3d"):
         x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
-        if _same_storage(x, saved) and isinstance(w, torch.Tensor) and w.dim() >= 2:
+        if _operand(x, saved) and isinstance(w, torch.Tensor) and w.dim() >= 2:
             return int(w.shape[1]) * math.prod(int(k) for k in w.shape[2:])
         return None
     if name == "einsum":
         return _einsum_contracted(args, saved)
     if name == "scaled_dot_product_attention":
+        # q, k and v themselves (the fused kernels save them): the copies SDPA's math fallback saves feed
+        # the score and probability products inside it, which the call's output gradient does not describe.
         q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
         if _same_storage(q, saved) or _same_storage(k, saved):
             t = q if _same_storage(q, saved) else k
@@ -320,7 +361,7 @@ def _fan_out(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], saved:
         return k / max(1, saved.numel())
     n, m = max(1, saved.numel()), max(1, numel_out)
     c = 1.0 / m if m >= n else m / n**2  # a reduction shares each output's G among n/m inputs
-    if name in _NORMS and _same_storage(_arg(args, kwargs, 0, "input"), saved):
+    if name in _NORMS and _operand(_arg(args, kwargs, 0, "input"), saved):
         c *= _mean_rstd_sq(name, args, kwargs)
     return c
 
@@ -350,8 +391,7 @@ def _attribute(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out:
     def on_grad(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         if tracer.ignores_gradients:  # calibrate()'s extra backward passes are not the step's gradient
             return
-        sq = math.fsum(float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2)
-                       for g in grad_outputs if g is not None)
+        sq = math.fsum(squared_norm(g) for g in grad_outputs if g is not None)
         for obs, c in contribs:
             obs.grad_sq = sq if obs.grad_sq is None else obs.grad_sq + sq
             obs.sensitivity += c * sq

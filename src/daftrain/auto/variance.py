@@ -10,7 +10,13 @@ from torch import nn
 
 from .report import AllocationReport
 
-__all__ = ["GradProbe", "QuantizationVarianceWarning", "check_variance"]
+__all__ = ["GradProbe", "QuantizationVarianceWarning", "check_variance", "squared_norm"]
+
+
+def squared_norm(t: torch.Tensor) -> float:
+    """``||t||^2`` in double precision, of real and complex tensors alike."""
+    t = t.detach()
+    return float(torch.linalg.vector_norm(t, dtype=torch.complex128 if t.is_complex() else torch.float64)) ** 2
 
 
 class QuantizationVarianceWarning(UserWarning):
@@ -39,7 +45,7 @@ class GradProbe:
             self._first[id(p)] = p.grad.detach().clone()
         elif id(p) in self._first:
             first = self._first.pop(id(p))
-            self._diff_sq += float(torch.linalg.vector_norm(p.grad.detach() - first, dtype=torch.float64) ** 2)
+            self._diff_sq += squared_norm(p.grad - first)
 
     def next_step(self) -> float | None:
         """Move to the second step; after it, return the variance estimate and stop listening."""

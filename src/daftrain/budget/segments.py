@@ -21,7 +21,8 @@ __all__ = ["batchnorm_to_groupnorm", "checkpointing", "find_segments", "inplace_
 def find_segments(model: nn.Module) -> dict[str, nn.Module]:
     """Checkpointable blocks: the children of every ``Sequential``/``ModuleList`` with two or more
     children, outermost first (ResNet ``layerN.i`` blocks, GPT-2 ``transformer.h.i``); the model's
-    top-level children when there is none.
+    top-level children when there is none. Lone activations and dropouts are not blocks
+    (``NOTE [ Elementwise modules are not segments ]``).
     """
     found: dict[str, nn.Module] = {}
     taken: list[str] = []
@@ -31,11 +32,24 @@ def find_segments(model: nn.Module) -> dict[str, nn.Module]:
         if isinstance(mod, (nn.Sequential, nn.ModuleList)) and len(mod) >= 2:
             for child_name, child in mod.named_children():
                 full = f"{name}.{child_name}" if name else child_name
-                found[full] = child
                 taken.append(full)
+                if not _elementwise(child):
+                    found[full] = child
     if not found:
-        found = dict(model.named_children())
+        found = {n: c for n, c in model.named_children() if not _elementwise(c)}
     return found
+
+
+# NOTE [ Elementwise modules are not segments ]
+# Checkpointing a block keeps its input to recompute it. A lone activation or dropout module saves at
+# most one tensor of its input's size, so checkpointing it saves nothing; and one that runs in place
+# (``nn.LeakyReLU(inplace=True)``, or any of them under ``inplace_activations``) overwrites the very
+# input the checkpoint kept, and the recomputation in backward fails on its version counter.
+_ELEMENTWISE_MODULES = ("torch.nn.modules.activation", "torch.nn.modules.dropout")
+
+
+def _elementwise(mod: nn.Module) -> bool:
+    return type(mod).__module__ in _ELEMENTWISE_MODULES and not isinstance(mod, nn.MultiheadAttention)
 
 
 # -- checkpointing -----------------------------------------------------------------------------------

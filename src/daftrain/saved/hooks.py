@@ -19,7 +19,7 @@ from ..auto.calibration import CalibrationPass, LossCatcher, calibrate
 from ..auto.policy import Assignment, make_bit_policy
 from ..auto.report import AllocationReport
 from ..config import CompressionConfig
-from ..errors import ArgumentTypeError, UnsupportedError
+from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from ..kernels import load_fast_kernels
 from ..layout import record_seed, widest_bits_within
 from ..params import ParameterRegistry
@@ -95,6 +95,15 @@ class _NoTracer:
 
 
 _NO_TRACER = _NoTracer()
+
+# PyTorch refuses its function transforms' own autograd while saved-tensor hooks are active, with this.
+_FUNCTORCH_REFUSAL = "don't yet support saved tensor hooks"
+_FUNCTORCH_UNDER_COMPRESS = (
+    "torch.func's grad / vjp / jacrev / hessian cannot run inside a compress context: PyTorch turns "
+    "saved-tensor hooks off for its function transforms and refuses them there. Call the transform "
+    "outside the context (its saved tensors then stay exact), or compute the gradient with "
+    "loss.backward() / torch.autograd.grad under compress."
+)
 
 
 class _SharedDecode:
@@ -256,6 +265,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._calibrate_on(catcher.loss())
         if self._trimmer is not None:
             self._trimmer.trim()
+        if isinstance(exc, RuntimeError) and not isinstance(exc, DaftrainError) and _FUNCTORCH_REFUSAL in str(exc):
+            raise UnsupportedError(_FUNCTORCH_UNDER_COMPRESS) from exc
 
     def _calibrate_on(self, loss: torch.Tensor | None) -> None:
         """Calibrate on the loss computed under the context, when the policy wants it (``error_share``)."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..lineage import copy_of
 from .records import ClipMask, Derivative, Encoding, Normalized
 
 __all__ = ["RULES", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
@@ -45,9 +46,10 @@ class OpRule:
 #   2. fused attention (SDPA flash / efficient kernels) recomputes ``exp(q k^T * scale - lse)`` from the
 #      saved q and k with the exact logsumexp: an error ``e`` in a logit becomes a factor ``exp(e)``,
 #      a bias that does not average out (at least ``ATTENTION_MIN_BITS``);
-#   3. clips that save their input (hardtanh, relu6, clamp, threshold) read it only through the mask
-#      of values inside their bounds; a rounded value near a bound flips it (``ClipMask`` encoding:
-#      the mask, exact, at 1 bit per value);
+#   3. clips that save their input (hardtanh, relu6, clamp, threshold, hardsigmoid) read it only through
+#      the mask of values inside their bounds, and a leaky ReLU reads its input (or, in place, its output)
+#      only through its sign; a rounded value near a bound flips it (``ClipMask`` encoding: the mask,
+#      exact, at 1 bit per value);
 #   4. an elementwise maximum or minimum against a 0-d tensor reads its input only through the
 #      comparison with it, like a clip, ties included (``ClipMask`` with ties);
 #   5. smooth activations (GELU, SiLU) read their saved input only through their derivative f'(x),
@@ -55,7 +57,7 @@ class OpRule:
 #      a stack of such layers without a residual path the errors compound (``Derivative`` encoding:
 #      f'(x) itself, quantized, see ``NOTE [ Activations stored as their derivative ]``).
 RULES: tuple[OpRule, ...] = (
-    OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.rms_norm),
+    OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm),
            "backward re-normalises the input with the exact rstd, multiplying the rounding error of a row "
            "of small spread by up to 1/spread: store x_hat = (x - mean) / std quantized, mean/std exact"),
     OpRule("decomposed_rms_norm",
@@ -70,9 +72,11 @@ RULES: tuple[OpRule, ...] = (
            min_bits=ATTENTION_MIN_BITS),
     OpRule("clip_mask",
            (F.hardtanh, F.relu6, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip,
-            torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_),
-           "the backward reads the saved tensor only as the mask of values inside the bounds; rounding flips "
-           "it near a bound: the mask is stored exactly, 1 bit per value"),
+            torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_, F.leaky_relu, F.leaky_relu_,
+            F.hardsigmoid),
+           "the backward reads the saved tensor only as the mask of values inside the bounds (a leaky ReLU's "
+           "sign picks 1 or its slope); rounding flips it near a bound: the mask is stored exactly, 1 bit per "
+           "value"),
     OpRule("comparison",
            (torch.max, torch.min, torch.maximum, torch.minimum, torch.Tensor.max, torch.Tensor.min,
             torch.Tensor.maximum, torch.Tensor.minimum),
@@ -99,6 +103,9 @@ class OpMatch:
     """Saved tensors the rule keeps exact (a decomposed norm's rstd, one value per row)."""
     keep_all: bool = False
     """Every tensor saved inside the call is kept exact (``rsqrt`` saves only its output)."""
+    statistics: int = 0
+    """Other saved tensors of at most this many values are the op's statistics (a normalisation's mean
+    and rstd, one value per normalised row) and are kept exact."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -106,9 +113,25 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                       and a.dtype == b.dtype)
 
 
+def _is_target(t: torch.Tensor, x: torch.Tensor) -> bool:
+    """``t`` is the target ``x``, a contiguous reshape of it (``instance_norm`` hands ``batch_norm`` its
+    input viewed as one sample of ``N * C`` channels: the same values in the same memory order, which is
+    all the encodings read), or a copy the op made of it (``NOTE [ Copies an op saves ]``)."""
+    if _same(t, x):
+        return True
+    if (t.data_ptr() == x.data_ptr() and t.numel() == x.numel() and t.dtype == x.dtype
+            and t.is_contiguous() and x.is_contiguous()):
+        return True
+    return copy_of(t, x, same_shape=True)
+
+
 def keeps(match: OpMatch | None, t: torch.Tensor) -> bool:
     """The rule of ``match`` keeps ``t`` exact."""
-    return match is not None and (match.keep_all or any(_same(t, x) for x in match.keep))
+    if match is None:
+        return False
+    if match.keep_all or any(_is_target(t, x) for x in match.keep):
+        return True
+    return 0 < t.numel() <= match.statistics and match_saved(match, t) is None
 
 
 def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
@@ -117,7 +140,7 @@ def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
         return None
     if match.by_shape:
         return match if any(t.shape == x.shape and t.dtype == x.dtype for x in match.targets) else None
-    return match if any(_same(t, x) for x in match.targets) else None
+    return match if any(_is_target(t, x) for x in match.targets) else None
 
 
 def _arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], i: int, name: str, default: Any = None) -> Any:
@@ -190,6 +213,11 @@ def _clip_bounds(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
         return _arg(args, kwargs, 1, "min_val", -1.0), _arg(args, kwargs, 2, "max_val", 1.0), False
     if func is F.relu6:
         return 0.0, 6.0, False
+    if func is F.hardsigmoid:
+        return -3.0, 3.0, False
+    if func in (F.leaky_relu, F.leaky_relu_):  # a negative slope is refused in place, and flips signs
+        slope = _arg(args, kwargs, 1, "negative_slope", 0.01)
+        return (0.0, None, False) if isinstance(slope, (int, float)) and slope >= 0 else None
     if func is F.threshold:
         value = _arg(args, kwargs, 2, "value")
         return (_arg(args, kwargs, 1, "threshold"), None, False) if value == 0 else None
@@ -254,6 +282,10 @@ def _derivative(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> 
     return Derivative("gelu") if approximate == "none" else Derivative("gelu_tanh") if approximate == "tanh" else None
 
 
+# Where the ``inplace`` flag sits among the positional arguments of clips that have one.
+_INPLACE_ARG = {F.hardtanh: 3, F.relu6: 1, F.threshold: 3, F.leaky_relu: 2, F.hardsigmoid: 1}
+
+
 def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch | None:
     if rule.name == "activation_derivative":
         found = _derivative(func, args, kwargs)
@@ -261,7 +293,10 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
     if rule.name == "normalization":
         x = _arg(args, kwargs, 0, "input")
         enc = _normalization(func, args, kwargs)
-        return OpMatch(rule, (x,), enc) if enc is not None else None
+        if enc is None:
+            return None
+        rows = math.prod(n for i, n in enumerate(enc.view) if i not in enc.reduce)
+        return OpMatch(rule, (x,), enc, statistics=rows)
     if rule.name == "decomposed_rms_norm":
         if func in (torch.rsqrt, torch.Tensor.rsqrt):
             return OpMatch(rule, (), keep_all=True)
@@ -278,10 +313,8 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         return OpMatch(rule, targets) if targets else None
     x = _arg(args, kwargs, 0, "input")
     enc = _clip(func, args, kwargs)
-    inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_) or (
-        (func is F.hardtanh and bool(_arg(args, kwargs, 3, "inplace", False)))
-        or (func in (F.relu6, F.threshold)
-            and bool(_arg(args, kwargs, 1 if func is F.relu6 else 3, "inplace", False))))
+    inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_, F.leaky_relu_) or bool(
+        _arg(args, kwargs, _INPLACE_ARG[func], "inplace", False) if func in _INPLACE_ARG else False)
     return OpMatch(rule, (x,), enc, by_shape=inplace) if enc is not None else None
 
 

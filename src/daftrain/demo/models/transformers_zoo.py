@@ -344,4 +344,5 @@ def zoo_gradient(model: nn.Module, inputs: dict[str, torch.Tensor],
     if not loss_under_context:
         loss = _projection_loss(out)
     loss.backward()
-    return torch.cat([p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None])
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    return torch.cat([(torch.view_as_real(g) if g.is_complex() else g).reshape(-1).double() for g in grads])

@@ -1,0 +1,60 @@
+"""Whether a saved tensor is a copy an op made of one of its operands.
+
+An op does not always save the tensor it was given: under autocast it saves the operand cast to the
+autocast dtype, and ``F.linear`` / ``matmul`` save a contiguous copy of a transposed operand. The op
+rules and the importance tracer, which recognise an operand among the tensors a call saves, accept
+such copies (``NOTE [ Copies an op saves ]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CAST_AND_VIEW_NODES", "copy_of"]
+
+# Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).
+CAST_AND_VIEW_NODES = frozenset(
+    {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+     "ReshapeAliasBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0"}
+)
+_CAST_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
+_COPY_NODES = CAST_AND_VIEW_NODES | _CAST_NODES
+_MAX_DEPTH = 6
+
+
+# NOTE [ Copies an op saves ]
+# ``saved`` counts as a copy of ``source`` when both hold the same number of values and either
+#   1. ``saved``'s grad_fn chain reaches ``source``'s grad_fn through casts, clones and views only
+#      (single-input nodes: the values are ``source``'s, possibly cast and laid out anew), or
+#   2. neither tracks a gradient (a model input, a frozen embedding's output) and ``saved`` is
+#      contiguous or shaped like ``source``, in another dtype or ``source`` is not contiguous: no graph
+#      to follow, and inside one op call no other saved tensor of that size arises from the operand.
+# With ``same_shape`` the copy must also have ``source``'s shape and the chain holds casts and clones
+# only: an encoding planned on the rows of ``source`` then reads the same rows in the copy (a square
+# matrix transposed and copied would have the shape and other rows).
+def copy_of(saved: torch.Tensor, source: object, same_shape: bool = False) -> bool:
+    """``saved`` is a cast, clone or view of ``source`` an op made (``NOTE [ Copies an op saves ]``)."""
+    if not isinstance(source, torch.Tensor) or saved.numel() != source.numel():
+        return False
+    if same_shape and saved.shape != source.shape:
+        return False
+    target = source.grad_fn
+    if target is None:
+        if saved.grad_fn is not None or source.requires_grad:
+            return False
+        relaid = saved.is_contiguous() or saved.shape == source.shape
+        return relaid and (saved.dtype != source.dtype or not source.is_contiguous())
+    allowed = _CAST_NODES if same_shape else _COPY_NODES
+    node = saved.grad_fn
+    for _ in range(_MAX_DEPTH):
+        if node is None:
+            return False
+        if node is target:
+            return True
+        if type(node).__name__ not in allowed:
+            return False
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
