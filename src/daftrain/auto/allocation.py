@@ -48,8 +48,9 @@ MEASURED_BITS: tuple[int, ...] = (1, 2, 4)
 # mid-step at 1 bit (more noise than the average says), GELU outputs crowd one end of their range
 # (less; docs/auto.md has the ratios). The allocation trades exactly these widths against each other
 # (a tensor at 1 bit against another at 4), so an adaptation step measures the plain groups' energy at
-# ``MEASURED_BITS`` from the values themselves (``observe`` in ``tracing.py``, one pass per width, on
-# adaptation steps only); other widths and zero-exact groups keep the analytic energy.
+# ``MEASURED_BITS`` from the values themselves (``observe`` in ``tracing.py``: on evenly spaced groups,
+# its ratio to their analytic energy applied to the whole tensor; on adaptation steps only); other
+# widths and zero-exact groups keep the analytic energy.
 @dataclass(frozen=True)
 class NoiseProfile:
     """Sums of squared group ranges of one tensor, from which its rounding noise at any bit-width follows.
