@@ -156,19 +156,34 @@ def traced_treatment(x: torch.Tensor, bits: int | None, min_numel: int, pack_boo
     return bits
 
 
+# NOTE [ The shape travels in an empty tensor ]
+# What the traced pack returns becomes outputs of the forward graph and inputs of the backward one.
+# Returned as a tuple of sizes, a shape under dynamic shapes is a set of symbolic-size nodes, and
+# AOTAutograd's inlining of the hooks renames each such output node in place: a symbol two saved tensors
+# share (a sequence length in every attention mask) is renamed twice and the forward graph ends up
+# using a node before it defines it. So the shape travels as an empty tensor of that shape with a
+# trailing 0 (no storage): the unpack reads its sizes, and only tensors cross the boundary.
+def _shape_carrier(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape, 0))
+
+
+def _carried_shape(carrier: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(carrier.shape[:-1])
+
+
 @torch.fx.wrap
 def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: int, pack_bool: bool) -> Any:
-    """The pack hook inside a compiled graph: ``x`` kept, ``(packed bits, shape)`` for a bool tensor, or
-    ``(codes, lo, scale, shape, dtype, bits, group_size)``."""
+    """The pack hook inside a compiled graph: ``x`` kept, ``(packed bits, shape carrier)`` for a bool
+    tensor, or ``(codes, lo, scale, shape carrier, dtype, bits, group_size)`` (``NOTE [ The shape travels
+    in an empty tensor ]``)."""
     how = traced_treatment(x, bits, min_numel, pack_bool)
     if how == _KEEP:
         return x
-    shape = tuple(x.shape)
     if how == _BOOL:
-        return (torch.ops.daftrain.pack_bool(x.view(-1)), shape)
+        return (torch.ops.daftrain.pack_bool(x.view(-1)), _shape_carrier(x))
     seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")  # NOTE [ A fresh seed per compiled call ]
     codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(x.view(-1), how, group_size, seed)
-    return (codes, lo, scale, shape, x.dtype, how, group_size)
+    return (codes, lo, scale, _shape_carrier(x), x.dtype, how, group_size)
 
 
 @torch.fx.wrap
@@ -177,12 +192,14 @@ def unpack_traced(packed: Any) -> torch.Tensor:
     if isinstance(packed, torch.Tensor):
         return packed
     if len(packed) == 2:
-        data, shape = packed
+        data, carrier = packed
+        shape = _carried_shape(carrier)
         numel = 1
         for size in shape:
             numel = numel * size
         return torch.ops.daftrain.unpack_bool(data, numel).view(shape)
-    codes, lo, scale, shape, dtype, bits, group_size = packed
+    codes, lo, scale, carrier, dtype, bits, group_size = packed
+    shape = _carried_shape(carrier)
     numel = 1
     for size in shape:
         numel = numel * size
