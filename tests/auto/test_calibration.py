@@ -183,3 +183,23 @@ def test_without_a_model_calibrate_measures_the_gradients_of_the_loss_graphs_lea
     assert factors[0].keys() == factors[1].keys()
     for cls, f in factors[0].items():
         assert factors[1][cls] == pytest.approx(f, rel=1e-6)
+
+
+def test_calibration_noise_is_the_rounding_error_real_quantization_adds():
+    # NOTE [ Calibration ]: the noise is the error of re-rounding the decoded values to 2 bits (as much as the
+    # measured 2-bit energy of NOTE [ Measured rounding noise ], one draw of 16 Ki values: within 5 %); on
+    # values that already sit on a 1-bit grid, where that adds nothing, uniform noise of the 2-bit step.
+    from daftrain.auto.calibration import CalibrationPass
+    from daftrain.auto.report import SlotKey
+    from daftrain.auto.tracing import observe
+
+    g = torch.Generator().manual_seed(0)
+    gelu_out = nn.functional.gelu(torch.randn(64 * 256, generator=g))
+    on_grid = torch.where(torch.rand(64 * 256, generator=g) < 0.5, -1.0, 1.0)
+    for values, expected in ((gelu_out, observe(SlotKey(0, gelu_out.numel(), "float32"), gelu_out, gelu_out, 1,
+                                                256).noise.energy(2)),
+                             (on_grid, on_grid.numel() * (2.0 / 3) ** 2 / 12)):
+        calibration = CalibrationPass({0: values.numel()}, group_size=256, base_seed=1, step=2)
+        out = calibration.perturb(0, values, requantize=None)
+        assert calibration.noise[0] == pytest.approx(expected, rel=0.05)
+        assert float((out - values).pow(2).sum()) == pytest.approx(calibration.noise[0], rel=1e-6)

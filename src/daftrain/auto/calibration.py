@@ -32,10 +32,13 @@ __all__ = ["CalibrationPass", "LossCatcher", "StoredQuantity", "calibrate", "gra
 # extra *backward* pass, on a forward the user has already run:
 #   1. ``calibrate(loss)`` runs ``torch.autograd.grad(loss, params, retain_graph=True)`` once as it
 #      is (the base) and once per class with zero-mean noise added to that class's records on the way
-#      out of the unpack hook: uniform, of the group's 2-bit step (its range / 3), none on exact zeros
-#      (the layout keeps those), like rounding noise; a fixed seed per record, so two consumers of one
-#      record see the same values. (Re-quantizing instead would add nothing to a record already at
-#      1 bit: its values sit on the 1-bit grid.) The decodes are otherwise what the step's own
+#      out of the unpack hook: the error of rounding the decoded values to 2 bits, stochastically, as
+#      the layout does (zeros of zero-exact groups kept), so the noise sits where real rounding puts it
+#      (little on values near a level, as GELU outputs crowd their minimum: see ``NOTE [ Measured
+#      rounding noise ]`` in allocation.py, whose energy the allocation multiplies by the correction);
+#      a fixed seed per record, so two consumers of one record see the same values. Where the values
+#      already sit on a coarser grid (a record at 1 bit, whose 2-bit re-rounding adds almost nothing)
+#      the noise is uniform over the group's 2-bit step instead. The decodes are otherwise what the step's own
 #      backward will see, so the difference from the base is the added noise's effect alone, and its
 #      squared norm is the gradient variance that noise adds (one draw; it sums over every trainable
 #      parameter, so it concentrates);
@@ -47,6 +50,9 @@ __all__ = ["CalibrationPass", "LossCatcher", "StoredQuantity", "calibrate", "gra
 # Cost: one backward per class plus one, and no extra memory but one set of parameter gradients;
 # ``benchmarks/bench_importance_overhead.py`` measures it. The passes leave ``.grad``, the RNG, the
 # step counter and the records untouched: the step's own ``loss.backward()`` is what it would have been.
+_COARSER_GRID = 0.25
+"""Re-rounding to 2 bits adds less than this share of uniform noise's energy: the values already sit on a
+coarser grid (a record at 1 bit), and the calibration adds uniform noise instead (``NOTE [ Calibration ]``)."""
 _CALIBRATION_SEED = 0x5EEDCA1B  # calibrate()'s noise draws differ from the records' rounding draws
 
 
@@ -86,11 +92,17 @@ class CalibrationPass:
             return self._quantize_again(index, flat, requantize, quantity)
         values = flat.detach().float() if quantity is None else quantity.stored(flat)
         n, group = values.numel(), self.group_size
+        seed = record_seed(self.base_seed, self.step, index)
+        codes, lo, scale = torch.ops.daftrain.quantize_pack(values.contiguous().view(-1), 2, group, seed)
+        restored = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, 2, group, n, torch.float32)
+        noise = restored.view_as(values) - values
         mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
         step = (mx - mn) / 3  # the 2-bit step of each group
-        gen = torch.Generator(device=values.device).manual_seed(record_seed(self.base_seed, self.step, index))
-        uniform = torch.rand((step.numel(), group), generator=gen, device=values.device) - 0.5
-        noise = (uniform * step[:, None]).view(-1)[:n] * (values != 0)
+        uniform_energy = float((step.double() ** 2).sum()) * group / 12
+        if float(noise.double().pow(2).sum()) < _COARSER_GRID * uniform_energy:
+            gen = torch.Generator(device=values.device).manual_seed(seed)
+            uniform = torch.rand((step.numel(), group), generator=gen, device=values.device) - 0.5
+            noise = (uniform * step[:, None]).view(-1)[:n].view_as(values) * (values != 0)
         if not bool(torch.isfinite(noise).all()):
             return flat
         noisy = values + noise
@@ -202,7 +214,7 @@ def calibrate(policy: BitPolicy, loss: torch.Tensor, *, step: int, group_size: i
 
 
 # NOTE [ Verifying a variance target ]
-# A class correction is measured with noise of one size (the 2-bit step) and applied at every
+# A class correction is measured with noise of one width (2 bits) and applied at every
 # bit-width, and the classes are measured one at a time; where a backward is not linear in a record, or
 # the noises of two classes compound through the layers below, the calibrated estimate of the whole
 # allocation can still be low (docs/zoo.md has the models where it was). ``error_share`` is a bound,

@@ -85,7 +85,7 @@ def _rounding_energy(flat: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, pla
     if candidates.numel() > _ENERGY_SAMPLE_GROUPS:
         candidates = candidates[torch.linspace(0, candidates.numel() - 1, _ENERGY_SAMPLE_GROUPS).long()]
     lo, span = mn[candidates], (mx - mn)[candidates]
-    values = flat[: full * group_size].view(full, group_size)[candidates].double()
+    values = flat[: full * group_size].reshape(full, group_size)[candidates].double()
     position = (values - lo[:, None]) / torch.where(span > 0, span, torch.ones_like(span))[:, None]
     all_r2 = float((span**2).sum()) * group_size  # the sample's analytic sum n_g * range**2
     if all_r2 <= 0:
