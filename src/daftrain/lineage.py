@@ -8,9 +8,11 @@ such copies (``NOTE [ Copies an op saves ]``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["CAST_AND_VIEW_NODES", "copy_of"]
+__all__ = ["CAST_AND_VIEW_NODES", "copy_of", "reaches"]
 
 # Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).
 CAST_AND_VIEW_NODES = frozenset(
@@ -19,7 +21,24 @@ CAST_AND_VIEW_NODES = frozenset(
 )
 _CAST_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
 _COPY_NODES = CAST_AND_VIEW_NODES | _CAST_NODES
-_MAX_DEPTH = 6
+_MAX_STEPS = 5
+
+
+def reaches(node: object, end: Callable[[object], bool], through: frozenset[str], max_steps: int) -> bool:
+    """Whether walking back from the autograd ``node``, through single-input nodes whose class is named in
+    ``through``, reaches a node ``end`` accepts within ``max_steps`` steps."""
+    for _ in range(max_steps + 1):
+        if node is None:
+            return False
+        if end(node):
+            return True
+        if type(node).__name__ not in through:
+            return False
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]  # type: ignore[attr-defined]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
 
 
 # NOTE [ Copies an op saves ]
@@ -44,17 +63,5 @@ def copy_of(saved: torch.Tensor, source: object, same_shape: bool = False) -> bo
             return False
         relaid = saved.is_contiguous() or saved.shape == source.shape
         return relaid and (saved.dtype != source.dtype or not source.is_contiguous())
-    allowed = _CAST_NODES if same_shape else _COPY_NODES
-    node = saved.grad_fn
-    for _ in range(_MAX_DEPTH):
-        if node is None:
-            return False
-        if node is target:
-            return True
-        if type(node).__name__ not in allowed:
-            return False
-        inputs = [fn for fn, _ in node.next_functions if fn is not None]
-        if len(inputs) != 1:
-            return False
-        node = inputs[0]
-    return False
+    through = _CAST_NODES if same_shape else _COPY_NODES
+    return reaches(saved.grad_fn, lambda node: node is target, through, _MAX_STEPS)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .lineage import CAST_AND_VIEW_NODES
+from .lineage import CAST_AND_VIEW_NODES, reaches
 
 __all__ = ["ParameterRegistry", "is_parameter_like", "is_parameter_or_view"]
 
@@ -56,14 +56,5 @@ def is_parameter_or_view(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
-def _is_cast_or_view_of_leaf(node: object, max_depth: int = 4) -> bool:
-    for _ in range(max_depth):
-        if type(node).__name__ not in CAST_AND_VIEW_NODES:
-            return False
-        inputs = [fn for fn, _ in node.next_functions if fn is not None]  # type: ignore[attr-defined]
-        if len(inputs) != 1:
-            return False
-        node = inputs[0]
-        if type(node).__name__ == "AccumulateGrad":
-            return True
-    return False
+def _is_cast_or_view_of_leaf(node: object) -> bool:
+    return reaches(node, lambda n: type(n).__name__ == "AccumulateGrad", CAST_AND_VIEW_NODES, 4)

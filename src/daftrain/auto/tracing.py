@@ -62,7 +62,7 @@ def observe(key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_b
         zero = (mn == 0) & (mx > 0)
         plain_r2 = float((sizes * (mx - mn) ** 2)[~zero].sum())
         zero_r2 = float((sizes * (mx - min_pos) ** 2)[zero].sum())
-        measured = _rounding_energy(flat.detach(), mn, mx, ~zero, group_size) if plain_r2 > 0 else ()
+        measured = _rounding_energy(flat.detach(), mn, mx, ~zero, plain_r2, group_size) if plain_r2 > 0 else ()
     shape = tuple(source.shape) if source is not None else (flat.numel(),)
     return Observation(key, shape, flat.element_size(), NoiseProfile(plain_r2, zero_r2, measured), min_bits,
                        _producer(source))
@@ -73,11 +73,12 @@ _ENERGY_SAMPLE_GROUPS = 256  # groups _rounding_energy reads: the energy's ratio
 
 
 def _rounding_energy(flat: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, plain: torch.Tensor,
-                     group_size: int) -> tuple[float, ...]:
+                     plain_r2: float, group_size: int) -> tuple[float, ...]:
     """The plain groups' expected squared stochastic-rounding error at each width of ``MEASURED_BITS``
     (``NOTE [ Measured rounding noise ]``): ``sum frac * (1 - frac) * d**2`` over the values of up to
     ``_ENERGY_SAMPLE_GROUPS`` evenly spaced full plain groups, as a ratio to the analytic energy of the
-    same groups, times the analytic energy of all of them. ``()`` where no full group is plain."""
+    same groups, times the analytic energy of all of them (``plain_r2``, ``NoiseProfile``'s). ``()`` where
+    no full group is plain."""
     full = flat.numel() // group_size
     candidates = torch.nonzero(plain[:full]).view(-1)
     if candidates.numel() == 0:
@@ -87,18 +88,15 @@ def _rounding_energy(flat: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, pla
     lo, span = mn[candidates], (mx - mn)[candidates]
     values = flat[: full * group_size].reshape(full, group_size)[candidates].double()
     position = (values - lo[:, None]) / torch.where(span > 0, span, torch.ones_like(span))[:, None]
-    all_r2 = float((span**2).sum()) * group_size  # the sample's analytic sum n_g * range**2
-    if all_r2 <= 0:
+    sample_r2 = float((span**2).sum()) * group_size  # the sample's sum n_g * range**2
+    if sample_r2 <= 0:
         return ()
-    sizes = torch.full_like(mn, group_size)
-    sizes[-1] = flat.numel() - group_size * (mn.numel() - 1)
-    plain_r2 = float((sizes * (mx - mn) ** 2)[plain].sum())
     out = []
-    for bits in MEASURED_BITS:
+    for bits in MEASURED_BITS:  # the analytic energies' common factor 1 / (6 L**2) cancels in the ratio
         levels = (1 << bits) - 1
         frac = torch.frac(position * levels)
         sample = float(((frac - frac.square()).sum(1) * span**2).sum()) / levels**2
-        out.append(sample / (all_r2 / (6.0 * levels**2)) * plain_r2 / (6.0 * levels**2))
+        out.append(sample * plain_r2 / sample_r2)
     return tuple(out)
 
 

@@ -167,8 +167,13 @@ def _shape_carrier(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape, 0))
 
 
-def _carried_shape(carrier: torch.Tensor) -> tuple[Any, ...]:
-    return tuple(carrier.shape[:-1])
+def _carried_shape(carrier: torch.Tensor) -> tuple[tuple[Any, ...], Any]:
+    """The shape ``_shape_carrier`` carries, and its number of values."""
+    shape = tuple(carrier.shape[:-1])
+    numel = 1
+    for size in shape:
+        numel = numel * size
+    return shape, numel
 
 
 @torch.fx.wrap
@@ -193,16 +198,10 @@ def unpack_traced(packed: Any) -> torch.Tensor:
         return packed
     if len(packed) == 2:
         data, carrier = packed
-        shape = _carried_shape(carrier)
-        numel = 1
-        for size in shape:
-            numel = numel * size
+        shape, numel = _carried_shape(carrier)
         return torch.ops.daftrain.unpack_bool(data, numel).view(shape)
     codes, lo, scale, carrier, dtype, bits, group_size = packed
-    shape = _carried_shape(carrier)
-    numel = 1
-    for size in shape:
-        numel = numel * size
+    shape, numel = _carried_shape(carrier)
     return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype).view(shape)
 
 
