@@ -428,11 +428,15 @@ def test_torch_thread_count_survives_numba_pool_start() -> None:
     """numba's OpenMP pool, started by the first parallel kernel, calls omp_set_num_threads in the
     process's libgomp; PyTorch's setting must come out unchanged (fresh process: the pool starts there)."""
 
+    # No PyTorch op with a parallel region runs before the pool starts (torch.randn would start
+    # libgomp's own team first and hide the reset): constructing ``compress`` starts it.
     code = (
         "import torch; torch.set_num_threads(1)\n"
+        "import daftrain\n"
         "from daftrain.kernels import cpu\n"
-        "cpu.minmax_per_group(torch.randn(100), 32)\n"
+        "daftrain.compress(bits=2)\n"
         "assert torch.get_num_threads() == 1, torch.get_num_threads()\n"
+        "assert cpu.threads() == 1\n"
     )
     src = str(Path(cpu.__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": src}

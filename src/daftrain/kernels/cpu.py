@@ -1006,13 +1006,14 @@ class _Guard:
         self._values = values  # work of the call, in values: sets the thread count (NOTE above)
 
     def __enter__(self) -> int:
+        self._torch_threads = torch.get_num_threads()
         if not _pool_started:
-            _start_thread_pool()
+            _start_thread_pool()  # may reset PyTorch's thread count: set it back before reading it
+            torch.set_num_threads(self._torch_threads)
         self._locked = False
         if _layer_checked and _layer_checked[0]:
             _WORKQUEUE_LOCK.acquire()
             self._locked = True
-        self._torch_threads = torch.get_num_threads()
         return _sync_threads(self._values)
 
     def __exit__(self, *exc: object) -> None:
