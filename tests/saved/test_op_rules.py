@@ -337,3 +337,83 @@ def test_sdpa_under_autocast_keeps_its_cast_q_and_k_at_eight_bits() -> None:
     with_rule = _cos(torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], _ctx(4))]), ref)
     without = _cos(torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], _ctx(4, rules=False))]), ref)
     assert with_rule >= 0.5 and without < 0.3, (with_rule, without)
+
+
+def _weight_normed_stack(width: int = 64, depth: int = 3) -> torch.nn.Sequential:
+    """Linear layers whose weights the forward computes (``weight_norm`` parametrizations)."""
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
+    for layer in stack:
+        torch.nn.utils.parametrizations.weight_norm(layer)
+    return stack
+
+
+def test_computed_weights_get_eight_bits() -> None:
+    # A linear stack's input gradient reads only the weights: at 2 bits their rounding is all its error.
+    stack = _weight_normed_stack()
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    ref = _grads(stack, [x], None)[0]
+    with_rule = _cos(_grads(stack, [x], _ctx(2))[0], ref)
+    without = _cos(_grads(stack, [x], _ctx(2, rules=False))[0], ref)
+    # 8-bit weights: per-value error ~1/255 of a group's range against ~1/3 at 2 bits.
+    assert with_rule >= 0.999 and without < 0.95, (with_rule, without)
+
+
+def test_computed_weight_error_does_not_shrink_with_the_batch() -> None:
+    # The reason for the rule: an activation's rounding error averages over the samples summed into a
+    # weight gradient, a shared weight's does not. At two batch sizes, quantize only the computed weights
+    # (rules off; activations of batch x 1024 < 1024 x 1024 values stay below min_numel), then only the
+    # activations of the same layers with parameter weights. The samples' gradients share a direction
+    # (inputs with a common mean, a loss linear in the output), as those of a training batch do.
+    width = 1024
+    computed = _weight_normed_stack(width, depth=3)
+    plain = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(3)))
+    with torch.no_grad():
+        for a, b in zip(plain, computed, strict=True):
+            a.weight.copy_(b.weight)
+            a.bias.copy_(b.bias)
+    weight_errors, activation_errors = [], []
+    for batch in (32, 512):
+        x = 1.0 + torch.randn(batch, width, generator=torch.Generator().manual_seed(batch))
+        for stack, min_numel, errors in ((computed, width * width, weight_errors), (plain, 0, activation_errors)):
+            params = list(stack.parameters())
+
+            def grads(ctx: daftrain.compress | None, x: torch.Tensor = x, stack=stack, params=params) -> torch.Tensor:
+                stack.zero_grad(set_to_none=True)
+                with ctx if ctx is not None else torch.enable_grad():
+                    out = stack(x)
+                out.mean(0).sum().backward()
+                return torch.cat([p.grad.reshape(-1) for p in params])
+
+            ref = grads(None)
+            ctx = daftrain.compress(bits=2, min_numel=min_numel, seed=3)
+            ctx._op_tracer = OpTracer(rules=())
+            errors.append(1.0 - _cos(grads(ctx), ref))
+            assert ctx.stats.compressed == 2  # the second and third layers' weights, or their inputs
+    assert weight_errors[1] > 0.8 * weight_errors[0] > 0, weight_errors
+    assert activation_errors[1] < 0.25 * activation_errors[0], activation_errors
+
+
+def test_computed_weight_rule_matches_its_transposed_and_cast_copies() -> None:
+    # The second layer saves its computed weight as weight.t() (under autocast: its bfloat16 copy,
+    # transposed); at 8 bits instead of 2 it takes 64 * 64 * 6 / 8 bytes more, and nothing else changes.
+    stack = _weight_normed_stack(depth=2)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    for autocast in (False, True):
+        packed = []
+        for rules in (True, False):
+            ctx = _ctx(2, rules=rules)
+            with ctx, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                y = stack(x * 1.0).float()
+            y.sum().backward()
+            packed.append((ctx.stats.packed_bytes, ctx.stats.compressed))
+        assert packed[0][1] == packed[1][1] and packed[0][0] - packed[1][0] == 64 * 64 * 6 // 8, (autocast, packed)
+
+
+def test_parameter_weights_are_not_computed_weights() -> None:
+    layer = torch.nn.Linear(64, 64)
+    ctx = _ctx(2)
+    with ctx:
+        y = layer(torch.randn(256, 64, requires_grad=True) * 1.0)
+    y.sum().backward()
+    assert ctx.stats.parameters == 1 and ctx.stats.compressed == 1

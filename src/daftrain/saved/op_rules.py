@@ -23,6 +23,7 @@ from .records import ClipMask, Derivative, Encoding, Normalized
 __all__ = ["RULES", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
 
 ATTENTION_MIN_BITS = 8
+WEIGHT_MIN_BITS = 8
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class OpRule:
 
 # NOTE [ Op rules ]
 # Plain quantization adds unbiased noise of the order of a group's range / 2**bits to every saved
-# value; that is harmless where backward is linear in the value with bounded factors. Five classes of
+# value; that is harmless where backward is linear in the value with bounded factors. Six classes of
 # ops break that (measured over the zoo, ``docs/zoo.md``):
 #   1. normalisations re-normalise their saved input with their exact statistics: the error of a row
 #      or channel of small spread is multiplied by its rstd (``Normalized`` encoding); a constant row
@@ -55,7 +56,13 @@ class OpRule:
 #   5. smooth activations (GELU, SiLU) read their saved input only through their derivative f'(x),
 #      which is nonlinear: rounding x makes f'(x) noisier (by |f''| up to 0.8) and biased, and through
 #      a stack of such layers without a residual path the errors compound (``Derivative`` encoding:
-#      f'(x) itself, quantized, see ``NOTE [ Activations stored as their derivative ]``).
+#      f'(x) itself, quantized, see ``NOTE [ Activations stored as their derivative ]``);
+#   6. a layer whose weight the forward computes (weight norm, spectral norm, a parametrization, an
+#      equalized-learning-rate scale) saves that weight: one tensor shared by every sample, so its
+#      rounding error is one draw applied to the whole batch. An activation's error averages over the
+#      samples summed into a weight gradient; the weight's enters every sample's input gradient alike
+#      and does not, so its share of the gradient error grows with the batch while its bytes do not
+#      (at least ``WEIGHT_MIN_BITS``). Linear and convolution layers save it transposed: a view matches.
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm),
            "backward re-normalises the input with the exact rstd, multiplying the rounding error of a row "
@@ -87,6 +94,13 @@ RULES: tuple[OpRule, ...] = (
            "the backward reads the input only as f'(x), nonlinear: a rounded x gives a biased, noisier f'(x), "
            "compounding through stacked layers without a residual path: f'(x) (bounded) is stored quantized, "
            "unbiased, and restored as an x' with f'(x') = that value"),
+    OpRule("computed_weight",
+           (F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+            F.conv_transpose3d),
+           "a weight the forward computes (weight or spectral norm, a parametrization, a scaled weight) is one "
+           "tensor shared by every sample: its rounding error does not average over the batch, it enters the "
+           "gradient of every sample's input, and its size does not grow with the batch: at least 8 bits",
+           min_bits=WEIGHT_MIN_BITS),
 )
 
 
@@ -99,6 +113,8 @@ class OpMatch:
     encoding: Encoding | Derivative | None = None
     by_shape: bool = False
     """An in-place call saves a clone of its input: any saved tensor of the target's shape and dtype."""
+    views: bool = False
+    """A view of a target matches too (a layer saves its weight transposed)."""
     keep: tuple[torch.Tensor, ...] = ()
     """Saved tensors the rule keeps exact (a decomposed norm's rstd, one value per row)."""
     keep_all: bool = False
@@ -140,6 +156,8 @@ def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
         return None
     if match.by_shape:
         return match if any(t.shape == x.shape and t.dtype == x.dtype for x in match.targets) else None
+    if match.views:
+        return match if any(_is_target(t, x) or copy_of(t, x) for x in match.targets) else None
     return match if any(_is_target(t, x) for x in match.targets) else None
 
 
@@ -307,6 +325,10 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
     if rule.name == "comparison":
         compared = _comparison(func, args, kwargs)
         return OpMatch(rule, (compared[0],), compared[1]) if compared is not None else None
+    if rule.name == "computed_weight":
+        weight = _arg(args, kwargs, 2 if func is F.bilinear else 1, "weight")
+        computed = isinstance(weight, torch.Tensor) and weight.grad_fn is not None
+        return OpMatch(rule, (weight,), views=True) if computed else None
     if rule.name == "attention_qk":
         q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
         targets = tuple(t for t in (q, k) if isinstance(t, torch.Tensor))

@@ -4,7 +4,8 @@ They cover what the ``transformers`` zoo does not: ``nn.LSTM`` / ``nn.GRU``, ``n
 attention runs inside ``F.multi_head_attention_forward``), a convolutional encoder-decoder, a mobile CNN
 with squeeze-excitation and clips, an MLP-Mixer (linear layers over a transposed view, which ``F.linear``
 copies before saving), a recommender (``nn.EmbeddingBag``), a spectral operator (complex FFT and complex
-parameters) and einsum attention. Each also runs under bfloat16 autocast (suffix ``:bf16``), where ops
+parameters), einsum attention and a vocoder-style 1-D convolution stack whose weights ``weight_norm``
+computes in every forward. Each also runs under bfloat16 autocast (suffix ``:bf16``), where ops
 save copies of their operands in the autocast dtype. ``zoo_model(name)`` takes the same seeds every time;
 ``zoo_inputs(name)`` gives the keyword inputs of ``model(**inputs)``, whose output is a dict, as
 ``transformers_zoo.zoo_gradient`` expects.
@@ -144,6 +145,23 @@ class _EinsumAttention(nn.Module):
         return self.out(torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(x.shape))
 
 
+class _Vocoder(nn.Module):
+    """Upsampling and dilated residual 1-D convolutions, every weight under ``weight_norm`` (as in HiFi-GAN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.utils.parametrizations.weight_norm
+        self.up = norm(nn.ConvTranspose1d(16, 64, 8, stride=4, padding=2))
+        self.blocks = nn.ModuleList(norm(nn.Conv1d(64, 64, 3, dilation=d, padding=d)) for d in (1, 3, 5))
+        self.out = norm(nn.Conv1d(64, 1, 7, padding=3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        for conv in self.blocks:
+            h = h + conv(F.leaky_relu(h, 0.1))
+        return torch.tanh(self.out(F.leaky_relu(h, 0.1)))
+
+
 def _tokens() -> torch.Tensor:
     return torch.randint(0, 100, (8, 24))
 
@@ -164,6 +182,7 @@ _ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tens
     "recommender": (_Recommender, lambda: torch.randint(0, 1000, (64, 10))),
     "spectral_operator": (_SpectralOperator, lambda: torch.randn(8, 64, 2)),
     "einsum_attention": (_EinsumAttention, lambda: torch.randn(8, 24, 64)),
+    "vocoder": (_Vocoder, lambda: torch.randn(8, 16, 32)),
 }
 
 TORCH_ZOO: tuple[str, ...] = tuple(n for name in _ARCHITECTURES for n in (name, f"{name}:bf16"))
