@@ -62,7 +62,7 @@ class OpRule:
 #      rounding error is one draw applied to the whole batch. An activation's error averages over the
 #      samples summed into a weight gradient; the weight's enters every sample's input gradient alike
 #      and does not, so its share of the gradient error grows with the batch while its bytes do not
-#      (at least ``WEIGHT_MIN_BITS``). Linear and convolution layers save it transposed: a view matches.
+#      (at least ``WEIGHT_MIN_BITS``). Layers save it transposed (under autocast, cast): views match.
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm),
            "backward re-normalises the input with the exact rstd, multiplying the rounding error of a row "
@@ -114,7 +114,7 @@ class OpMatch:
     by_shape: bool = False
     """An in-place call saves a clone of its input: any saved tensor of the target's shape and dtype."""
     views: bool = False
-    """A view of a target matches too (a layer saves its weight transposed)."""
+    """A view or cast of a target matches too (a layer saves its weight transposed; under autocast, cast)."""
     keep: tuple[torch.Tensor, ...] = ()
     """Saved tensors the rule keeps exact (a decomposed norm's rstd, one value per row)."""
     keep_all: bool = False
