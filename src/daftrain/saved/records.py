@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -305,9 +306,14 @@ class SavedHandle:
 #      ``c`` at the ties and the neighbouring float on either side elsewhere.
 #   3. ``Derivative``: the input of GELU or SiLU, stored as the derivative its backward multiplies by
 #      (``NOTE [ Activations stored as their derivative ]``).
+_CONSTANT_ROW_RSTD = 1e18
+"""1/std at or above which a row counts as constant (a variance below ~1e-36)."""
+
+
 @dataclass(frozen=True)
 class Normalized:
-    """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact."""
+    """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact.
+    ``view`` is 3-D and ``reduce`` is ``(2,)`` (rows) or ``(0, 2)`` (channels), as the rule builds them."""
 
     view: tuple[int, ...]
     reduce: tuple[int, ...]
@@ -315,19 +321,44 @@ class Normalized:
 
     def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> Record:
         with torch.no_grad():
-            x = flat.view(self.view).float()
-            mean = x.mean(self.reduce, keepdim=True) if self.center else None
-            if mean is not None:  # a constant row restores exactly: mean is its value, std 0
-                lo = x.amin(self.reduce, keepdim=True)
-                mean = torch.where(lo == x.amax(self.reduce, keepdim=True), lo, mean)
-            dev = x - mean if mean is not None else x
-            std = dev.square().mean(self.reduce, keepdim=True).sqrt_()
-            x_hat = torch.where(std > 0, dev / std, 0.0).reshape(-1)
-            inner = encode(x_hat, "quantize", bits, group_size, seed)
+            x_hat, mean, std = self._normalize(flat.view(self.view).float())
+            inner = encode(x_hat.reshape(-1), "quantize", bits, group_size, seed)
             finite = bool(torch.isfinite(std).all()) and (mean is None or bool(torch.isfinite(mean).all()))
         if isinstance(inner, ExactRecord) or not finite:
             return ExactRecord(flat, "nonfinite")
         return NormalizedRecord(inner, mean, std, self.view, flat.dtype)
+
+    # NOTE [ Normalising with PyTorch's own kernels ]
+    # The views the normalization rule builds are 3-D with the statistics over the last dimension (layer,
+    # group, instance and RMS norms) or over the first and last (batch norm). ``native_layer_norm`` and
+    # ``native_batch_norm`` give x_hat, the mean and 1/std from one pass for the statistics and one for the
+    # output, where computing them with separate reductions and elementwise ops read the input several
+    # times more and made temporaries of its size: more than the quantization the encoding feeds. Their
+    # ``eps`` is float32's smallest normal number, which changes no variance above ~1e-30 and keeps the
+    # 1/std of a constant row finite. A constant row (a class token of zeros under LayerNorm with eps 1e-12:
+    # rstd 1e6 in backward) must restore exactly: its mean is set to one of its values, its std to 0 and
+    # its x_hat to 0, whatever rounding the kernel's mean had.
+    def _normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        if not self.center:  # an RMS norm: the norm in one pass
+            count = math.prod(x.shape[dim] for dim in self.reduce)
+            std = torch.linalg.vector_norm(x, 2, self.reduce, keepdim=True).div_(math.sqrt(count))
+            return x / torch.where(std > 0, std, 1.0), None, std  # x may be the saved tensor: not in place
+        tiny = torch.finfo(torch.float32).tiny
+        if self.reduce == (2,):
+            out, mean, rstd = torch.native_layer_norm(x.reshape(-1, x.shape[2]), (x.shape[2],), None, None, tiny)
+            stats_shape = (x.shape[0], x.shape[1], 1)
+        else:  # (0, 2): per channel of (N, C, L)
+            out, mean, rstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, tiny)
+            stats_shape = (1, x.shape[1], 1)
+        out, mean, rstd = out.view(x.shape), mean.reshape(stats_shape), rstd.reshape(stats_shape)
+        constant = rstd >= _CONSTANT_ROW_RSTD
+        if bool(constant.any()):
+            first = x
+            for dim in self.reduce:
+                first = first.narrow(dim, 0, 1)
+            mean = torch.where(constant, first, mean)
+            out.masked_fill_(constant, 0.0)
+        return out, mean, torch.where(constant, 0.0, rstd.reciprocal())
 
 
 class NormalizedRecord:

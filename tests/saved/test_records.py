@@ -1,0 +1,73 @@
+"""records.py: the ``Normalized`` encoding (a normalisation's input as x_hat with exact statistics) in both
+layouts the normalization rule builds, against the input it stores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from daftrain.saved.records import ExactRecord, Normalized, NormalizedRecord
+
+# (view, reduce): layer / RMS / group / instance norms normalise rows of the last dimension, batch norm
+# each channel over the first and last.
+_LAYOUTS = {"rows": ((96, 1, 512), (2,)), "channels": ((16, 24, 128), (0, 2))}
+
+
+def _input(view: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(view, generator=gen) * torch.rand((*view[:2], 1), generator=gen).mul(4) + 3.0
+    return x.to(dtype).reshape(-1)
+
+
+def _round_trip(enc: Normalized, flat: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    record = enc.encode(flat, bits, 256, seed=1)
+    assert isinstance(record, NormalizedRecord)
+    return record.decode().view(enc.view)
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS)
+@pytest.mark.parametrize("center", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_restores_each_row_within_one_rounding_step_of_its_own_spread(layout: str, center: bool,
+                                                                       dtype: torch.dtype) -> None:
+    view, reduce = _LAYOUTS[layout]
+    flat = _input(view, dtype)
+    kept = flat.clone()
+    got = _round_trip(Normalized(view, reduce, center), flat).float()
+    assert torch.equal(flat, kept)  # the saved tensor itself is never written
+    x = flat.view(view).float()
+    mean = x.mean(reduce, keepdim=True) if center else torch.zeros(())
+    spread = (x - mean).square().mean(reduce, keepdim=True).sqrt()
+    # x_hat = (x - mean) / spread is quantized in groups of 256 at 8 bits: stochastic rounding moves a
+    # value by less than its group's step, range / 255 rounded up to bfloat16 (at most 2**-7 more;
+    # layout.py), so the restored value is within that step times its row's spread, plus float32
+    # rounding of the statistics and the restore (2**-20 of the value covers it); a bfloat16 restore then
+    # rounds to 8 significant bits (2**-8 relative) on top.
+    x_hat = ((x - mean) / spread).reshape(-1, 256)
+    step = ((x_hat.amax(1, keepdim=True) - x_hat.amin(1, keepdim=True)) / 255).expand_as(x_hat).reshape(view)
+    rounding = x.abs() * (2**-8 if dtype == torch.bfloat16 else 2**-20)
+    bound = step * (1 + 2**-7) * spread + rounding
+    assert bool(((got - x).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS)
+def test_constant_rows_are_restored_exactly(layout: str) -> None:
+    view, reduce = _LAYOUTS[layout]
+    x = _input(view, torch.float32).view(view).clone()
+    if layout == "rows":
+        x[::7] = 0.0
+        x[3::7] = 0.3
+    else:
+        x[:, ::7] = 0.0
+        x[:, 3::7] = -1.7
+    got = _round_trip(Normalized(view, reduce), x.reshape(-1), bits=2)
+    constant = (x.amin(reduce, keepdim=True) == x.amax(reduce, keepdim=True)).expand_as(x)
+    assert constant.any() and torch.equal(got[constant], x[constant])
+
+
+def test_non_finite_input_is_kept_exact() -> None:
+    view, reduce = _LAYOUTS["rows"]
+    flat = _input(view, torch.float32)
+    flat[100] = float("nan")
+    record = Normalized(view, reduce).encode(flat, 4, 256, seed=1)
+    assert isinstance(record, ExactRecord) and record.reason == "nonfinite"
