@@ -88,3 +88,57 @@ print(with_blocks - current_rss_bytes())
     # 48 MiB were allocated and freed: tuned, they go back to the OS; untuned, glibc keeps them.
     assert released["1"] > 40 << 20, released
     assert released["0"] < 8 << 20, released
+
+
+_HUGE_PAGE_CHILD = """
+import ctypes, json, torch
+from daftrain.allocator import HeapTrimmer, advise_huge_pages, glibc
+
+libc = glibc()
+libc.sbrk.argtypes, libc.sbrk.restype = [ctypes.c_ssize_t], ctypes.c_void_p
+
+def heap_areas():
+    areas, current = [], None
+    for line in open("/proc/self/smaps"):
+        if line.rstrip().endswith("[heap]"):
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            current = [lo, hi]
+        elif current is not None and line.startswith("VmFlags:"):
+            areas.append((*current, "hg" in line.split()))
+            current = None
+    return areas
+
+libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: these blocks come from the heap
+trimmer = HeapTrimmer()
+blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(16)]
+trimmer.trim()
+first_end = libc.sbrk(0)  # the break the trim saw (reading smaps below may grow the heap again)
+first = heap_areas()
+more = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(64)]
+trimmer.trim()
+second_end = libc.sbrk(0)
+second = heap_areas()
+print(json.dumps({"first_end": first_end, "first": first, "second_end": second_end, "second": second,
+                  "advised": advise_huge_pages(),
+                  "mode": open("/sys/kernel/mm/transparent_hugepage/enabled").read()}))
+"""
+
+
+def test_the_trimmer_advises_huge_pages_for_the_whole_heap() -> None:
+    """After each trim the heap, as far as it then reaches, is advised transparent huge pages (where the
+    kernel allows advice), so that what the next allocations fault in again comes 2 MiB at a time."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_CHILD], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if "[never]" in got["mode"]:
+        assert not got["advised"] and not any(hg for _, _, hg in got["second"]), got
+        return
+    assert got["advised"], got
+    for end, areas in ((got["first_end"], got["first"]), (got["second_end"], got["second"])):
+        below = [hg for lo, hi, hg in areas if hi <= end]
+        assert below and all(below), got  # every part of the heap below the break the trim saw
+    # the 64 MiB allocated after the first trim grew the heap, and the second trim advised that part too
+    assert got["second_end"] >= got["first_end"] + (48 << 20), got

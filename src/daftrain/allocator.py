@@ -7,9 +7,11 @@ import ctypes.util
 import functools
 from collections.abc import Callable
 
-__all__ = ["DEFAULT_TRIM_BYTES", "HeapTrimmer", "glibc", "malloc_trim", "tighten_allocator"]
+__all__ = ["DEFAULT_TRIM_BYTES", "HeapTrimmer", "advise_huge_pages", "glibc", "malloc_trim", "tighten_allocator"]
 
 _M_MMAP_THRESHOLD = -3
+_MADV_HUGEPAGE = 14
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 DEFAULT_MMAP_THRESHOLD = 1 << 16
 DEFAULT_TRIM_BYTES = 64 << 20
 
@@ -31,6 +33,49 @@ def _malloc_trim_fn() -> Callable[[int], int] | None:
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return trim  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _heap_start() -> int | None:
+    """Where the main heap (``[heap]`` in ``/proc/self/maps``) starts; it never moves."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if line.rstrip().endswith("[heap]"):
+                    return int(line.split("-", 1)[0], 16)
+    except OSError:
+        return None
+    return None
+
+
+@functools.cache
+def _huge_page_calls() -> tuple[Callable[..., int], Callable[..., int]] | None:
+    """``sbrk`` and ``madvise`` where transparent huge pages can be advised (mode ``madvise`` or
+    ``always``), else None."""
+    try:
+        with open(_THP_ENABLED) as f:
+            if "[never]" in f.read():
+                return None
+    except OSError:
+        return None
+    libc = glibc()
+    sbrk, madvise = getattr(libc, "sbrk", None), getattr(libc, "madvise", None)
+    if sbrk is None or madvise is None:
+        return None
+    sbrk.argtypes, sbrk.restype = [ctypes.c_ssize_t], ctypes.c_void_p
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return sbrk, madvise
+
+
+def advise_huge_pages() -> bool:
+    """Advise transparent huge pages for the main heap as far as it reaches now; False where that cannot
+    be done. See ``NOTE [ Freed memory goes back to the OS ]``."""
+    calls, start = _huge_page_calls(), _heap_start()
+    if calls is None or start is None:
+        return False
+    sbrk, madvise = calls
+    end = sbrk(0)
+    return bool(end and end > start and madvise(start, end - start, _MADV_HUGEPAGE) == 0)
 
 
 def malloc_trim() -> bool:
@@ -61,13 +106,18 @@ def malloc_trim() -> bool:
 #     every large allocation faults its pages in and zeroed again, which cost compressed training more
 #     kernel time than the trimming for the same peak.
 # Either changes where glibc keeps freed memory, never what a program can allocate;
-# ``tune_allocator=False`` leaves the allocator alone. Page faults are the cost of both: launching the
-# process with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc then asks for transparent huge pages)
-# makes them far cheaper; no call made after start-up can do that.
+# ``tune_allocator=False`` leaves the allocator alone. Page faults are the cost of both: what a trim
+# returned, the next allocations fault in again, 4 KiB at a time. So after each trim the trimmer also
+# advises transparent huge pages for the main heap, from its start to the current break
+# (``advise_huge_pages``; where the kernel's THP mode is ``madvise`` or ``always``): its wholly freed
+# 2 MiB ranges come back in one fault each. It is advice on the heap daftrain trims anyway: the kernel
+# may back it with huge pages or not, and a later trim splits a huge page that is only partly free.
+# Blocks glibc maps on their own and other threads' arenas keep 4 KiB pages; launching the process
+# with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc then advises all it maps) covers those too.
 class HeapTrimmer:
     """Returns glibc's free heap memory to the OS each time ``every`` more bytes were noted, and on
-    ``trim()``; see ``NOTE [ Freed memory goes back to the OS ]``. Does nothing where glibc's
-    ``malloc_trim`` is unavailable."""
+    ``trim()``, and advises huge pages for the heap; see ``NOTE [ Freed memory goes back to the OS ]``.
+    Does nothing where glibc's ``malloc_trim`` is unavailable."""
 
     __slots__ = ("_every", "_seen")
 
@@ -81,9 +131,10 @@ class HeapTrimmer:
             self.trim()
 
     def trim(self) -> None:
-        """``malloc_trim(0)`` now, and start counting again."""
+        """``malloc_trim(0)`` now, advise huge pages for the heap, and start counting again."""
         self._seen = 0
         malloc_trim()
+        advise_huge_pages()
 
 
 @functools.cache
