@@ -1,5 +1,5 @@
-"""The demo behind ``daftrain demo``: ResNet-18 on Fashion-MNIST, plain PyTorch against daftrain. Not API."""
+"""The demo behind ``daftrain demo``: ResNet-18 on Fashion-MNIST, plain PyTorch against daftrain. Not API.
 
-from .run import DemoArgs, DemoResult, demo
-
-__all__ = ["DemoArgs", "DemoResult", "demo"]
+``demo.run`` holds it; this package imports nothing, so that ``python -m daftrain.demo.run`` (each
+method's fresh process) does not find the module imported before it runs.
+"""
