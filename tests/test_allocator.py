@@ -91,8 +91,9 @@ print(with_blocks - current_rss_bytes())
 
 
 _HUGE_PAGE_CHILD = """
-import ctypes, json, torch
-from daftrain.allocator import HeapTrimmer, advise_huge_pages, glibc
+import ctypes, gc, json, torch
+import daftrain
+from daftrain.allocator import HeapTrimmer, glibc
 
 libc = glibc()
 libc.sbrk.argtypes, libc.sbrk.restype = [ctypes.c_ssize_t], ctypes.c_void_p
@@ -108,25 +109,57 @@ def heap_areas():
             current = None
     return areas
 
+def advised(end):
+    below = [hg for lo, hi, hg in heap_areas() if hi <= end]
+    return bool(below) and all(below)
+
+def none_advised():
+    return not any(hg for _, _, hg in heap_areas())
+
 libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: these blocks come from the heap
+out = {"mode": open("/sys/kernel/mm/transparent_hugepage/enabled").read()}
 trimmer = HeapTrimmer()
+trimmer.trim()
+out["outside_a_step"] = none_advised()
 blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(16)]
+trimmer.begin()
+out["begin"] = advised(libc.sbrk(0))
+first_end = libc.sbrk(0)
+more = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(64)]  # the heap grows past what was advised
 trimmer.trim()
-first_end = libc.sbrk(0)  # the break the trim saw (reading smaps below may grow the heap again)
-first = heap_areas()
-more = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(64)]
-trimmer.trim()
-second_end = libc.sbrk(0)
-second = heap_areas()
-print(json.dumps({"first_end": first_end, "first": first, "second_end": second_end, "second": second,
-                  "advised": advise_huge_pages(),
-                  "mode": open("/sys/kernel/mm/transparent_hugepage/enabled").read()}))
+out["grown"] = libc.sbrk(0) >= first_end + (48 << 20) and advised(libc.sbrk(0))
+
+class Handle:
+    pass
+
+handle = Handle()
+trimmer.hold(handle)
+trimmer.end()
+out["held_after_end"] = advised(libc.sbrk(0))
+del handle
+gc.collect()
+out["released"] = none_advised()
+
+# Through compress: advised during backward, not once backward has released what the forward saved.
+model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+during = []
+model[2].register_full_backward_hook(lambda *args: during.append(not none_advised()))  # backward goes on
+with daftrain.compress(bits=2, model=model):
+    loss = model(torch.randn(256, 512, requires_grad=True)).square().mean()
+loss.backward()
+del loss
+gc.collect()
+out["during_backward"] = during
+out["after_backward"] = none_advised()
+print(json.dumps(out))
 """
 
 
-def test_the_trimmer_advises_huge_pages_for_the_whole_heap() -> None:
-    """After each trim the heap, as far as it then reaches, is advised transparent huge pages (where the
-    kernel allows advice), so that what the next allocations fault in again comes 2 MiB at a time."""
+def test_the_heap_is_advised_huge_pages_while_a_step_uses_it() -> None:
+    """From a forward's start until what it saved is released, each trim advises transparent huge pages
+    for the heap as far as it then reaches (where the kernel allows advice), so what the step's
+    allocations fault in again comes 2 MiB at a time; an idle heap is advised back to none, since
+    khugepaged would fill the holes trims made."""
     import json
     import subprocess
     import sys
@@ -134,11 +167,8 @@ def test_the_trimmer_advises_huge_pages_for_the_whole_heap() -> None:
     out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_CHILD], capture_output=True, text=True, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if "[never]" in got["mode"]:
-        assert not got["advised"] and not any(hg for _, _, hg in got["second"]), got
+        assert not any(got[k] for k in ("begin", "grown", "held_after_end")), got
         return
-    assert got["advised"], got
-    for end, areas in ((got["first_end"], got["first"]), (got["second_end"], got["second"])):
-        below = [hg for lo, hi, hg in areas if hi <= end]
-        assert below and all(below), got  # every part of the heap below the break the trim saw
-    # the 64 MiB allocated after the first trim grew the heap, and the second trim advised that part too
-    assert got["second_end"] >= got["first_end"] + (48 << 20), got
+    assert got["outside_a_step"] and got["begin"] and got["grown"], got
+    assert got["held_after_end"] and got["released"], got
+    assert got["during_backward"] == [True] and got["after_backward"], got

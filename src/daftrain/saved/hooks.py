@@ -232,7 +232,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._loss_catcher = LossCatcher()
             self._loss_catcher.__enter__()
         if self._trimmer is not None:
-            self._trimmer.trim()
+            self._trimmer.begin()
         return self
 
     @property
@@ -264,7 +264,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if catcher is not None and exc_type is None and self._bit_policy.wants_calibration():
             self._calibrate_on(catcher.loss())
         if self._trimmer is not None:
-            self._trimmer.trim()
+            self._trimmer.end()
         if isinstance(exc, RuntimeError) and not isinstance(exc, DaftrainError) and _FUNCTORCH_REFUSAL in str(exc):
             raise UnsupportedError(_FUNCTORCH_UNDER_COMPRESS) from exc
 
@@ -362,7 +362,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 if decision.encoding is not None:
                     self._record_encoding[record] = decision.encoding
             self._records[key] = record
-        return SavedHandle(record, t, dense, source, expand_to)
+        handle = SavedHandle(record, t, dense, source, expand_to)
+        if self._trimmer is not None:
+            self._trimmer.hold(handle)
+        return handle
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SavedHandle) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):

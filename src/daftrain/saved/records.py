@@ -260,7 +260,7 @@ class SavedHandle:
     tensor, as plain PyTorch does.
     """
 
-    __slots__ = ("dense", "expand_to", "overlapping", "record", "size", "source", "stride", "version")
+    __slots__ = ("__weakref__", "dense", "expand_to", "overlapping", "record", "size", "source", "stride", "version")
 
     def __init__(self, record: Record | PendingRecord, saved: torch.Tensor, dense: bool,
                  source: torch.Tensor, expand_to: torch.Size | None = None) -> None:
@@ -286,6 +286,10 @@ class SavedHandle:
         return out if self.expand_to is None else out.expand(self.expand_to)
 
 
+_CONSTANT_ROW_RSTD = 1e18
+"""1/std at or above which a row counts as constant (a variance below ~1e-36)."""
+
+
 # NOTE [ Op-aware encodings ]
 # Three encodings store what an op's backward consumes rather than the saved values as they are (the op
 # rules that choose them are in ``op_rules.py``):
@@ -306,10 +310,6 @@ class SavedHandle:
 #      ``c`` at the ties and the neighbouring float on either side elsewhere.
 #   3. ``Derivative``: the input of GELU or SiLU, stored as the derivative its backward multiplies by
 #      (``NOTE [ Activations stored as their derivative ]``).
-_CONSTANT_ROW_RSTD = 1e18
-"""1/std at or above which a row counts as constant (a variance below ~1e-36)."""
-
-
 @dataclass(frozen=True)
 class Normalized:
     """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact.
