@@ -120,8 +120,8 @@ def malloc_trim() -> bool:
 # The advice lasts only while a step uses the heap: from the context's entry until its forward has
 # ended and every tensor it saved has been released (backward done, or the graph dropped). An advised
 # heap left idle is not left alone: khugepaged collapses its ranges into huge pages at its scan rate,
-# filling the holes a trim made in a partly used range (BERT, idle after its steps: +17 MB of RSS in 80 s,
-# growing), so an idle heap is advised back to no huge pages.
+# filling the holes a trim made in a partly used range (RSS that grows while training pauses; measured
+# in docs/memory.md), so an idle heap is advised back to no huge pages.
 class HeapTrimmer:
     """Returns glibc's free heap memory to the OS each time ``every`` more bytes were noted, and on
     ``trim()``, and advises huge pages for the heap while a step uses it; see ``NOTE [ Freed memory
