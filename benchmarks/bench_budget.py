@@ -427,6 +427,14 @@ def _targets(results: dict) -> dict:
             for name, res in results.items()}
 
 
+def _write_json(path: Path | str, data: dict) -> None:
+    """``common.write_json``, imported on use (the workers of this script do not need it)."""
+    sys.path.insert(0, str(HERE))
+    from common import write_json
+
+    write_json(path, data)
+
+
 def resummarize(path: Path) -> None:
     """Recompute a results file's summaries, targets and table from its memory and timing records (no run)."""
     data = json.loads(path.read_text())
@@ -436,10 +444,7 @@ def resummarize(path: Path) -> None:
         lines += table(name, res["summary"])
     data.update(targets=_targets(data["results"]), table=lines,
                 resummarized_by=" ".join(["python", *sys.argv]))
-    sys.path.insert(0, str(HERE))
-    from common import write_json
-
-    write_json(path, data)
+    _write_json(path, data)
     print("\n".join(lines))
 
 
@@ -478,10 +483,7 @@ def main() -> None:
     shutil.rmtree(ENV["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     print("\n".join(lines))
     targets = _targets(results)
-    sys.path.insert(0, str(HERE))
-    from common import write_json
-
-    write_json(args.out or RESULTS / ("budget_quick.json" if args.quick else "budget.json"), {
+    _write_json(args.out or RESULTS / ("budget_quick.json" if args.quick else "budget.json"), {
         "command": " ".join(["python", *sys.argv]),
         "definition": "budget(f) = baseline + f * (plain_peak - baseline); baseline = RSS with model, batch and "
                       "runtime loaded + 3 x parameter bytes (gradients, Adam's two states); peaks are whole-process "

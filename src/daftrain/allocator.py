@@ -161,7 +161,10 @@ class HeapTrimmer:
             advise_huge_pages(huge=False)
 
     def hold(self, saved: object) -> None:
-        """The heap is in use while ``saved`` (a saved tensor's handle) lives."""
+        """The heap is in use while ``saved`` (a saved tensor's handle) lives; nothing to track where no
+        huge pages can be advised."""
+        if _huge_page_calls() is None:
+            return
         with self._lock:
             self._held += 1
         weakref.finalize(saved, self._release)
