@@ -16,10 +16,17 @@ defaults and calls ``malloc_trim(0)`` when each forward ends and each step start
 huge pages for what it maps), ``+thp`` with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch does, for its tensors of
 2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``.
 
+``--micro-batch N`` runs each step as a hand-written accumulation loop over micro-batches of ``N``
+samples (what ``BudgetedStep`` runs at tight budgets), the phase peaks read without trimming between
+micro-batches: the forward phase is the largest forward, the backward phase the largest backward.
+
     .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18,gpt2 --repeats 1
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18 \
         --configs plain,plain+mmap64k,plain+hugetlb,bits2+untuned,bits2,bits2+hugetlb --steps 7 --repeats 3 \
         --out benchmarks/results/allocator_step_time.json
+    flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18 \
+        --configs plain,plain+mmap64k,plain+mmap1m --micro-batch 2 --steps 5 --repeats 3 \
+        --out benchmarks/results/allocator_micro_batches.json
 """
 
 from __future__ import annotations
@@ -172,7 +179,27 @@ def largest_saved_bytes(model, batch, loss_fn) -> int:  # type: ignore[no-untype
     return largest[0]
 
 
-def worker(model_name: str, config_name: str, steps: int, breakdown: bool = False) -> dict:
+def accumulate(model, batch, loss_fn, micro: int, ctx, baseline: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Forward and backward of ``batch`` in micro-batches of ``micro`` samples (losses weighted by their
+    share); return the largest forward and the largest backward peak above ``baseline``."""
+    from daftrain.budget.batching import balanced_sizes, batch_size, split_batch
+    from daftrain.rss import peak_rss_bytes, reset_peak_rss
+
+    total = batch_size(batch)
+    fwd = bwd = 0
+    for part in split_batch(batch, balanced_sizes(total, -(-total // micro))):
+        with ctx:
+            loss = loss_fn(model, part) * (batch_size(part) / total)
+        fwd = max(fwd, peak_rss_bytes() - baseline)
+        reset_peak_rss(trim=False)
+        loss.backward()
+        del loss
+        bwd = max(bwd, peak_rss_bytes() - baseline)
+        reset_peak_rss(trim=False)
+    return fwd, bwd
+
+
+def worker(model_name: str, config_name: str, steps: int, breakdown: bool = False, micro: int = 0) -> dict:
     import contextlib
     import ctypes
     import resource
@@ -199,6 +226,8 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
     ctx = (daftrain.compress(bits=cfg["bits"], model=model, tune_allocator=cfg.get("tune", True)) if "bits" in cfg
            else contextlib.nullcontext())
     segments = find_segments(model) if cfg.get("checkpoint") else {}
+    if micro and segments:
+        raise SystemExit(f"{config_name}: --micro-batch runs without checkpointing; pick a configuration without it")
     hook_times = instrument() if breakdown and "bits" in cfg else None
     per_step_hooks: list[dict[str, float]] = []
     reset_peak_rss()
@@ -216,16 +245,19 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
         if trim is not None:
             trim(0)
         reset_peak_rss()
-        recompute = ctx if "bits" in cfg else None  # the recomputation stored compressed too
-        with checkpointing(segments, list(segments), recompute) if segments else contextlib.nullcontext(), ctx:
-            loss = loss_fn(model, batch)
-        if trim is not None:
-            trim(0)
-        fwd = peak_rss_bytes() - baseline
-        reset_peak_rss()
-        loss.backward()
-        del loss
-        bwd = peak_rss_bytes() - baseline
+        if micro:
+            fwd, bwd = accumulate(model, batch, loss_fn, micro, ctx, baseline)
+        else:
+            recompute = ctx if "bits" in cfg else None  # the recomputation stored compressed too
+            with checkpointing(segments, list(segments), recompute) if segments else contextlib.nullcontext(), ctx:
+                loss = loss_fn(model, batch)
+            if trim is not None:
+                trim(0)
+            fwd = peak_rss_bytes() - baseline
+            reset_peak_rss()
+            loss.backward()
+            del loss
+            bwd = peak_rss_bytes() - baseline
         reset_peak_rss()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -239,7 +271,8 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
         faults.append(end_usage.ru_minflt - usage.ru_minflt)
         phases.append({"forward": fwd, "backward": bwd, "optimizer": opt})
     peak = max(max(p.values()) for p in phases)
-    out = {"model": model_name, "config": config_name, "baseline_mb": baseline / 1e6, "peak_mb": peak / 1e6,
+    out = {"model": model_name, "config": config_name, "micro_batch": micro or None,
+           "baseline_mb": baseline / 1e6, "peak_mb": peak / 1e6,
            "phases_mb": {k: max(p[k] for p in phases) / 1e6 for k in phases[0]},
            "first_step_s": times[0], "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
            "step_cpu_s": statistics.median(cpu_times[2:]) if len(times) > 2 else cpu_times[-1],
@@ -272,10 +305,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "peak_memory.json"))
     ap.add_argument("--breakdown", action="store_true",
                     help="time daftrain's pack and unpack hooks inside each step (adds a little overhead)")
+    ap.add_argument("--micro-batch", type=int, default=0,
+                    help="run each step as accumulation over micro-batches of this many samples")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.breakdown)))
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.breakdown, args.micro_batch)))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from common import write_json
@@ -286,6 +321,7 @@ def main() -> None:
             for config in args.configs.split(","):  # interleaved: every configuration once per round
                 cmd = [sys.executable, __file__, "--worker", model, config, "--steps", str(args.steps)]
                 cmd += ["--breakdown"] if args.breakdown else []
+                cmd += ["--micro-batch", str(args.micro_batch)] if args.micro_batch else []
                 env = {**os.environ, **CONFIGS[config].get("env", {})}
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import daftrain.budget.step as step_module
+from daftrain.allocator import glibc as allocator_glibc
 from daftrain.budget.batching import balanced_sizes, shapes_of, token_count
 from daftrain.budget.budgets import BudgetTooSmallError
 from daftrain.budget.planner import PlannerConfig, plan_step
@@ -129,7 +130,7 @@ def test_measured_peak_stays_under_budget(headroom_mb):
     model, batch = big_case()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     budget = current_rss_bytes() + state_bytes(model) + headroom_mb * 10**6
-    step = BudgetedStep(model, ce, opt, budget=budget, config=PlannerConfig(bits=(None,)))
+    step = BudgetedStep(model, ce, opt, budget=budget, config=PlannerConfig(bits=(None,)), tune_allocator=False)
     for _ in range(3):
         step(batch)
     assert step.plan.num_micro_batches > 1  # the plain step (~150 MB of activations) would not fit
@@ -143,7 +144,8 @@ def test_budget_change_replans_and_fits():
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     base = current_rss_bytes() + state_bytes(model)
     limit = {"now": base + 80 * 10**6}
-    step = BudgetedStep(model, ce, opt, budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)))
+    step = BudgetedStep(model, ce, opt, budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)),
+                        tune_allocator=False)
     step(batch)
     step(batch)
     wide = step.plan.micro_batch_size
@@ -225,7 +227,7 @@ def test_plan_reserves_room_for_the_shapes_it_brings():
     model, batch = big_case(4)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     step = BudgetedStep(model, ce, opt, budget=current_rss_bytes() + state_bytes(model) + 60 * 10**6,
-                        config=PlannerConfig(bits=(None,)))
+                        config=PlannerConfig(bits=(None,)), tune_allocator=False)
     step(batch)
     budget, held = step.budget.bytes(), step.plan.persistent_bytes
     unreserved = plan_step(step.profile, budget_bytes=budget, persistent_bytes=held, config=step.config,
@@ -264,12 +266,13 @@ def test_too_small_budget_raises_naming_the_floor():
     model, batch = big_case(2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     rss = current_rss_bytes()
-    step = BudgetedStep(model, ce, opt, budget=rss - 10**6)
+    step = BudgetedStep(model, ce, opt, budget=rss - 10**6, tune_allocator=False)
     with pytest.raises(BudgetTooSmallError) as info:
         step(batch)
     assert info.value.required_bytes > rss
     limit = {"now": "100GB"}
-    step = BudgetedStep(model, ce, opt, budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)))
+    step = BudgetedStep(model, ce, opt, budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)),
+                        tune_allocator=False)
     step(batch)
     reset_peak_rss()  # what the process holds once freed memory is returned, as the step reads it
     held = current_rss_bytes()
@@ -281,6 +284,98 @@ def test_too_small_budget_raises_naming_the_floor():
     # the named floor is a budget the planner accepts
     plan_step(step.profile, budget_bytes=floor + 10**6, persistent_bytes=current_rss_bytes(),
               config=step.config, alpha=step.alpha)
+
+
+def recorded_lever(monkeypatch) -> list[int]:
+    """Replace the allocator lever by a recorder, so that the test process keeps glibc's defaults."""
+    pulls: list[int] = []
+    monkeypatch.setattr(step_module, "tighten_allocator", lambda: pulls.append(1) is None)
+    return pulls
+
+
+def test_the_default_fixes_the_allocator_only_where_the_room_is_tight(monkeypatch):
+    """NOTE [ The allocator as a lever ]: a room below ``tighten_below`` pulls the lever once, before the
+    planning step, with a warning; a wide room never; ``False`` never; ``True`` at construction."""
+    pulls = recorded_lever(monkeypatch)
+    torch.manual_seed(0)
+    batch = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+
+    def make(**kwargs) -> BudgetedStep:
+        model = mlp()
+        return BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB", **kwargs)
+
+    roomy = make(config=PlannerConfig(bits=(None,)))
+    roomy(batch)
+    roomy(batch)
+    assert pulls == [] and not roomy.allocator_tightened
+    assert not any(rec.allocator_tightened for rec in roomy.history)
+    tight = PlannerConfig(bits=(None,), tighten_below=10**12)  # 100 GB leaves less room than that
+    never = make(config=tight, tune_allocator=False)
+    never(batch)
+    assert pulls == [] and not never.history[-1].allocator_tightened
+    step = make(config=tight)
+    with pytest.warns(UserWarning, match=r"less than PlannerConfig.tighten_below.*tune_allocator=False"):
+        step(batch)
+    assert pulls == [1] and step.allocator_tightened and step.history[0].allocator_tightened
+    step(batch)  # once for the process's lifetime of this step
+    assert pulls == [1] and step.history[1].allocator_tightened
+    make(tune_allocator=True)
+    assert pulls == [1, 1]
+    with pytest.raises(ArgumentTypeError, match="tune_allocator must be None"):
+        make(tune_allocator="yes")
+    with pytest.raises(InvalidArgumentError, match="tighten_below"):
+        PlannerConfig(tighten_below=-1)
+
+
+def test_a_step_over_its_budget_fixes_the_allocator_for_the_next(monkeypatch):
+    pulls = recorded_lever(monkeypatch)
+    torch.manual_seed(0)
+    model = mlp()
+    batch = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB",
+                        config=PlannerConfig(bits=(None,)))
+    step(batch)
+    assert pulls == []
+    monkeypatch.setattr(step._meter, "peak", lambda: 10**12)  # the step measures a peak above 100 GB
+    with pytest.warns(UserWarning, match=r"step 1 peaked .* MB over the budget"):
+        step(batch)
+    assert pulls == [1] and step.history[1].allocator_tightened and not step.history[0].allocator_tightened
+
+
+def test_the_lever_fixes_glibcs_threshold_in_a_fresh_process():
+    """The default lever, pulled for real: afterwards a freed 1 MiB block leaves the process at once
+    (its own mapping), where glibc's dynamic threshold, raised by a freed 16 MiB block, kept it."""
+    import subprocess
+    import sys
+
+    if allocator_glibc() is None or not hasattr(allocator_glibc(), "mallopt"):
+        pytest.skip("no glibc on this system: the lever is a no-op there")
+    code = """
+import sys, warnings, torch, torch.nn.functional as F
+from torch import nn
+from daftrain import BudgetedStep, PlannerConfig
+from daftrain.allocator import glibc
+from daftrain.rss import current_rss_bytes
+big = torch.ones(16 << 20, dtype=torch.uint8)
+del big  # glibc's dynamic threshold rises to 16 MiB: 1 MiB blocks come from the heap from now on
+model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+step = BudgetedStep(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), torch.optim.SGD(model.parameters(), 0.1),
+                    budget="100GB", config=PlannerConfig(bits=(None,), tighten_below=int(sys.argv[1])))
+with warnings.catch_warnings(record=True):
+    step((torch.randn(32, 64), torch.randint(0, 10, (32,))))
+glibc().mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: glibc trims the heap's top no more
+blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(48)]
+with_blocks = current_rss_bytes()
+del blocks
+print(int(step.allocator_tightened), with_blocks - current_rss_bytes())
+"""
+    result = {}
+    for below in ("1000000000000", "0"):  # 100 GB of room is below the first, never below 0
+        out = subprocess.run([sys.executable, "-c", code, below], capture_output=True, text=True, check=True)
+        tightened, released = out.stdout.split()
+        result[below] = (int(tightened), int(released))
+    assert result["1000000000000"][0] == 1 and result["1000000000000"][1] > 40 << 20, result
+    assert result["0"][0] == 0 and result["0"][1] < 8 << 20, result
 
 
 @pytest.mark.parametrize("auto", [False, True])
@@ -646,7 +741,7 @@ def test_optimizer_steps_in_parts_where_one_step_would_not_fit():
     params = sum(p.nbytes for p in model.parameters())  # 34 MB
     limit = {"now": "100GB"}
     step = BudgetedStep(model, ce, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True),
-                        budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)))
+                        budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)), tune_allocator=False)
     ref = torch.optim.Adam(twin.parameters(), lr=1e-3, foreach=True)
     step(batch)  # the planning step, in slices; then the twin starts from where it left off
     twin.load_state_dict(model.state_dict())
@@ -680,7 +775,7 @@ def test_a_parameter_larger_than_the_room_is_stepped_in_slices():
     params = sum(p.nbytes for p in model.parameters())
     limit = {"now": "100GB"}
     step = BudgetedStep(model, ce, torch.optim.Adam(model.parameters(), lr=1e-3),
-                        budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)))
+                        budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)), tune_allocator=False)
     ref = torch.optim.Adam(twin.parameters(), lr=1e-3)
     step(batch)
     twin.load_state_dict(model.state_dict())

@@ -109,6 +109,11 @@ class PlannerConfig:
     """The least a compressed step is taken to cost against the exact one before compression was
     measured: what decides whether loading the kernels (``compression_reserve``, held for good) can pay
     (NOTE [ Measuring the cost model ], 3.; measured step times in docs/memory.md)."""
+    tighten_below: int = 64 << 20
+    """Where the budget leaves less room than this many bytes above what the process holds, a CPU step
+    fixes glibc's mmap threshold (``BudgetedStep(tune_allocator=None)``, the default; NOTE [ The allocator
+    as a lever ] in step.py): glibc's own threshold keeps freed blocks of up to 32 MiB, so below two of
+    them what one micro-batch's transients leave held varies as much as the room."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, tuple) or not self.bits:
@@ -134,6 +139,9 @@ class PlannerConfig:
                                        f"{self.compression_reserve!r}")
         if not self.max_alpha >= 1:
             raise InvalidArgumentError(f"PlannerConfig.max_alpha must be >= 1, e.g. 4.0, got {self.max_alpha!r}")
+        if isinstance(self.tighten_below, bool) or not isinstance(self.tighten_below, int) or self.tighten_below < 0:
+            raise InvalidArgumentError(f"PlannerConfig.tighten_below must be a non-negative int of bytes, e.g. "
+                                       f"64 << 20, got {self.tighten_below!r}")
         if not self.compressed_time_factor >= 1:
             raise InvalidArgumentError(f"PlannerConfig.compressed_time_factor must be >= 1, e.g. 1.1, got "
                                        f"{self.compressed_time_factor!r}")

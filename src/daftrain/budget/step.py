@@ -93,8 +93,9 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # large block; on a CPU either costs more than all of a plan's own choices (docs/budget.md). So a step
 # trims once, at its start, where what the process holds must be read for the plan (without it, freed
 # memory the allocator keeps would count as held and shrink every later plan), and its later phases
-# (the optimizer step, the planning step's remainder) reset the mark without trimming; and
-# ``tune_allocator`` is off by default. The step's peak, the figure the budget is checked against, is
+# (the optimizer step, the planning step's remainder) reset the mark without trimming; and the fixed
+# threshold is applied only where a budget is too tight for anything else (NOTE [ The allocator as a
+# lever ]). The step's peak, the figure the budget is checked against, is
 # the whole process's either way. glibc's dynamic mmap threshold keeps a freed micro-batch's
 # activations as free heap that the next one reuses only in part (and a backward what its forward
 # freed), so a step could go over its budget at a plan the model says fits. So a micro-batch, its
@@ -105,6 +106,23 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # is the model's activations or, once the step's first micro-batch has run, what it measured where that
 # is more: a model corrected only after the step (``alpha``) let the first steps of a plan it
 # underestimated go over.
+
+# NOTE [ The allocator as a lever ]
+# glibc's dynamic mmap threshold (raised by every large free, up to 32 MiB) serves blocks below it from
+# the heap, and a freed one stays resident until an allocation reuses it or a trim returns it. So what one
+# micro-batch's forward and backward hold above their start varies with where the allocator happens to
+# place the transients, by tens of MB between micro-batches of the same size that start from the same
+# memory held (docs/budget.md). A plan with more room than that absorbs it in its safety margin; a budget
+# that leaves only a few tens of MB above what the process holds cannot, and its steps went over by a
+# few MB, then were refused. A fixed threshold (``tighten_allocator``) puts every block of 64 KiB and
+# more in its own mapping, unmapped on free: RSS follows live memory and the variation goes, at the cost
+# of page faults on every large allocation (NOTE [ Metering a planned step ]). The default
+# (``tune_allocator=None``) pulls that lever only where the budget needs it, on CPU: before a step whose
+# room (budget less what the process holds, optimizer state included) is below
+# ``PlannerConfig.tighten_below`` (two of glibc's largest heap blocks), and after a step that went over
+# its budget. glibc has no call that gives its dynamic threshold back, so it stays for the process; the
+# step warns once when it pulls it and records it in ``StepRecord.allocator_tightened``.
+# ``tune_allocator=True`` fixes it from the start, ``False`` never.
 
 # NOTE [ Bits by importance under a plan ]
 # The planner prices a compressed plan by the bytes its bit-width stores (``Profile.segments``' saved
@@ -195,6 +213,8 @@ class StepRecord:
     planning: bool = False
     """Whether this was a planning step (the first of a batch size): its measuring slices trained part
     of the batch and ``plan`` the rest; ``step_s`` includes them."""
+    allocator_tightened: bool = False
+    """Whether glibc's mmap threshold was fixed when the step ended (NOTE [ The allocator as a lever ])."""
 
 
 _KERNELS_TOOK_THE_ROOM = (
@@ -240,9 +260,12 @@ class BudgetedStep:
         pool: optional ``PagePool`` for compressed plans' packed records, its byte cap set from each plan
             (NOTE [ The pool under the plan's cap ]).
         tune_allocator: fix glibc's mmap threshold so RSS follows live memory (see
-            NOTE [ Freed memory goes back to the OS ] in ``allocator.py``; process-wide). Off by default:
-            it makes a step slower (NOTE [ Metering a planned step ]); the compression contexts of
-            compressed plans follow this setting, not ``compression.tune_allocator``.
+            NOTE [ Freed memory goes back to the OS ] in ``allocator.py``; process-wide, for good):
+            ``None`` (default) only on CPU where the budget leaves less than
+            ``PlannerConfig.tighten_below`` above what the process holds, or after a step went over it
+            (NOTE [ The allocator as a lever ]; a warning says when); ``True`` at once; ``False`` never.
+            It makes a step slower (NOTE [ Metering a planned step ]). The compression contexts of
+            compressed plans trim the heap only with ``True``, not by ``compression.tune_allocator``.
 
     Under ``DistributedDataParallel`` every call is a collective: all ranks agree on one plan, each
     staying under its own budget, and micro-batches all-reduce gradients once, after the last of them
@@ -266,7 +289,7 @@ class BudgetedStep:
                  config: PlannerConfig | None = None, segments: Mapping[str, nn.Module] | None = None,
                  count: CountFn | None = None, reduction: str = "mean",
                  compression: CompressionConfig | None = None, pool: PagePool | None = None,
-                 tune_allocator: bool = False, inplace: bool = True) -> None:
+                 tune_allocator: bool | None = None, inplace: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentTypeError(f"BudgetedStep model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -287,6 +310,9 @@ class BudgetedStep:
         if pool is not None and not isinstance(pool, PagePool):
             raise ArgumentTypeError(f"BudgetedStep pool must be a daftrain.PagePool or None, got "
                                     f"{type(pool).__name__}")
+        if tune_allocator is not None and not isinstance(tune_allocator, bool):
+            raise ArgumentTypeError(f"BudgetedStep tune_allocator must be None (where the budget needs it), True "
+                                    f"or False, got {type(tune_allocator).__name__}")
         targets = [n for n in ("avg_bits", "packed_bytes", "error_share")
                    if compression is not None and getattr(compression, n) is not None]
         if targets:
@@ -302,7 +328,7 @@ class BudgetedStep:
         self.count = count if count is not None else batch_size
         self.reduction = reduction
         self._compression = dataclasses.replace(compression if compression is not None else CompressionConfig(),
-                                                tune_allocator=tune_allocator)
+                                                tune_allocator=tune_allocator is True)
         self.pool = pool
         self._contexts: dict[int, compress] = {}
         self.profile: Profile | None = None
@@ -330,8 +356,10 @@ class BudgetedStep:
                               grads_in_place=self._grads_in_place)
         self._warned_bn = False
         self.inplace = inplace and not self._compression.asynchronous  # async packing reads tensors later
-        if tune_allocator and self.device.type == "cpu":
-            tighten_allocator()
+        self.tune_allocator = tune_allocator
+        self.allocator_tightened = False
+        if tune_allocator:
+            self._tighten_allocator(None)
 
     # -- public --------------------------------------------------------------------------------------
     @property
@@ -360,6 +388,9 @@ class BudgetedStep:
             budget = self.budget.bytes()
             start_rss = self._meter.start()
             persistent = start_rss + missing_state_bytes(self.model, self.optimizer)
+            if budget - persistent < self.config.tighten_below:
+                self._tighten_allocator(f"the budget leaves {(budget - persistent) / 1e6:.1f} MB above what the "
+                                        f"process holds, less than PlannerConfig.tighten_below")
             self._measure_new_shapes(persistent)
             if self.profile is None or self.profile.batch_size != samples:
                 first = self._prober.planning_step(
@@ -468,9 +499,12 @@ class BudgetedStep:
         step_s = time.perf_counter() - t0
         # 4. correct
         self._correct_model(act_ratio, opt_peak - opt_start - new_state, part)
-        record = StepRecord(len(self.history), budget, plan, max(acc_peak, opt_peak), start_rss, step_s, loss,
+        peak = max(acc_peak, opt_peak)
+        if peak > budget:
+            self._tighten_allocator(f"step {len(self.history)} peaked {(peak - budget) / 1e6:.1f} MB over the budget")
+        record = StepRecord(len(self.history), budget, plan, peak, start_rss, step_s, loss,
                             replanned, rank_plan, optimizer_parts=parts, pool_evictions=evicted,
-                            planning=first is not None)
+                            planning=first is not None, allocator_tightened=self.allocator_tightened)
         self.history.append(record)
         return loss
 
@@ -631,6 +665,17 @@ class BudgetedStep:
         if self.reduction == "sum":
             return lambda part: 1.0
         return lambda part: float(self.count(part)) / total if total > 0 else 0.0
+
+    def _tighten_allocator(self, reason: str | None) -> None:
+        """Fix glibc's mmap threshold, once, on CPU, where ``tune_allocator`` allows it; ``reason`` (for the
+        default, ``None``) is what the warning names (NOTE [ The allocator as a lever ])."""
+        if self.allocator_tightened or self.tune_allocator is False or self.device.type != "cpu":
+            return
+        self.allocator_tightened = tighten_allocator()
+        if self.allocator_tightened and reason is not None:
+            warnings.warn(f"BudgetedStep fixed glibc's mmap threshold for this process so that its memory follows "
+                          f"what it uses ({reason}): steps stay under a tight budget but run slower; pass "
+                          f"tune_allocator=False to keep glibc's defaults", stacklevel=3)
 
     def _make_room(self, ceiling: float) -> bool:
         """Return the allocator's free memory if more than ``ceiling`` bytes are held (NOTE [ Metering a
