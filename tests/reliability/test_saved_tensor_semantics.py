@@ -75,6 +75,20 @@ def test_expanded_view_restores_with_its_strides():
     assert c.shape == (4, 1, 16) and torch.equal(c.expand(4, 8, 16), t)
 
 
+def test_an_expanded_view_is_sized_by_what_it_stores():
+    """``min_numel`` counts an expanded view's real values: a per-row norm broadcast over its row is as
+    small as the norm (kept exact as "tiny"), not as large as the row."""
+    from daftrain.saved.records import stored_numel
+
+    norm = torch.rand(64, 1, requires_grad=True) + 0.5
+    assert stored_numel(norm.expand(64, 128)) == 64 and stored_numel(torch.randn(4, 8)) == 32
+    x = torch.randn(64, 128, requires_grad=True)
+    with daftrain.compress(bits=2, min_numel=4096) as ctx:
+        y = x * norm.expand(64, 128)  # saves the expanded view: 8192 values seen, 64 stored
+    y.sum().backward()
+    assert ctx.stats.kept_reasons["tiny"] == 1 and ctx.stats.compressed == 0
+
+
 @pytest.mark.parametrize("bits", [None, 2])
 def test_empty_saved_tensor_with_min_numel_zero(bits):
     x = torch.zeros(0, 5, requires_grad=True)

@@ -95,6 +95,67 @@ def test_decomposed_rms_norm() -> None:
     assert _cos(_grads(fn, [x], _ctx(8, rules=False))[0], ref) < 0.9
 
 
+def _vectors_of_mixed_norms(dim: int) -> torch.Tensor:
+    """Vectors along ``dim`` whose norms span four decades, sharing quantization groups."""
+    x = torch.randn(8, 16, 16, 16, generator=torch.Generator().manual_seed(0))
+    shape = [8, 16, 16, 16]
+    shape[dim] = 1
+    return x * torch.logspace(-3, 1, x.numel() // 16).reshape(shape)
+
+
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_l2_normalize_input_error_is_not_amplified(dim: int) -> None:
+    """``F.normalize`` divides by each vector's exact norm in backward: its input is stored divided by
+    the vector's RMS, and the norm (saved expanded) is kept exact."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x * 1.0, dim=dim)
+
+    x = _vectors_of_mixed_norms(dim)
+    ref = _grads(fn, [x], None)[0]
+    # 8-bit rounding of values within one vector's own scale: cosine ~1 - 1e-5; 2 bits ~0.95
+    assert _cos(_grads(fn, [x], _ctx(8))[0], ref) >= 0.999
+    assert _cos(_grads(fn, [x], _ctx(2))[0], ref) >= 0.9
+    assert _cos(_grads(fn, [x], _ctx(2, rules=False))[0], ref) < 0.9
+
+
+def _layer_norm_channels_first(x: torch.Tensor) -> torch.Tensor:  # as ConvNeXt-style code writes it
+    h = x * 1.0
+    u = h.mean(1, keepdim=True)
+    return (h - u) / torch.sqrt((h - u).pow(2).mean(1, keepdim=True) + 1e-6)
+
+
+def _l2_normalize_written_out(x: torch.Tensor) -> torch.Tensor:  # as CLIP-style code writes it
+    h = x * 1.0
+    return h / h.norm(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("fn", [_layer_norm_channels_first, _l2_normalize_written_out])
+def test_division_by_a_statistic_of_the_rows(fn) -> None:
+    """``a / s`` with ``s`` of size 1 along the reduced dims (and the norm computing it) is a
+    normalisation written out: ``a`` stored normalised over those dims, ``s`` exact."""
+    x = _vectors_of_mixed_norms(1)
+    ref = _grads(fn, [x], None)[0]
+    assert _cos(_grads(fn, [x], _ctx(4))[0], ref) >= 0.99
+    assert _cos(_grads(fn, [x], _ctx(2))[0], ref) >= 0.9
+    assert _cos(_grads(fn, [x], _ctx(2, rules=False))[0], ref) < 0.9
+
+
+def test_statistic_rule_leaves_other_divisions_and_whole_tensor_norms_alone() -> None:
+    from daftrain.saved.op_rules import _statistic
+
+    a = torch.randn(8, 16)
+    assert _statistic(torch.div, (a, torch.rand(8, 16) + 1), {}) is None  # elementwise: no statistic
+    assert _statistic(torch.div, (a, torch.tensor(2.0)), {}) is None  # a scalar
+    assert _statistic(torch.div, (a, torch.rand(1, 1) + 1), {}) is None  # one for the whole tensor
+    assert _statistic(torch.div, (a, torch.rand(8, 1) + 1), {"rounding_mode": "floor"}) is None
+    assert _statistic(torch.norm, (a,), {}) is None  # no dim: the whole tensor
+    found = _statistic(torch.Tensor.__truediv__, (a, torch.rand(8, 1) + 1), {})
+    assert found is not None and found[0] is a and found[1].view == (8, 16, 1) and found[1].reduce == (1,)
+    found = _statistic(torch.linalg.vector_norm, (torch.randn(2, 3, 4, 5),), {"dim": (1, 2)})
+    assert found is not None and found[1].view == (2, 12, 5)
+    assert _statistic(torch.linalg.vector_norm, (torch.randn(2, 3, 4),), {"dim": (0, 2)}) is None  # not one block
+
+
 def test_normalization_input_not_contiguous_is_kept() -> None:
     x = torch.randn(64, 64)
 

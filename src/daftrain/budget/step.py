@@ -114,9 +114,10 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # place the transients, by tens of MB between micro-batches of the same size that start from the same
 # memory held (docs/budget.md). A plan with more room than that absorbs it in its safety margin; a budget
 # that leaves only a few tens of MB above what the process holds cannot: a step goes over by a few MB,
-# and the correction that follows leaves no plan that fits. A fixed threshold (``tighten_allocator``) puts every block of 64 KiB and
-# more in its own mapping, unmapped on free: RSS follows live memory and the variation goes, at the cost
-# of page faults on every large allocation (NOTE [ Metering a planned step ]). The default
+# and the correction that follows leaves no plan that fits. A fixed threshold (``tighten_allocator``)
+# puts every block of 64 KiB and more in its own mapping, unmapped on free: RSS follows live memory and
+# the variation goes, at the cost of page faults on every large allocation (NOTE [ Metering a planned
+# step ]). The default
 # (``tune_allocator=None``) pulls that lever only where the budget needs it, on CPU: before a step whose
 # room (budget less what the process holds, optimizer state included) is below
 # ``PlannerConfig.tighten_below`` (two of glibc's largest heap blocks), and after a step that went over

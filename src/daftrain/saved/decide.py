@@ -11,7 +11,7 @@ from ..config import CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
 from .op_rules import OpMatch, keeps, match_saved
-from .records import ClipMask, Derivative, Encoding
+from .records import ClipMask, Derivative, Encoding, stored_numel
 
 
 class Treatment(enum.Enum):
@@ -68,7 +68,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
         return Decision(Treatment.KEEP, "parameter")
     if t.numel() == 0:
         return Decision(Treatment.KEEP, "empty")
-    if t.numel() < config.min_numel:
+    if stored_numel(t) < config.min_numel:  # an expanded view is stored at its real size
         return Decision(Treatment.KEEP, "tiny")
     if t.dtype == torch.bool:
         return Decision(Treatment.PACK_BOOL, "") if config.pack_bool else Decision(Treatment.KEEP, "bool")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..lineage import copy_of
-from .records import ClipMask, Derivative, Encoding, Normalized
+from .records import ClipMask, Derivative, Encoding, Normalized, stored_numel
 
 __all__ = ["RULES", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
 
@@ -39,10 +39,11 @@ class OpRule:
 
 # NOTE [ Op rules ]
 # Plain quantization adds unbiased noise of the order of a group's range / 2**bits to every saved
-# value; that is harmless where backward is linear in the value with bounded factors. Six classes of
+# value; that is harmless where backward is linear in the value with bounded factors. Seven classes of
 # ops break that (measured over the zoo, ``docs/zoo.md``):
-#   1. normalisations re-normalise their saved input with their exact statistics: the error of a row
-#      or channel of small spread is multiplied by its rstd (``Normalized`` encoding); a constant row
+#   1. normalisations (``F.normalize``'s unit vectors too) re-normalise their saved input with their
+#      exact statistics: the error of a row, channel or vector of small spread is multiplied by its rstd
+#      (``Normalized`` encoding); a constant row
 #      (a class token of zeros under LayerNorm with eps 1e-12: rstd 1e6) is restored exactly;
 #   2. fused attention (SDPA flash / efficient kernels) recomputes ``exp(q k^T * scale - lse)`` from the
 #      saved q and k with the exact logsumexp: an error ``e`` in a logit becomes a factor ``exp(e)``,
@@ -62,11 +63,19 @@ class OpRule:
 #      rounding error is one draw applied to the whole batch. An activation's error averages over the
 #      samples summed into a weight gradient; the weight's enters every sample's input gradient alike
 #      and does not, so its share of the gradient error grows with the batch while its bytes do not
-#      (at least ``WEIGHT_MIN_BITS``). Layers save it transposed (under autocast, cast): views match.
+#      (at least ``WEIGHT_MIN_BITS``). Layers save it transposed (under autocast, cast): views match;
+#   7. a division by a statistic of the dividend's rows (``a / s``, ``s`` of size 1 along the dims it
+#      reduced: a norm, a standard deviation, a sum; a LayerNorm, an L2 normalisation or a softmax
+#      written out) is a normalisation written out: ``-g a / s**2`` multiplies the error of ``a`` by
+#      1/s, and a rounded ``s``, shared by a row whose ``s`` is small next to its group's range, is off
+#      by a large factor; the vector norm that computes such an ``s`` reads its input as ``x / norm``
+#      in backward, the same factor (``Normalized`` encoding of ``a`` or ``x`` over the reduced dims,
+#      ``s`` and the norm exact).
 RULES: tuple[OpRule, ...] = (
-    OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm),
-           "backward re-normalises the input with the exact rstd, multiplying the rounding error of a row "
-           "of small spread by up to 1/spread: store x_hat = (x - mean) / std quantized, mean/std exact"),
+    OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
+           "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
+           "multiplying the rounding error of a row of small spread by up to 1/spread: store x_hat = "
+           "(x - mean) / std quantized, mean/std exact"),
     OpRule("decomposed_rms_norm",
            (torch.Tensor.pow, torch.pow, torch.Tensor.__pow__, torch.Tensor.__mul__, torch.Tensor.mul, torch.mul,
             torch.rsqrt, torch.Tensor.rsqrt),
@@ -94,6 +103,12 @@ RULES: tuple[OpRule, ...] = (
            "the backward reads the input only as f'(x), nonlinear: a rounded x gives a biased, noisier f'(x), "
            "compounding through stacked layers without a residual path: f'(x) (bounded) is stored quantized, "
            "unbiased, and restored as an x' with f'(x') = that value"),
+    OpRule("statistic_of_rows",
+           (torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide,
+            torch.norm, torch.Tensor.norm, torch.linalg.vector_norm),
+           "a / s with s a statistic of a's rows (size 1 along the dims it reduced), and the vector norm of x "
+           "along some dims: backward multiplies the rounding error of a (x) by 1/s (1/norm), and a rounded s of "
+           "a small row is off by a large factor: a (x) stored normalised over the reduced dims, s (norm) exact"),
     OpRule("computed_weight",
            (F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
             F.conv_transpose3d),
@@ -147,7 +162,7 @@ def keeps(match: OpMatch | None, t: torch.Tensor) -> bool:
         return False
     if match.keep_all or any(_is_target(t, x) for x in match.keep):
         return True
-    return 0 < t.numel() <= match.statistics and match_saved(match, t) is None
+    return 0 < stored_numel(t) <= match.statistics and match_saved(match, t) is None
 
 
 def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
@@ -174,6 +189,19 @@ def _rows(x: torch.Tensor, n: int, center: bool) -> Normalized | None:
     return Normalized((x.numel() // max(1, cols), 1, cols), (2,), center)
 
 
+def _vectors(x: torch.Tensor, dim: Any) -> Normalized | None:
+    """``F.normalize(x, dim=dim)``: each vector along ``dim`` scaled to unit norm. Stored divided by its
+    own RMS (any exact per-vector scale restores it), as ``x.view(outer, size, inner)`` reduced over 1."""
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim() or not x.is_floating_point():
+        return None
+    dim %= x.dim()
+    size = x.shape[dim]
+    if size < 2:
+        return None
+    outer = math.prod(x.shape[:dim])
+    return Normalized((outer, size, x.numel() // max(1, outer * size)), (1,), center=False)
+
+
 def _normalization(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Normalized | None:
     x = _arg(args, kwargs, 0, "input")
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.numel() == 0:
@@ -182,6 +210,8 @@ def _normalization(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
         shape = _arg(args, kwargs, 1, "normalized_shape")
         n = 1 if isinstance(shape, int) else len(shape) if shape is not None else 1
         return _rows(x, n, center=func is F.layer_norm)
+    if func is F.normalize:
+        return _vectors(x, _arg(args, kwargs, 2, "dim", 1))
     if x.dim() < 2:
         return None
     n, c = x.shape[0], x.shape[1]
@@ -196,6 +226,40 @@ def _normalization(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     if not training and _arg(args, kwargs, 1, "running_mean") is not None:
         return None
     return Normalized((n, c, rest), (0, 2))
+
+
+def _over(x: torch.Tensor, dims: list[int]) -> Normalized | None:
+    """``x`` stored divided by its RMS over ``dims`` (one block of consecutive dims), if they are."""
+    if not dims or dims != list(range(dims[0], dims[-1] + 1)):
+        return None
+    outer, size = math.prod(x.shape[:dims[0]]), math.prod(x.shape[dims[0]:dims[-1] + 1])
+    if size < 2 or size == x.numel():
+        return None  # one statistic for the whole tensor: its error averages over all of it
+    return Normalized((outer, size, x.numel() // max(1, outer * size)), (1,), center=False)
+
+
+def _statistic(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, Normalized] | None:
+    """A vector norm of ``x`` along some of its dims, or ``a / s`` where ``s`` has size 1 along one
+    block of dims of ``a`` and ``a``'s size elsewhere: ``x`` (``a``) and its encoding over those dims."""
+    if func in (torch.norm, torch.Tensor.norm, torch.linalg.vector_norm):
+        x = _arg(args, kwargs, 0, "input" if func is not torch.linalg.vector_norm else "x")
+        dim = _arg(args, kwargs, 2, "dim")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1 or dim is None:
+            return None
+        dims = sorted({d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)})
+        enc = _over(x, dims)
+        return (x, enc) if enc is not None else None
+    a, s = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+    if not (isinstance(a, torch.Tensor) and isinstance(s, torch.Tensor)) or not a.is_floating_point():
+        return None
+    if _arg(args, kwargs, 2, "rounding_mode") is not None or s.dim() > a.dim() or s.numel() < 2:
+        return None
+    shape = (1,) * (a.dim() - s.dim()) + tuple(s.shape)
+    reduced = [d for d in range(a.dim()) if shape[d] == 1 and a.shape[d] > 1]
+    if any(shape[d] != a.shape[d] for d in range(a.dim()) if d not in reduced):
+        return None
+    enc = _over(a, reduced)
+    return (a, enc) if enc is not None else None
 
 
 _RSQRT_NODES = frozenset({"RsqrtBackward0"})
@@ -322,6 +386,12 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         if found is None:
             return None
         return OpMatch(rule, (found[0],), found[1], keep=() if found[2] is None else (found[2],))
+    if rule.name == "statistic_of_rows":
+        found = _statistic(func, args, kwargs)
+        if found is None:
+            return None
+        enc = found[1]
+        return OpMatch(rule, (found[0],), enc, statistics=enc.view[0] * enc.view[2])
     if rule.name == "comparison":
         compared = _comparison(func, args, kwargs)
         return OpMatch(rule, (compared[0],), compared[1]) if compared is not None else None

@@ -249,6 +249,11 @@ def is_expanded(t: torch.Tensor) -> bool:
     return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
+def stored_numel(t: torch.Tensor) -> int:
+    """The number of values ``t`` is stored as: its compact form's (``compact_expanded``)."""
+    return math.prod(1 if stride == 0 else size for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
 class SavedHandle:
     """What the pack hook returns for a packed tensor: a record plus the view to rebuild from it.
 
@@ -313,7 +318,8 @@ _CONSTANT_ROW_RSTD = 1e18
 @dataclass(frozen=True)
 class Normalized:
     """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact.
-    ``view`` is 3-D and ``reduce`` is ``(2,)`` (rows) or ``(0, 2)`` (channels), as the rule builds them."""
+    ``view`` is 3-D and ``reduce`` is ``(2,)`` (rows) or ``(0, 2)`` (channels), as the rule builds them,
+    or, without ``center`` (``std`` the root mean square), also ``(1,)`` (``F.normalize``'s vectors)."""
 
     view: tuple[int, ...]
     reduce: tuple[int, ...]

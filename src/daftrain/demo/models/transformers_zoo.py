@@ -255,7 +255,7 @@ TINY_ZOO: tuple[tuple[str, str, dict[str, object]], ...] = (
                                                       "true_hidden_size": 32, "num_feedforward_networks": 1}),
     ("squeezebert", "text", {"embedding_size": 64}), ("layoutlm", "text", {}), ("megatron-bert", "text", {}),
     ("ernie", "text", {}), ("rembert", "text", {"input_embedding_size": 64, "output_embedding_size": 64}),
-    ("canine", "text", {"downsampling_rate": 2}), ("modernbert", "text", {}),
+    ("canine", "text", {"downsampling_rate": 2}), ("modernbert", "text", {}), ("yoso", "text", {}),
     # encoder-decoders
     ("t5", "seq2seq", {}), ("mt5", "seq2seq", {}), ("bart", "seq2seq", {}), ("mbart", "seq2seq", {}),
     ("marian", "seq2seq", {}), ("pegasus", "seq2seq", {}), ("blenderbot", "seq2seq", {}),
