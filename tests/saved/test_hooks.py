@@ -486,3 +486,47 @@ def test_log_softmax_output_keeps_at_least_8_bits() -> None:
     exact = grads(daftrain.compress(bits=None))
     got = grads(daftrain.compress(bits=1, seed=1))
     assert sqnr_db(exact, got) > SNR_FLOOR_DB[8]
+
+
+def test_a_normalised_record_serves_a_plain_save_of_the_same_tensor() -> None:
+    """NOTE [ A normalised record serves plain saves ]: LayerNorm stores h normalised; the product saving
+    h again reuses that record instead of storing h twice."""
+    torch.manual_seed(0)
+    h0 = torch.randn(64, 128)
+    w = torch.randn(64, 128)
+
+    def run(ctx) -> tuple[torch.Tensor, daftrain.compress | None]:
+        leaf = h0.clone().requires_grad_()
+        with ctx:
+            h = leaf * 1.0
+            y = F.layer_norm(h, (128,)) * h  # h saved by layer_norm (normalised) and by the product (plain)
+        (y * w).sum().backward()
+        return leaf.grad
+
+    ref = run(daftrain.compress(bits=None))
+    ctx = daftrain.compress(bits=8, min_numel=0)
+    got = run(ctx)
+    assert ctx.stats.deduplicated == 1 and ctx.stats.compressed == 2  # h once, layer_norm's output
+    assert F.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.999
+
+
+def test_a_save_that_needs_more_bits_does_not_reuse_a_normalised_record() -> None:
+    """A computed weight (>= 8 bits, ``computed_weight``) that F.normalize stored normalised at 2 bits
+    is stored again for ``F.linear`` at 8 bits."""
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(32, 128), torch.randn(64, 128)
+
+    def run(ctx) -> torch.Tensor:
+        w, xl = w0.clone().requires_grad_(), x0.clone().requires_grad_()
+        with ctx:
+            v, x = w * 1.0, xl * 1.0  # v computed in the forward, as weight_norm computes its weight
+            y = F.normalize(v, dim=-1).sum() + F.linear(x, v)  # normalised first, then the 8-bit save
+        y.sum().backward()
+        return torch.cat([w.grad.flatten(), xl.grad.flatten()])
+
+    ref = run(daftrain.compress(bits=None))
+    ctx = daftrain.compress(bits=2, min_numel=0)
+    got = run(ctx)
+    # v normalised (its norm and its division share it), x, and v again at 8 bits for the linear
+    assert ctx.stats.deduplicated == 1 and ctx.stats.compressed == 3
+    assert F.cosine_similarity(got, ref, dim=0) > 0.99

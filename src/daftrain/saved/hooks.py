@@ -35,6 +35,7 @@ from .records import (
     Encoding,
     ExactRecord,
     KeptTensor,
+    Normalized,
     PendingRecord,
     Record,
     SavedHandle,
@@ -284,6 +285,13 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 "loss inside 'with ctx:' or call ctx.calibrate(loss) before loss.backward() (until then every "
                 "quantized tensor gets 4 bits)", stacklevel=3)
 
+    # NOTE [ A normalised record serves plain saves ]
+    # A tensor a normalisation rule stores divided by its rows' scale (``Normalized``) is often saved again
+    # by a plain op in the same forward (ConvNeXt V2's response norm saves x for its norm and for
+    # ``x * Nx``). Its normalised record restores it with each row's error relative to that row's own
+    # scale, never coarser than plain quantization at the same bits, so such a save reuses it instead of
+    # storing the tensor twice. A save that needs more bits than the default floor (``min_bits``) does
+    # not: it is looked up under its own key only.
     def _forget_saves(self) -> None:
         """Drop the dedup table and the storages counted: they only matter within one forward pass."""
         self._records = weakref.WeakValueDictionary()
@@ -340,9 +348,13 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         key: _Key = (storage, t.dtype, t._version, t.storage_offset(), t.numel())
         if not dense:
             key += (tuple(t.shape), t.stride())
+        plain = key
         if decision.encoding is not None:  # NOTE [ Op-aware encodings ] in records.py
             key += (decision.encoding,)
         record = self._records.get(key)
+        if record is not None and decision.encoding is None and decision.min_bits > 1 and \
+                isinstance(self._record_encoding.get(record), Normalized):
+            record = None  # NOTE [ A normalised record serves plain saves ]: not one that needs more bits
         if record is not None:
             stats.deduplicated += 1
             shared = self._shared.get(record)
@@ -362,6 +374,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 if decision.encoding is not None:
                     self._record_encoding[record] = decision.encoding
             self._records[key] = record
+            if isinstance(decision.encoding, Normalized) and plain not in self._records:
+                # NOTE [ A normalised record serves plain saves ]
+                self._records[plain] = record
         handle = SavedHandle(record, t, dense, source, expand_to)
         if self._trimmer is not None:
             self._trimmer.hold(handle)
