@@ -98,3 +98,27 @@ def test_auto_bits_do_no_worse_than_uniform_bits_at_the_same_bytes_on_a_recurren
         allocated = [cosine(gradient(auto)) for _ in range(3)]
         assert auto.stats.packed_bytes <= fixed_ctxs[0].stats.packed_bytes
         assert sum(allocated) / 3 >= sum(fixed) / 3 - spread, (bits, allocated, fixed)
+
+
+def test_an_allocation_barely_better_than_uniform_bits_by_its_estimate_gives_way_to_them():
+    """NOTE [ Uniform unless clearly better ]: under ``avg_bits=2`` the solver's answer is taken only where it
+    promises at least ``UNIFORM_MARGIN`` less variance than every tensor at 2 bits."""
+    from daftrain.auto.allocation import Choice, Solution
+    from daftrain.auto.policy import UNIFORM_MARGIN
+
+    def slot(v2: float) -> tuple[Choice, ...]:  # 1, 2 and 4 bits of a 1000-value tensor, then exact
+        return (Choice(1, 125, 4 * v2), Choice(2, 250, v2), Choice(4, 500, v2 / 17), Choice(None, 4000, 0.0))
+
+    items = [slot(1.0), slot(1.0), slot(1.0)]
+    uniform = 3.0
+    policy = AutoBits(CompressionConfig(bits="auto", avg_bits=2.0))
+    for promised, taken in ((0.98, False), (1 - UNIFORM_MARGIN - 0.01, True)):
+        solved = Solution((0, 2, 1), 875, promised * uniform, 750, 0.0)
+        got = policy._unless_clearly_better(solved, items, 875)
+        assert (got is solved) == taken
+        if not taken:
+            assert got.picks == (1, 1, 1) and got.nbytes == 750 and got.variance == uniform
+    # a width of its own (avg_bits=2.5) has no uniform allocation to fall back to
+    between = AutoBits(CompressionConfig(bits="auto", avg_bits=2.5))
+    solved = Solution((0, 2, 1), 875, 0.99 * uniform, 875, 0.0)
+    assert between._unless_clearly_better(solved, items, 875) is solved
