@@ -189,16 +189,13 @@ def _rows(x: torch.Tensor, n: int, center: bool) -> Normalized | None:
     return Normalized((x.numel() // max(1, cols), 1, cols), (2,), center)
 
 
-def _vectors(x: torch.Tensor, dim: Any) -> Normalized | None:
-    """``F.normalize(x, dim=dim)``: each vector along ``dim`` scaled to unit norm. Stored divided by its
-    own RMS (any exact per-vector scale restores it), as ``x.view(outer, size, inner)`` reduced over 1."""
-    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim() or not x.is_floating_point():
+def _over(x: torch.Tensor, dims: list[int]) -> Normalized | None:
+    """``x`` stored divided by its RMS over ``dims`` (one block of consecutive dims), if they are."""
+    if not dims or dims != list(range(dims[0], dims[-1] + 1)):
         return None
-    dim %= x.dim()
-    size = x.shape[dim]
-    if size < 2:
-        return None
-    outer = math.prod(x.shape[:dim])
+    outer, size = math.prod(x.shape[:dims[0]]), math.prod(x.shape[dims[0]:dims[-1] + 1])
+    if size < 2 or size == x.numel():
+        return None  # one statistic for the whole tensor: its error averages over all of it
     return Normalized((outer, size, x.numel() // max(1, outer * size)), (1,), center=False)
 
 
@@ -210,8 +207,11 @@ def _normalization(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
         shape = _arg(args, kwargs, 1, "normalized_shape")
         n = 1 if isinstance(shape, int) else len(shape) if shape is not None else 1
         return _rows(x, n, center=func is F.layer_norm)
-    if func is F.normalize:
-        return _vectors(x, _arg(args, kwargs, 2, "dim", 1))
+    if func is F.normalize:  # each vector along dim scaled to unit norm
+        dim = _arg(args, kwargs, 2, "dim", 1)
+        if not isinstance(dim, int) or not -x.dim() <= dim < x.dim() or not x.is_floating_point():
+            return None
+        return _over(x, [dim % x.dim()])
     if x.dim() < 2:
         return None
     n, c = x.shape[0], x.shape[1]
@@ -226,16 +226,6 @@ def _normalization(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     if not training and _arg(args, kwargs, 1, "running_mean") is not None:
         return None
     return Normalized((n, c, rest), (0, 2))
-
-
-def _over(x: torch.Tensor, dims: list[int]) -> Normalized | None:
-    """``x`` stored divided by its RMS over ``dims`` (one block of consecutive dims), if they are."""
-    if not dims or dims != list(range(dims[0], dims[-1] + 1)):
-        return None
-    outer, size = math.prod(x.shape[:dims[0]]), math.prod(x.shape[dims[0]:dims[-1] + 1])
-    if size < 2 or size == x.numel():
-        return None  # one statistic for the whole tensor: its error averages over all of it
-    return Normalized((outer, size, x.numel() // max(1, outer * size)), (1,), center=False)
 
 
 def _statistic(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, Normalized] | None:
