@@ -140,6 +140,20 @@ def test_division_by_a_statistic_of_the_rows(fn) -> None:
     assert _cos(_grads(fn, [x], _ctx(2, rules=False))[0], ref) < 0.9
 
 
+def test_a_layer_norm_written_out_over_rows_stores_its_centred_input_once() -> None:
+    """``y.pow(2)`` (decomposed_rms_norm) and ``y / std`` (statistic_of_rows) both store ``y`` normalised
+    per row, in one encoding: one record, as I-BERT's float LayerNorm saves it."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0 - x.mean(-1, keepdim=True)
+        return y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    x = _mixed_rows()
+    ctx = _ctx(8)
+    got = _grads(fn, [x], ctx)[0]
+    assert ctx.stats.deduplicated >= 1 and ctx.stats.kept_reasons["op_rule"] >= 1
+    assert _cos(got, _grads(fn, [x], None)[0]) >= 0.999
+
+
 def test_statistic_rule_leaves_other_divisions_and_whole_tensor_norms_alone() -> None:
     from daftrain.saved.op_rules import _statistic
 
@@ -149,8 +163,10 @@ def test_statistic_rule_leaves_other_divisions_and_whole_tensor_norms_alone() ->
     assert _statistic(torch.div, (a, torch.rand(1, 1) + 1), {}) is None  # one for the whole tensor
     assert _statistic(torch.div, (a, torch.rand(8, 1) + 1), {"rounding_mode": "floor"}) is None
     assert _statistic(torch.norm, (a,), {}) is None  # no dim: the whole tensor
-    found = _statistic(torch.Tensor.__truediv__, (a, torch.rand(8, 1) + 1), {})
-    assert found is not None and found[0] is a and found[1].view == (8, 16, 1) and found[1].reduce == (1,)
+    found = _statistic(torch.Tensor.__truediv__, (a, torch.rand(8, 1) + 1), {})  # rows: the rows encoding
+    assert found is not None and found[0] is a and found[1].view == (8, 1, 16) and found[1].reduce == (2,)
+    found = _statistic(torch.div, (torch.randn(4, 8, 16), torch.rand(4, 1, 16) + 1), {})
+    assert found is not None and found[1].view == (4, 8, 16) and found[1].reduce == (1,)
     found = _statistic(torch.linalg.vector_norm, (torch.randn(2, 3, 4, 5),), {"dim": (1, 2)})
     assert found is not None and found[1].view == (2, 12, 5)
     assert _statistic(torch.linalg.vector_norm, (torch.randn(2, 3, 4),), {"dim": (0, 2)}) is None  # not one block

@@ -196,7 +196,10 @@ def _over(x: torch.Tensor, dims: list[int]) -> Normalized | None:
     outer, size = math.prod(x.shape[:dims[0]]), math.prod(x.shape[dims[0]:dims[-1] + 1])
     if size < 2 or size == x.numel():
         return None  # one statistic for the whole tensor: its error averages over all of it
-    return Normalized((outer, size, x.numel() // max(1, outer * size)), (1,), center=False)
+    inner = x.numel() // max(1, outer * size)
+    if inner == 1:  # trailing dims: the rows encoding, so that other rules' saves of x share one record
+        return Normalized((outer, 1, size), (2,), center=False)
+    return Normalized((outer, size, inner), (1,), center=False)
 
 
 def _normalization(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Normalized | None:
