@@ -530,3 +530,40 @@ def test_a_save_that_needs_more_bits_does_not_reuse_a_normalised_record() -> Non
     # v normalised (its norm and its division share it), x, and v again at 8 bits for the linear
     assert ctx.stats.deduplicated == 1 and ctx.stats.compressed == 3
     assert F.cosine_similarity(got, ref, dim=0) > 0.99
+
+
+def test_a_constant_alias_does_not_reuse_a_normalised_record() -> None:
+    """NOTE [ A normalised record serves plain saves ]: ``x.detach()`` shares x's storage but is a constant
+    (stored losslessly or kept, NOTE [ Constants are stored losslessly or kept ]); the lossy normalised
+    record of x is not reused for it."""
+    torch.manual_seed(0)
+    h0, w0 = torch.randn(64, 128), torch.randn(64, 128)
+
+    def run(ctx) -> torch.Tensor:
+        leaf, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with ctx:
+            h = leaf * 1.0
+            y = F.layer_norm(h, (128,)).sum() + (h.detach() * w).sum()  # the product saves the constant alias
+        y.backward()
+        return w.grad
+
+    ref = run(daftrain.compress(bits=None))
+    assert torch.equal(run(daftrain.compress(bits=2, min_numel=0)), ref)  # w's gradient is h itself
+
+
+def test_a_constant_alias_does_not_reuse_a_quantized_record() -> None:
+    """The same for a plainly quantized record: the product ``h * v`` stores h at 2 bits; ``h.detach()``
+    saved by ``h.detach() * w`` is a constant and is not served by it."""
+    torch.manual_seed(0)
+    h0, v0, w0 = torch.randn(64, 128), torch.randn(64, 128), torch.randn(64, 128)
+
+    def run(ctx) -> torch.Tensor:
+        leaf, v, w = h0.clone().requires_grad_(), v0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with ctx:
+            h = leaf * 1.0
+            y = (h * v).sum() + (h.detach() * w).sum()
+        y.backward()
+        return w.grad
+
+    ref = run(daftrain.compress(bits=None))
+    assert torch.equal(run(daftrain.compress(bits=2, min_numel=0)), ref)

@@ -285,13 +285,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 "loss inside 'with ctx:' or call ctx.calibrate(loss) before loss.backward() (until then every "
                 "quantized tensor gets 4 bits)", stacklevel=3)
 
-    # NOTE [ A normalised record serves plain saves ]
-    # A tensor a normalisation rule stores divided by its rows' scale (``Normalized``) is often saved again
-    # by a plain op in the same forward (ConvNeXt V2's response norm saves x for its norm and for
-    # ``x * Nx``). Its normalised record restores it with each row's error relative to that row's own
-    # scale, never coarser than plain quantization at the same bits, so such a save reuses it instead of
-    # storing the tensor twice. A save that needs more bits than the default floor (``min_bits``) does
-    # not: it is looked up under its own key only.
     def _forget_saves(self) -> None:
         """Drop the dedup table and the storages counted: they only matter within one forward pass."""
         self._records = weakref.WeakValueDictionary()
@@ -324,6 +317,20 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._trimmer.trim()
 
     # -- the hooks ---------------------------------------------------------------------------------
+    # NOTE [ A normalised record serves plain saves ]
+    # A tensor a normalisation rule stores divided by its rows' scale (``Normalized``) is often saved again
+    # by a plain op in the same forward (ConvNeXt V2's response norm saves x for its norm and for
+    # ``x * Nx``). Its normalised record restores it with each row's error relative to that row's own
+    # scale, never coarser than plain quantization at the same bits, so such a save reuses it instead of
+    # storing the tensor twice, unless it needs more bits than the default floor (``min_bits``). No
+    # lossily quantized record serves a constant sharing its storage (``x.detach()``), which is stored
+    # losslessly or kept (NOTE [ Constants are stored losslessly or kept ] in decide.py).
+    def _serves(self, record: Record | PendingRecord, decision: Decision) -> bool:
+        """Whether the record found under a save's key may serve a save ``decision`` makes plainly."""
+        if decision.treatment is not Treatment.QUANTIZE:
+            return record not in self._record_index  # only a record made without loss
+        return decision.min_bits <= 1 or not isinstance(self._record_encoding.get(record), Normalized)
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor | KeptTensor | SavedHandle:
         if self._trimmer is not None:
             self._trimmer.note(t.numel() * t.element_size())
@@ -352,9 +359,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.encoding is not None:  # NOTE [ Op-aware encodings ] in records.py
             key += (decision.encoding,)
         record = self._records.get(key)
-        if record is not None and decision.encoding is None and decision.min_bits > 1 and \
-                isinstance(self._record_encoding.get(record), Normalized):
-            record = None  # NOTE [ A normalised record serves plain saves ]: not one that needs more bits
+        if record is not None and decision.encoding is None and not self._serves(record, decision):
+            record = None
         if record is not None:
             stats.deduplicated += 1
             shared = self._shared.get(record)
