@@ -154,6 +154,14 @@ def test_special_values(tk, dtype: torch.dtype) -> None:  # type: ignore[no-unty
         check(tk, x, bits, 32, seed=2**32 + 7)
 
 
+@pytest.mark.parametrize("seed", [2**31 - 1, 2**31, 2**32 - 1, 2**40 + 2**31 + 3, -1])
+def test_every_32_bit_seed_draws_the_references_noise(tk, seed: int) -> None:  # type: ignore[no-untyped-def]
+    # The kernels use the seed's low 32 bits as the reference does (``uniform_noise``), from 2**31 on too.
+    x = torch.randn(2048, generator=torch.Generator().manual_seed(4))
+    for bits in (2, 8):
+        check(tk, x, bits, 256, seed=seed)
+
+
 def test_zero_size_one_and_noncontiguous(tk) -> None:  # type: ignore[no-untyped-def]
     for n in (0, 1):
         check(tk, torch.full((n,), -1.5), 2, 32, 0)
