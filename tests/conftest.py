@@ -36,6 +36,16 @@ def _devices() -> list[str]:
 
 
 @pytest.fixture(params=_devices())
-def device(request: pytest.FixtureRequest) -> str:
-    """Each device this machine has: ``cpu``, and ``cuda`` where a GPU is present."""
-    return request.param
+def device(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Each device this machine has: ``cpu``, and ``cuda`` where a GPU is present. On CUDA, cuDNN runs its
+    deterministic algorithms (and no benchmarking) for the test, so that two runs of one computation agree
+    bit for bit, as they do on CPU."""
+    if request.param != "cuda":
+        yield request.param
+        return
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield request.param
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved

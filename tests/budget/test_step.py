@@ -96,11 +96,11 @@ def test_token_mean_loss_weighted_by_tokens():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_full_step_trains_like_plain_sgd():
+def test_full_step_trains_like_plain_sgd(device):
     """A budgeted step (planned, micro-batched) then optimizer.step equals plain full-batch SGD."""
     torch.manual_seed(3)
-    x, y = torch.randn(64, 64, dtype=torch.float64), torch.randint(0, 10, (64,))
-    ref, model = mlp().double(), mlp().double()
+    x, y = torch.randn(64, 64, dtype=torch.float64).to(device), torch.randint(0, 10, (64,)).to(device)
+    ref, model = mlp().double().to(device), mlp().double().to(device)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     F.cross_entropy(ref(x), y).backward()
     opt_ref.step()
@@ -114,11 +114,21 @@ def test_full_step_trains_like_plain_sgd():
 
 # -- memory, measured ------------------------------------------------------------------------------------
 
-def big_case(seed: int = 0):
+def big_case(seed: int = 0, device: str = "cpu"):
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(8)], nn.Linear(512, 10))
     x, y = torch.randn(4096, 512), torch.randint(0, 10, (4096,))  # ~8 MB per activation, ~130 MB saved
-    return model, (x, y)
+    return model.to(device), (x.to(device), y.to(device))
+
+
+def held_now(device: str) -> int:
+    """What a budget on ``device`` counts as held now: the RSS on CPU; on CUDA the memory the caching
+    allocator reserves, once its free blocks are released (as the step's meter releases them)."""
+    if device == "cpu":
+        return current_rss_bytes()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
 
 
 def state_bytes(model: nn.Module) -> int:
@@ -126,10 +136,10 @@ def state_bytes(model: nn.Module) -> int:
 
 
 @pytest.mark.parametrize("headroom_mb", [30, 60])
-def test_measured_peak_stays_under_budget(headroom_mb):
-    model, batch = big_case()
+def test_measured_peak_stays_under_budget(headroom_mb, device):
+    model, batch = big_case(device=device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    budget = current_rss_bytes() + state_bytes(model) + headroom_mb * 10**6
+    budget = held_now(device) + state_bytes(model) + headroom_mb * 10**6
     step = BudgetedStep(model, ce, opt, budget=budget, config=PlannerConfig(bits=(None,)), tune_allocator=False)
     for _ in range(3):
         step(batch)
@@ -139,10 +149,10 @@ def test_measured_peak_stays_under_budget(headroom_mb):
     assert step.process_peak_bytes <= budget
 
 
-def test_budget_change_replans_and_fits():
-    model, batch = big_case(1)
+def test_budget_change_replans_and_fits(device):
+    model, batch = big_case(1, device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    base = current_rss_bytes() + state_bytes(model)
+    base = held_now(device) + state_bytes(model)
     limit = {"now": base + 80 * 10**6}
     step = BudgetedStep(model, ce, opt, budget=lambda: limit["now"], config=PlannerConfig(bits=(None,)),
                         tune_allocator=False)

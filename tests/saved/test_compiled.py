@@ -53,8 +53,8 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_graph_is_compressed_and_matches_eager(backend):
-    model, x = _mlp(), torch.randn(64, 64)
+def test_compiled_graph_is_compressed_and_matches_eager(backend, device):
+    model, x = _mlp().to(device), torch.randn(64, 64).to(device)
     exact = _grads(model, model, x, None)
     eager = _grads(model, model, x, daftrain.compress(bits=8))
     ctx = daftrain.compress(bits=8)

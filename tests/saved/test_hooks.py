@@ -84,12 +84,12 @@ FAMILIES = {
 }
 
 
-def _input(spec) -> torch.Tensor:
+def _input(spec, device: str = "cpu") -> torch.Tensor:
     torch.manual_seed(1)
     if spec == "tokens":
-        return torch.randint(0, 100, (16, 64))
+        return torch.randint(0, 100, (16, 64)).to(device)
     # requires_grad, so that ``x * 1.0`` below is an activation (it has a grad_fn), not a constant.
-    return torch.randn(spec, requires_grad=True)
+    return torch.randn(spec).to(device).requires_grad_()
 
 
 def _grads(model: nn.Module, x: torch.Tensor, ctx: daftrain.compress | None) -> torch.Tensor:
@@ -108,9 +108,9 @@ def _grads(model: nn.Module, x: torch.Tensor, ctx: daftrain.compress | None) -> 
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_exact_mode_is_bit_identical_to_plain_pytorch(family):
+def test_exact_mode_is_bit_identical_to_plain_pytorch(family, device):
     make, spec = FAMILIES[family]
-    model, x = make(), _input(spec)
+    model, x = make().to(device), _input(spec, device)
     ref = _grads(model, x, None)
     got = _grads(model, x, daftrain.compress(bits=None, min_numel=0))
     assert torch.equal(got, ref)
@@ -118,9 +118,9 @@ def test_exact_mode_is_bit_identical_to_plain_pytorch(family):
 
 @pytest.mark.parametrize("bits", list(SNR_FLOOR_DB))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_gradient_snr_per_op_family(family, bits):
+def test_gradient_snr_per_op_family(family, bits, device):
     make, spec = FAMILIES[family]
-    model, x = make(), _input(spec)
+    model, x = make().to(device), _input(spec, device)
     ref = _grads(model, x, None)
     ctx = daftrain.compress(bits=bits, min_numel=0, seed=11)
     got = _grads(model, x, ctx)
@@ -130,9 +130,9 @@ def test_gradient_snr_per_op_family(family, bits):
 
 
 @pytest.mark.parametrize("family", ["relu", "conv", "attention", "dropout", "embedding"])
-def test_one_bit_gradients_are_finite_and_correlated(family):
+def test_one_bit_gradients_are_finite_and_correlated(family, device):
     make, spec = FAMILIES[family]
-    model, x = make(), _input(spec)
+    model, x = make().to(device), _input(spec, device)
     ref = _grads(model, x, None)
     got = _grads(model, x, daftrain.compress(bits=1, min_numel=0, seed=3))
     assert torch.isfinite(got).all()
@@ -142,12 +142,12 @@ def test_one_bit_gradients_are_finite_and_correlated(family):
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_relu_mask_is_exact_so_its_input_gradient_is_unchanged(bits):
+def test_relu_mask_is_exact_so_its_input_gradient_is_unchanged(bits, device):
     # y = relu(h); loss = sum(y * c): dloss/dh = c * (y > 0) depends on the saved output only
     # through its mask, so it must match plain PyTorch bit for bit.
     torch.manual_seed(0)
-    h0 = torch.randn(64, 1024) * torch.rand(64, 1024) ** 3
-    c = torch.randn(64, 1024)
+    h0 = (torch.randn(64, 1024) * torch.rand(64, 1024) ** 3).to(device)
+    c = torch.randn(64, 1024).to(device)
 
     def grad_h(ctx):
         h = h0.clone().requires_grad_()
@@ -165,13 +165,13 @@ def test_relu_mask_is_exact_so_its_input_gradient_is_unchanged(bits):
     assert ctx.stats.compressed == 1
 
 
-def test_linear_weight_gradient_is_unbiased():
+def test_linear_weight_gradient_is_unbiased(device):
     # dW = g^T x_hat is linear in the dequantized input, so averaging over seeds converges to the
     # exact gradient: the error of the mean shrinks like 1/sqrt(draws).
     torch.manual_seed(0)
-    lin = nn.Linear(256, 8)
-    x = torch.randn(64, 256, requires_grad=True)
-    g = torch.randn(64, 8)
+    lin = nn.Linear(256, 8).to(device)
+    x = torch.randn(64, 256).to(device).requires_grad_()
+    g = torch.randn(64, 8).to(device)
 
     def weight_grad(ctx):
         lin.zero_grad()

@@ -49,8 +49,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_pooled_gradients_are_identical_and_pages_return(batch, asynchronous: bool) -> None:
-    model = _model()
+def test_pooled_gradients_are_identical_and_pages_return(batch, asynchronous: bool, device: str) -> None:
+    model = _model().to(device)
+    batch = tuple(t.to(device) for t in batch)
     plain = _grads(model, daftrain.compress(bits=2, seed=5, asynchronous=asynchronous), *batch)
     with PagePool(PoolConfig(page_size=16 * KIB)) as pool:
         ctx = daftrain.compress(bits=2, seed=5, pool=pool, asynchronous=asynchronous)
