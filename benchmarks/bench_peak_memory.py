@@ -16,6 +16,13 @@ defaults and calls ``malloc_trim(0)`` when each forward ends and each step start
 huge pages for what it maps), ``+thp`` with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch does, for its tensors of
 2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``.
 
+``--device cuda`` runs on the GPU: the baseline is ``torch.cuda.memory_allocated`` once model, optimizer
+and batch are on the device, each phase's peak is ``torch.cuda.max_memory_allocated`` above it (reset
+with ``reset_peak_memory_stats`` at each phase start, never ``empty_cache``: default caching-allocator
+settings), and ``max_memory_reserved`` above the reserved baseline is reported beside it
+(``peak_reserved_mb``); every timed step ends with ``torch.cuda.synchronize()``. The allocator
+configurations are glibc's and run on CPU only.
+
 ``--micro-batch N`` runs each step as a hand-written accumulation loop over micro-batches of ``N``
 samples (what ``BudgetedStep`` runs at tight budgets), the phase peaks read without trimming between
 micro-batches: the forward phase is the largest forward, the backward phase the largest backward.
@@ -24,6 +31,8 @@ micro-batches: the forward phase is the largest forward, the backward phase the 
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18 \
         --configs plain,plain+mmap64k,plain+hugetlb,bits2+untuned,bits2,bits2+hugetlb --steps 7 --repeats 3 \
         --out benchmarks/results/allocator_step_time.json
+    python benchmarks/bench_peak_memory.py --device cuda --configs plain,bits4,bits2,bits2+ckpt,plain+ckpt \
+        --steps 8 --repeats 3 --out benchmarks/results/peak_memory_cuda.json
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18 \
         --configs plain,plain+mmap64k,plain+mmap1m --micro-batch 2 --steps 5 --repeats 3 \
         --out benchmarks/results/allocator_micro_batches.json
@@ -75,7 +84,7 @@ ALLOCATOR_CONFIGS = {
 CONFIGS.update(ALLOCATOR_CONFIGS)
 
 
-def build(model_name: str):  # type: ignore[no-untyped-def]
+def build(model_name: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
     import torch
     from torch import nn
 
@@ -110,7 +119,61 @@ def build(model_name: str):  # type: ignore[no-untyped-def]
     else:
         raise SystemExit(f"unknown model {model_name}")
     model.train()
-    return model, batch, loss_fn
+    return model.to(device), tuple(t.to(device) for t in batch), loss_fn
+
+
+class PhasePeaks:
+    """Each phase's peak above the baseline taken at construction: the RSS's high-water mark on CPU;
+    on CUDA the caching allocator's peak allocated bytes, and its peak reserved bytes beside them."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        from daftrain.rss import current_rss_bytes, reset_peak_rss
+
+        self.cuda = device == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+            self.baseline_reserved = torch.cuda.memory_reserved()
+        else:
+            reset_peak_rss()
+            self.baseline = current_rss_bytes()
+            self.baseline_reserved = 0
+        self.reserved_peak = 0
+
+    def reset(self, *, trim: bool = True) -> None:
+        """Begin a phase (``trim``: glibc's ``malloc_trim`` first, on CPU; the CUDA cache is never emptied)."""
+        import torch
+
+        from daftrain.rss import reset_peak_rss
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak_rss(trim=trim)
+
+    def peak(self) -> int:
+        """The phase's peak so far, above the baseline."""
+        import torch
+
+        from daftrain.rss import peak_rss_bytes
+
+        if not self.cuda:
+            return peak_rss_bytes() - self.baseline
+        torch.cuda.synchronize()
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved() - self.baseline_reserved)
+        return torch.cuda.max_memory_allocated() - self.baseline
+
+    def current(self) -> int:
+        """Held now, above the baseline."""
+        import torch
+
+        from daftrain.rss import current_rss_bytes
+
+        return (torch.cuda.memory_allocated() if self.cuda else current_rss_bytes()) - self.baseline
 
 
 def instrument() -> dict[str, float]:
@@ -179,27 +242,27 @@ def largest_saved_bytes(model, batch, loss_fn) -> int:  # type: ignore[no-untype
     return largest[0]
 
 
-def accumulate(model, batch, loss_fn, micro: int, ctx, baseline: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+def accumulate(model, batch, loss_fn, micro: int, ctx, meter: PhasePeaks) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     """Forward and backward of ``batch`` in micro-batches of ``micro`` samples (losses weighted by their
-    share); return the largest forward and the largest backward peak above ``baseline``."""
+    share); return the largest forward and the largest backward peak above ``meter``'s baseline."""
     from daftrain.budget.batching import balanced_sizes, batch_size, split_batch
-    from daftrain.rss import peak_rss_bytes, reset_peak_rss
 
     total = batch_size(batch)
     fwd = bwd = 0
     for part in split_batch(batch, balanced_sizes(total, -(-total // micro))):
         with ctx:
             loss = loss_fn(model, part) * (batch_size(part) / total)
-        fwd = max(fwd, peak_rss_bytes() - baseline)
-        reset_peak_rss(trim=False)
+        fwd = max(fwd, meter.peak())
+        meter.reset(trim=False)
         loss.backward()
         del loss
-        bwd = max(bwd, peak_rss_bytes() - baseline)
-        reset_peak_rss(trim=False)
+        bwd = max(bwd, meter.peak())
+        meter.reset(trim=False)
     return fwd, bwd
 
 
-def worker(model_name: str, config_name: str, steps: int, breakdown: bool = False, micro: int = 0) -> dict:
+def worker(model_name: str, config_name: str, steps: int, breakdown: bool = False, micro: int = 0,
+           device: str = "cpu") -> dict:
     import contextlib
     import ctypes
     import resource
@@ -209,10 +272,11 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
     import daftrain
     from daftrain.allocator import glibc
     from daftrain.budget.segments import checkpointing, find_segments
-    from daftrain.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = CONFIGS[config_name]
+    if device != "cpu" and config_name in ALLOCATOR_CONFIGS:
+        raise SystemExit(f"{config_name} sets glibc's allocator: it runs with --device cpu only")
     if "mmap_threshold" in cfg:
         glibc().mallopt(-3, cfg["mmap_threshold"])  # M_MMAP_THRESHOLD
     trim = glibc().malloc_trim if cfg.get("trim") else None
@@ -220,7 +284,7 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
         trim.argtypes = [ctypes.c_size_t]
     if cfg.get("trim_every"):
         trim_in_hooks(trim, cfg["trim_every"])
-    model, batch, loss_fn = build(model_name)
+    model, batch, loss_fn = build(model_name, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     ctx = (daftrain.compress(bits=cfg["bits"], model=model, tune_allocator=cfg.get("tune", True)) if "bits" in cfg
@@ -229,39 +293,41 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
     if micro and segments:
         raise SystemExit(f"{config_name}: --micro-batch runs without checkpointing; pick a configuration without it")
     hook_times = instrument() if breakdown and "bits" in cfg else None
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     per_step_hooks: list[dict[str, float]] = []
-    reset_peak_rss()
-    baseline = current_rss_bytes()
+    meter = PhasePeaks(device)
     phases: list[dict[str, int]] = []
     times: list[float] = []
     cpu_times: list[float] = []
     sys_times: list[float] = []
     faults: list[int] = []
     for _ in range(steps):
+        sync()
         start, cpu_start = time.perf_counter(), time.process_time()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         if hook_times is not None:
             hook_times.clear()
         if trim is not None:
             trim(0)
-        reset_peak_rss()
+        meter.reset()
         if micro:
-            fwd, bwd = accumulate(model, batch, loss_fn, micro, ctx, baseline)
+            fwd, bwd = accumulate(model, batch, loss_fn, micro, ctx, meter)
         else:
             recompute = ctx if "bits" in cfg else None  # the recomputation stored compressed too
             with checkpointing(segments, list(segments), recompute) if segments else contextlib.nullcontext(), ctx:
                 loss = loss_fn(model, batch)
             if trim is not None:
                 trim(0)
-            fwd = peak_rss_bytes() - baseline
-            reset_peak_rss()
+            fwd = meter.peak()
+            meter.reset()
             loss.backward()
             del loss
-            bwd = peak_rss_bytes() - baseline
-        reset_peak_rss()
+            bwd = meter.peak()
+        meter.reset()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        opt = peak_rss_bytes() - baseline
+        opt = meter.peak()
+        sync()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         end_usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -271,15 +337,19 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
         faults.append(end_usage.ru_minflt - usage.ru_minflt)
         phases.append({"forward": fwd, "backward": bwd, "optimizer": opt})
     peak = max(max(p.values()) for p in phases)
-    out = {"model": model_name, "config": config_name, "micro_batch": micro or None,
-           "baseline_mb": baseline / 1e6, "peak_mb": peak / 1e6,
+    out = {"model": model_name, "config": config_name, "micro_batch": micro or None, "device": device,
+           "baseline_mb": meter.baseline / 1e6, "peak_mb": peak / 1e6,
            "phases_mb": {k: max(p[k] for p in phases) / 1e6 for k in phases[0]},
            "first_step_s": times[0], "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
            "step_cpu_s": statistics.median(cpu_times[2:]) if len(times) > 2 else cpu_times[-1],
            "step_sys_s": statistics.median(sys_times[2:]) if len(times) > 2 else sys_times[-1],
            "minor_faults": statistics.median(faults[2:]) if len(times) > 2 else faults[-1],
-           "steps_s": times, "end_rss_mb": (current_rss_bytes() - baseline) / 1e6,
+           "steps_s": times, "end_rss_mb": meter.current() / 1e6,
            "load_average": list(os.getloadavg())}
+    if device == "cuda":
+        out["peak_reserved_mb"] = meter.reserved_peak / 1e6
+        out["gpu"] = torch.cuda.get_device_name()
+        out["torch"] = torch.__version__
     if per_step_hooks:
         later = per_step_hooks[2:] or per_step_hooks
         out["hooks_s"] = {k: statistics.median(h.get(k, 0.0) for h in later) for k in per_step_hooks[-1]}
@@ -307,10 +377,13 @@ def main() -> None:
                     help="time daftrain's pack and unpack hooks inside each step (adds a little overhead)")
     ap.add_argument("--micro-batch", type=int, default=0,
                     help="run each step as accumulation over micro-batches of this many samples")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: peaks from the caching allocator (allocated, and reserved beside it)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.breakdown, args.micro_batch)))
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps, args.breakdown, args.micro_batch,
+                                args.device)))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from common import write_json
@@ -322,13 +395,15 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--worker", model, config, "--steps", str(args.steps)]
                 cmd += ["--breakdown"] if args.breakdown else []
                 cmd += ["--micro-batch", str(args.micro_batch)] if args.micro_batch else []
+                cmd += ["--device", args.device]
                 env = {**os.environ, **CONFIGS[config].get("env", {})}
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     raise SystemExit(proc.stderr[-3000:])
                 rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 r = rows[-1]
-                print(f"{model:>12} {config:>11}: peak {r['peak_mb']:8.1f} MB above baseline "
+                reserved = f" (reserved {r['peak_reserved_mb']:.0f})" if "peak_reserved_mb" in r else ""
+                print(f"{model:>12} {config:>11}: peak {r['peak_mb']:8.1f} MB{reserved} above baseline "
                       f"(fwd {r['phases_mb']['forward']:.0f}, bwd {r['phases_mb']['backward']:.0f}, "
                       f"opt {r['phases_mb']['optimizer']:.0f}); step {r['step_s']:.3f} s "
                       f"(cpu {r['step_cpu_s']:.2f} s, sys {r['step_sys_s']:.2f} s, {r['minor_faults']:.0f} faults), "
@@ -343,6 +418,10 @@ def main() -> None:
         plain_peak, plain_time = med("plain", "peak_mb"), med("plain", "step_s")
         plain_cpu = med("plain", "step_cpu_s")
         summary[model] = {c: {"peak_mb": med(c, "peak_mb"), "peak_reduction_x": plain_peak / med(c, "peak_mb"),
+                              **({"peak_reserved_mb": med(c, "peak_reserved_mb"),
+                                  "reserved_reduction_x":
+                                      med("plain", "peak_reserved_mb") / med(c, "peak_reserved_mb")}
+                                 if args.device == "cuda" else {}),
                               "step_s": med(c, "step_s"), "time_ratio": med(c, "step_s") / plain_time,
                               "cpu_time_ratio": med(c, "step_cpu_s") / plain_cpu,
                               "step_cpu_s": med(c, "step_cpu_s"), "step_sys_s": med(c, "step_sys_s"),
@@ -364,7 +443,8 @@ def main() -> None:
         for c, v in summary[model].items():
             if c in ("floor_mb", "largest_saved_mb", "decode_bound_mb"):
                 continue
-            print(f"{model:>12} {c:>11}: {v['peak_reduction_x']:.2f}x less peak than plain, "
+            reserved = (f" ({v['reserved_reduction_x']:.2f}x less reserved)" if "reserved_reduction_x" in v else "")
+            print(f"{model:>12} {c:>11}: {v['peak_reduction_x']:.2f}x less peak than plain{reserved}, "
                   f"{v['time_ratio']:.2f}x plain's step time ({v['cpu_time_ratio']:.2f}x its CPU time), "
                   f"{v['minor_faults']:.0f} faults and {v['step_sys_s']:.2f} s in the kernel a step, "
                   f"first step {v['first_over_steady']:.1f}x steady")
