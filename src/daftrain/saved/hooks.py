@@ -185,6 +185,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._record_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         # The op-aware encoding of each quantized record that has one, for calibrate()'s verification pass.
         self._record_encoding: weakref.WeakKeyDictionary[Any, Encoding] = weakref.WeakKeyDictionary()
+        # The bits each quantized record was made at, for the saves that would share it (``_serves``).
+        self._record_bits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._calibration_pass: CalibrationPass | None = None
         self._loss_catcher: LossCatcher | None = None
         self._calibration_warned = False
@@ -323,12 +325,16 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # ``x * Nx``). Its normalised record restores it with each row's error relative to that row's own
     # scale, never coarser than plain quantization at the same bits, so such a save reuses it instead of
     # storing the tensor twice, unless it needs more bits than the default floor (``min_bits``). No
-    # lossily quantized record serves a constant sharing its storage (``x.detach()``), which is stored
-    # losslessly or kept (NOTE [ Constants are stored losslessly or kept ] in decide.py).
+    # record made at fewer bits than a save's floor serves it (a computed weight saved first by a product
+    # at 2 bits, then by ``F.linear``, which needs 8: stored again at 8), and no lossily quantized record
+    # serves a constant sharing its storage (``x.detach()``), which is stored losslessly or kept
+    # (NOTE [ Constants are stored losslessly or kept ] in decide.py).
     def _serves(self, record: Record | PendingRecord, decision: Decision) -> bool:
         """Whether the record found under a save's key may serve a save ``decision`` makes plainly."""
         if decision.treatment is not Treatment.QUANTIZE:
             return record not in self._record_index  # only a record made without loss
+        if self._record_bits.get(record, decision.min_bits) < decision.min_bits:
+            return False
         return decision.min_bits <= 1 or not isinstance(self._record_encoding.get(record), Normalized)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | KeptTensor | SavedHandle:
@@ -454,11 +460,13 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._packer is None:
             record = job(flat)
             self._account(self._stats, record)
-            return record
-        pending = self._packer.submit(flat, job)
-        stats = self._stats
-        pending.future.add_done_callback(lambda f: f.exception() is None and self._account(stats, f.result()))
-        return pending
+        else:
+            record = self._packer.submit(flat, job)
+            stats = self._stats
+            record.future.add_done_callback(lambda f: f.exception() is None and self._account(stats, f.result()))
+        if decision.treatment is Treatment.QUANTIZE:
+            self._record_bits[record] = assignment.bits
+        return record
 
     def _account(self, stats: CompressionStats, record: Record) -> None:
         with self._stats_lock:
