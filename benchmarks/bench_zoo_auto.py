@@ -105,7 +105,8 @@ def main() -> None:
         row = run_model(model_type, kind, overrides, args.bits, args.draws)
         rows.append(row)
         print(row["model"], row["status"], row.get("error", ""), {
-            k: f"fixed {v['fixed_error']:.4f} auto {v['auto_error']:.4f} ({v['auto_over_fixed']:.2f}x) "
+            k: f"fixed {v['fixed_error']:.4f} auto {v['auto_error']:.4f} "
+               f"({'n/a' if v['auto_over_fixed'] is None else format(v['auto_over_fixed'], '.2f')}x) "
                f"bytes {v['auto_bytes'] / max(1, v['fixed_bytes']):.3f}x"
             for k, v in row.items() if k.startswith("bits")}, flush=True)
     summary = summarize(rows, args.bits)

@@ -228,6 +228,11 @@ _TINY_COMMON: dict[str, object] = {
 }
 _VISION: dict[str, object] = {"image_size": 32, "patch_size": 4, "num_channels": 3}
 _CNN: dict[str, object] = {"hidden_sizes": [16, 32], "depths": [1, 1], "embedding_size": 16, "num_channels": 3}
+# Hierarchical vision transformers (Swin and its kin) take a list of heads per stage and check that no
+# ``head_dim`` is set beside their ``embed_dim``.
+_SWIN: dict[str, object] = {"image_size": 32, "num_channels": 3, "patch_size": 2, "embed_dim": 16, "depths": [1, 1],
+                            "num_heads": [1, 2], "window_size": 4, "head_dim": None, "hidden_size": None,
+                            "num_hidden_layers": None, "num_attention_heads": None}
 _AUDIO: dict[str, object] = {"conv_dim": [32, 32, 32], "conv_stride": [5, 2, 2], "conv_kernel": [10, 3, 3],
                              "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4}
 
@@ -253,6 +258,10 @@ TINY_ZOO: tuple[tuple[str, str, dict[str, object]], ...] = (
     ("gpt_oss", "text", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
                          "layer_types": ["sliding_attention", "full_attention"]}),
     ("cohere2", "text", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}),
+    ("deepseek_v3", "text", {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                             "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                             "head_dim": None}),
     ("glm4", "text", {}), ("openai-gpt", "text", {}), ("ctrl", "text", {}), ("lfm2", "text", {}),
     ("recurrent_gemma", "text", {"lru_width": 64, "attention_window_size": 16,
                                  "block_types": ["recurrent", "attention"]}),
@@ -268,6 +277,10 @@ TINY_ZOO: tuple[tuple[str, str, dict[str, object]], ...] = (
     ("canine", "text", {"downsampling_rate": 2}), ("modernbert", "text", {}), ("yoso", "text", {}),
     ("longformer", "text", {"attention_window": 8}), ("big_bird", "text", {"attention_type": "original_full"}),
     ("nystromformer", "text", {"num_landmarks": 8, "segment_means_seq_len": 64}), ("fnet", "text", {}),
+    ("funnel", "text", {"block_sizes": [1, 1], "block_repeats": [1, 1], "d_head": 16, "d_inner": 128,
+                        "num_decoder_layers": 1, "num_hidden_layers": None, "architectures": ["FunnelModel"]}),
+    ("xlnet", "text", {"d_inner": 128, "d_head": None, "max_position_embeddings": None}),
+    ("xmod", "text", {"languages": ["en_XX"], "default_language": "en_XX"}),
     ("ibert", "text", {}), ("luke", "text", {"entity_vocab_size": 16, "entity_emb_size": 32}), ("mra", "text", {}),
     # encoder-decoders
     ("t5", "seq2seq", {}), ("mt5", "seq2seq", {}), ("bart", "seq2seq", {}), ("mbart", "seq2seq", {}),
@@ -291,6 +304,12 @@ TINY_ZOO: tuple[tuple[str, str, dict[str, object]], ...] = (
                             "num_attention_heads": [1, 2], "patch_sizes": [7, 3], "strides": [4, 2],
                             "mlp_ratios": [2, 2]}),
     ("swiftformer", "image", {"embed_dims": [16, 32, 48, 64], "depths": [1, 1, 1, 1]}),
+    ("swin", "image", _SWIN), ("swinv2", "image", _SWIN), ("donut-swin", "image", _SWIN),
+    ("focalnet", "image", {**_SWIN, "focal_levels": [2, 2], "focal_windows": [3, 3], "num_heads": None}),
+    ("hiera", "image", {**_SWIN, "image_size": [32, 32], "patch_size": [3, 3], "patch_stride": [2, 2],
+                        "patch_padding": [1, 1], "embed_dim_multiplier": 2.0, "num_query_pool": 1,
+                        "query_stride": [2, 2], "masked_unit_size": [4, 4], "masked_unit_attention": [True, False]}),
+    ("mobilevitv2", "image", {"image_size": 64, "width_multiplier": 0.25}),
     # CNNs
     ("resnet", "image", {**_CNN, "layer_type": "basic"}), ("convnext", "image", {**_CNN, "hidden_sizes": [16, 32]}),
     ("convnextv2", "image", _CNN),
