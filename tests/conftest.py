@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def _devices() -> list[str]:
 
 
 @pytest.fixture(params=_devices())
-def device(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def device(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each device this machine has: ``cpu``, and ``cuda`` where a GPU is present. On CUDA, cuDNN runs its
     deterministic algorithms (and no benchmarking) for the test, so that two runs of one computation agree
     bit for bit, as they do on CPU."""

@@ -388,9 +388,9 @@ def _as_int32(seed: int) -> int:
 
     NOTE [ Seeds as int32 ]
     Triton types a Python ``int`` argument by its value: ``i32`` below ``2**31``, ``i64`` above. A seed
-    from ``2**31`` on then made ``i ^ seed`` an ``int64`` and the hash's shifts and multiplications no
-    longer wrapped at 32 bits: the noise, and with it the codes, differed from the reference's for half
-    of all seeds (the tests' seeds were small). Passing every seed in ``i32``'s range keeps one type."""
+    from ``2**31`` on would make ``i ^ seed`` an ``int64``, and the hash's shifts and multiplications would
+    no longer wrap at 32 bits: noise, and codes, other than the reference's. Every seed is passed in
+    ``i32``'s range, one type, and bitcast to ``uint32`` in the kernel."""
     low = seed & 0xFFFFFFFF
     return low - (1 << 32) if low >= 1 << 31 else low
 
