@@ -14,7 +14,8 @@ defaults and calls ``malloc_trim(0)`` when each forward ends and each step start
 ``+trim64m``, ``+trim256m`` also whenever that many more bytes went through the pack and unpack hooks;
 ``+hugetlb`` starts the process with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc advises transparent
 huge pages for what it maps), ``+thp`` with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch does, for its tensors of
-2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``.
+2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``. ``bits2+columns`` is
+``compress(bits=2, column_groups=True)``: groups down a tensor's columns where they pay.
 
 ``--device cuda`` runs on the GPU: the baseline is ``torch.cuda.memory_allocated`` once model, optimizer
 and batch are on the device, each phase's peak is ``torch.cuda.max_memory_allocated`` above it (reset
@@ -55,6 +56,7 @@ CONFIGS = {
     "bits4": {"bits": 4},
     "bits2+ckpt": {"bits": 2, "checkpoint": True},
     "plain+ckpt": {"checkpoint": True},
+    "bits2+columns": {"bits": 2, "compress": {"column_groups": True}},
 }
 _HUGETLB = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 _TORCH_THP = {"THP_MEM_ALLOC_ENABLE": "1"}
@@ -287,8 +289,9 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
     model, batch, loss_fn = build(model_name, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    ctx = (daftrain.compress(bits=cfg["bits"], model=model, tune_allocator=cfg.get("tune", True)) if "bits" in cfg
-           else contextlib.nullcontext())
+    ctx = (daftrain.compress(bits=cfg["bits"], model=model, tune_allocator=cfg.get("tune", True),
+                             **cfg.get("compress", {}))
+           if "bits" in cfg else contextlib.nullcontext())
     segments = find_segments(model) if cfg.get("checkpoint") else {}
     if micro and segments:
         raise SystemExit(f"{config_name}: --micro-batch runs without checkpointing; pick a configuration without it")

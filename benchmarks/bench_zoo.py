@@ -116,16 +116,20 @@ def _ctx(model: torch.nn.Module, rules: bool, **kwargs: Any) -> daftrain.compres
     return ctx
 
 
-def share_gradient(model: torch.nn.Module, inputs: dict[str, torch.Tensor], share: float) -> tuple[torch.Tensor, Any]:
+def share_gradient(model: torch.nn.Module, inputs: dict[str, torch.Tensor], share: float,
+                   **settings: Any) -> tuple[torch.Tensor, Any]:
     """The gradient of the third step under ``compress(bits="auto", error_share=share)``, the loss computed
     under the context (where the context calibrates on it), and the context."""
-    ctx = daftrain.compress(model=model, bits="auto", error_share=share)
+    ctx = daftrain.compress(model=model, bits="auto", error_share=share, **settings)
     for _ in range(SHARE_STEPS):
         grad = zoo_gradient(model, inputs, ctx, loss_under_context=True)
     return grad, ctx
 
 
-def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: float) -> dict[str, Any]:
+def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: float,
+              settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One model's row; ``settings`` go to every compressed context (``--column-groups``)."""
+    settings = settings or {}
     row: dict[str, Any] = {"model": model_type, "kind": kind}
     t0 = time.perf_counter()
     try:
@@ -139,13 +143,13 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
         for rules in (False, True):
             tag = "rules" if rules else "norules"
             for name, kwargs in (("8", {"bits": 8}), ("4", {"bits": 4}), ("2", {"bits": 2}), ("default", {})):
-                grad, stats = _step(model, inputs, _ctx(model, rules, **kwargs))
+                grad, stats = _step(model, inputs, _ctx(model, rules, **kwargs, **settings))
                 row[f"cos{name}_{tag}"] = _cos(grad, ref)
                 row[f"ratio{name}_{tag}"] = stats.ratio
                 if rules and name == "default":
                     row.update(quantized=stats.compressed, bool_packed=stats.bool_packed, kept=stats.kept,
                                kept_reasons=dict(stats.kept_reasons), raw_bytes=stats.raw_bytes)
-        grad, ctx = share_gradient(model, inputs, share)
+        grad, ctx = share_gradient(model, inputs, share, **settings)
         report = ctx.report()
         row.update(cosshare=_cos(grad, ref), ratioshare=ctx.stats.ratio,
                    share_estimated=report.error_share if report is not None else None,
@@ -230,13 +234,16 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8, help="tensors listed per model by --attribute")
     parser.add_argument("--error-share", type=float, default=0.01,
                         help="the bound of the bits='auto', error_share=... column")
+    parser.add_argument("--column-groups", action="store_true",
+                        help="compress(column_groups=True) in every compressed run (NOTE [ Groups down the columns ])")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     zoo = [z for z in zoo_entries(args.zoo) if not args.models or z[0] in args.models]
     rows = []
     for model_type, kind, overrides in zoo:
-        row = run_model(model_type, kind, overrides, args.error_share)
+        row = run_model(model_type, kind, overrides, args.error_share,
+                        {"column_groups": True} if args.column_groups else None)
         if args.attribute and row["status"] == "ok":
             model, inputs = build_zoo_model(model_type, kind, overrides)
             found = attribute(model, inputs, args.attribute, args.top)

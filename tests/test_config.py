@@ -30,6 +30,7 @@ def test_supported_bits(bits):
         ({"group_size": 256.0}, TypeError, "group_size must be an int"),
         ({"min_numel": -1}, ValueError, "min_numel"),
         ({"pack_bool": 1}, TypeError, "pack_bool"),
+        ({"column_groups": "yes"}, TypeError, "column_groups"),
         ({"seed": -5}, ValueError, "seed"),
         ({"bits": "Auto"}, ValueError, "bits must be one of"),
         ({"bits": 2, "avg_bits": 2.0}, ValueError, "only apply with bits='auto'"),

@@ -37,6 +37,12 @@ class CompressionConfig:
     """Values that share one (min, scale) pair. A multiple of 32, so each group's codes fill whole
     32-bit words at every bit-width (see ``layout.py``)."""
 
+    column_groups: bool = False
+    """Let a ``[rows, cols]`` tensor's groups run down its columns where that estimates clearly less
+    rounding variance than along its rows, at the same bytes (``NOTE [ Groups down the columns ]`` in
+    ``saved/grouping.py``): a smaller gradient error on most transformers at 2 bits, for a transposed copy
+    at each pack and decode of the tensors it picks (docs/saved.md). ``False`` keeps memory order."""
+
     min_numel: int = 4096
     """Tensors with fewer elements are kept exact: packing them saves little and costs a call."""
 
@@ -107,6 +113,8 @@ class CompressionConfig:
             raise ArgumentTypeError(f"decode_buffers must be a bool, got {type(self.decode_buffers).__name__}")
         if not isinstance(self.tune_allocator, bool):
             raise ArgumentTypeError(f"tune_allocator must be a bool, got {type(self.tune_allocator).__name__}")
+        if not isinstance(self.column_groups, bool):
+            raise ArgumentTypeError(f"column_groups must be a bool, got {type(self.column_groups).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise ArgumentTypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
         if self.seed is not None and (

@@ -27,10 +27,12 @@ from ..pool import PagePool
 from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
 from .decide import Decision, Treatment, decide
 from .decode_buffers import DecodeBuffers
+from .grouping import ColumnChoice
 from .nesting import warn_if_nested
 from .op_rules import OpMatch, OpTracer
 from .packer import AsyncPacker
 from .records import (
+    ByColumns,
     Derivative,
     Encoding,
     ExactRecord,
@@ -187,6 +189,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._record_encoding: weakref.WeakKeyDictionary[Any, Encoding] = weakref.WeakKeyDictionary()
         # The bits each quantized record was made at, for the saves that would share it (``_serves``).
         self._record_bits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._column_choice = ColumnChoice(self.config.group_size)
         self._calibration_pass: CalibrationPass | None = None
         self._loss_catcher: LossCatcher | None = None
         self._calibration_warned = False
@@ -383,8 +386,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             record = self._make_record(flat, decision, t)
             if decision.treatment is Treatment.QUANTIZE:
                 self._record_index[record] = index
-                if decision.encoding is not None:
-                    self._record_encoding[record] = decision.encoding
             self._records[key] = record
             if isinstance(decision.encoding, Normalized) and plain not in self._records:
                 # NOTE [ A normalised record serves plain saves ]
@@ -405,7 +406,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             index = self._record_index.get(packed.record)
             encoding = self._record_encoding.get(packed.record)
             requantize = functools.partial(_requantize, group_size=self.config.group_size, encoding=encoding)
-            quantity = encoding if isinstance(encoding, Derivative) else None
+            stored = encoding.values if isinstance(encoding, ByColumns) else encoding  # what, not in which order
+            quantity = stored if isinstance(stored, Derivative) else None
             return packed.restore(self._calibration_pass.perturb(index, flat, requantize, quantity))
         shared = self._shared.get(packed.record)
         if shared is not None and shared.flat is not None:
@@ -440,8 +442,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         kind = _KINDS[decision.treatment]
         index = self._num_records
         if decision.treatment is Treatment.QUANTIZE:
+            if (self.config.column_groups and source is not None  # NOTE [ Groups down the columns ]
+                    and (decision.encoding is None or isinstance(decision.encoding, Derivative))):
+                layout = self._column_choice.layout(self.step, index, flat, source, decision.encoding)
+                if layout is not None:
+                    decision = dataclasses.replace(decision, encoding=layout)
             # bits="auto" observes what the record stores (NOTE [ Derivative encoding under bits="auto" ])
-            stored_as = decision.encoding.stored if isinstance(decision.encoding, Derivative) else None
+            stored_as = (decision.encoding.stored if isinstance(decision.encoding, (Derivative, ByColumns))
+                         else None)
             assignment = self._bit_policy.assign(self.step, index, source, flat, decision.min_bits,
                                                  stored_as=stored_as)
         else:  # bool masks and constants: stored exactly (encode ignores the bits), pooled by forward position
@@ -450,6 +458,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if assignment.bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
             exact = ExactRecord(flat, "auto")
             self._account(self._stats, exact)
+            if decision.encoding is not None:  # calibration perturbs it as the encoding would store it
+                self._record_encoding[exact] = decision.encoding
             return exact
         seed = record_seed(self._base_seed, self.step, index)
         job = functools.partial(encode, kind=kind, bits=assignment.bits, group_size=self.config.group_size,
@@ -466,6 +476,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             record.future.add_done_callback(lambda f: f.exception() is None and self._account(stats, f.result()))
         if decision.treatment is Treatment.QUANTIZE:
             self._record_bits[record] = assignment.bits
+            if decision.encoding is not None:
+                self._record_encoding[record] = decision.encoding
         return record
 
     def _account(self, stats: CompressionStats, record: Record) -> None:

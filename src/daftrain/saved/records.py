@@ -9,7 +9,7 @@ import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -433,7 +433,8 @@ class _EncodedRecord:
     __slots__ = ("__weakref__", "dtype", "encoding", "inner")
     is_bool: bool
 
-    def __init__(self, inner: PackedRecord, encoding: ClipMask | Derivative, dtype: torch.dtype) -> None:
+    def __init__(self, inner: PackedRecord | DerivativeRecord, encoding: ClipMask | Derivative | ByColumns,
+                 dtype: torch.dtype) -> None:
         self.inner, self.encoding, self.dtype = inner, encoding, dtype
 
     @property
@@ -442,6 +443,15 @@ class _EncodedRecord:
 
     def to_pool(self, pool: PagePool, importance: float, seed: int) -> Self:
         return type(self)(self.inner.to_pool(pool, importance, seed), self.encoding, self.dtype)
+
+
+def _wrapped(inner: Record, flat: torch.Tensor, record: type[_EncodedRecord],
+             encoding: Derivative | ByColumns) -> Any:
+    """``inner`` (what ``encoding`` stored of ``flat``) as ``record``; ``flat`` kept exact where ``inner`` is
+    (a non-finite value: NOTE [ Non-finite activations ])."""
+    if isinstance(inner, ExactRecord):
+        return ExactRecord(flat, "nonfinite")
+    return record(inner, encoding, flat.dtype)
 
 
 class ClipMaskRecord(_EncodedRecord):
@@ -519,10 +529,7 @@ class Derivative:
         return table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
 
     def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> ExactRecord | DerivativeRecord:
-        inner = encode(self.stored(flat), "quantize", bits, group_size, seed)
-        if isinstance(inner, ExactRecord):  # a non-finite input
-            return ExactRecord(flat, "nonfinite")
-        return DerivativeRecord(inner, self, flat.dtype)
+        return _wrapped(encode(self.stored(flat), "quantize", bits, group_size, seed), flat, DerivativeRecord, self)
 
 
 class DerivativeRecord(_EncodedRecord):
@@ -537,5 +544,45 @@ class DerivativeRecord(_EncodedRecord):
         return x if self.dtype == torch.float32 else x.to(self.dtype)
 
 
-Encoding = Normalized | ClipMask | Derivative
-Record = PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord | DerivativeRecord
+@dataclass(frozen=True)
+class ByColumns:
+    """Store a ``[rows, cols]`` tensor column after column, so that each quantization group holds
+    ``group_size`` rows of one column (``NOTE [ Groups down the columns ]`` in ``grouping.py``); with
+    ``values``, an elementwise encoding, store what it stores (an activation's derivative) that way."""
+
+    rows: int
+    cols: int
+    values: Derivative | None = None
+
+    def stored(self, flat: torch.Tensor) -> torch.Tensor:
+        """What the record quantizes, in the order it stores it (a copy)."""
+        values = flat if self.values is None else self.values.stored(flat)
+        return values.view(self.rows, self.cols).t().contiguous().view(-1)
+
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> ExactRecord | ByColumnsRecord:
+        with torch.no_grad():
+            by_columns = flat.view(self.rows, self.cols).t().contiguous().view(-1)
+            inner = encode(by_columns, "quantize", bits, group_size, seed, self.values)
+        return _wrapped(inner, flat, ByColumnsRecord, self)
+
+
+class ByColumnsRecord(_EncodedRecord):
+    """A tensor quantized in groups down its columns, restored in its own (row-major) order."""
+
+    __slots__ = ()
+    is_bool = False
+    encoding: ByColumns
+
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        by_columns = self.inner.decode(buffers)
+        enc = self.encoding
+        if buffers is None or by_columns.device.type != "cpu":
+            out = torch.empty_like(by_columns)
+        else:
+            out = buffers.take(by_columns.numel(), by_columns.dtype)
+        out.view(enc.rows, enc.cols).copy_(by_columns.view(enc.cols, enc.rows).t())
+        return out
+
+
+Encoding = Normalized | ClipMask | Derivative | ByColumns
+Record = PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord | DerivativeRecord | ByColumnsRecord
