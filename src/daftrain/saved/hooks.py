@@ -382,10 +382,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 self._bit_policy.assign(self.step, index, t, t, decision.min_bits, saved_again=True)
         else:
             flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
-            index = self._num_records
             record = self._make_record(flat, decision, t)
-            if decision.treatment is Treatment.QUANTIZE:
-                self._record_index[record] = index
             self._records[key] = record
             if isinstance(decision.encoding, Normalized) and plain not in self._records:
                 # NOTE [ A normalised record serves plain saves ]
@@ -456,11 +453,21 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             assignment = Assignment(1, float(index))
         self._num_records += 1
         if assignment.bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
-            exact = ExactRecord(flat, "auto")
-            self._account(self._stats, exact)
-            if decision.encoding is not None:  # calibration perturbs it as the encoding would store it
-                self._record_encoding[exact] = decision.encoding
-            return exact
+            record: Record | PendingRecord = ExactRecord(flat, "auto")
+            self._account(self._stats, record)
+        else:
+            record = self._encode(flat, decision, kind, assignment, index)
+        if decision.treatment is Treatment.QUANTIZE:  # what later saves of it, and calibrate(), read
+            self._record_index[record] = index
+            if assignment.bits is not None:
+                self._record_bits[record] = assignment.bits
+            if decision.encoding is not None:  # calibration perturbs it as the encoding stores it
+                self._record_encoding[record] = decision.encoding
+        return record
+
+    def _encode(self, flat: torch.Tensor, decision: Decision, kind: str, assignment: Assignment,
+                index: int) -> Record | PendingRecord:
+        """Pack ``flat`` at the assignment's bits, here or on the packer thread, into the pool if there is one."""
         seed = record_seed(self._base_seed, self.step, index)
         job = functools.partial(encode, kind=kind, bits=assignment.bits, group_size=self.config.group_size,
                                 seed=seed, encoding=decision.encoding)
@@ -470,15 +477,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._packer is None:
             record = job(flat)
             self._account(self._stats, record)
-        else:
-            record = self._packer.submit(flat, job)
-            stats = self._stats
-            record.future.add_done_callback(lambda f: f.exception() is None and self._account(stats, f.result()))
-        if decision.treatment is Treatment.QUANTIZE:
-            self._record_bits[record] = assignment.bits
-            if decision.encoding is not None:
-                self._record_encoding[record] = decision.encoding
-        return record
+            return record
+        pending = self._packer.submit(flat, job)
+        stats = self._stats
+        pending.future.add_done_callback(lambda f: f.exception() is None and self._account(stats, f.result()))
+        return pending
 
     def _account(self, stats: CompressionStats, record: Record) -> None:
         with self._stats_lock:

@@ -198,7 +198,7 @@ def _over(x: torch.Tensor, dims: list[int]) -> Normalized | None:
         return None  # one statistic for the whole tensor: its error averages over all of it
     inner = x.numel() // max(1, outer * size)
     if inner == 1:  # trailing dims: the rows encoding, so that other rules' saves of x share one record
-        return Normalized((outer, 1, size), (2,), center=False)
+        return _rows(x, x.dim() - dims[0], center=False)
     return Normalized((outer, size, inner), (1,), center=False)
 
 

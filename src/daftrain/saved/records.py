@@ -554,15 +554,17 @@ class ByColumns:
     cols: int
     values: Derivative | None = None
 
+    def by_columns(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (row after row) column after column (a copy)."""
+        return flat.view(self.rows, self.cols).t().contiguous().view(-1)
+
     def stored(self, flat: torch.Tensor) -> torch.Tensor:
         """What the record quantizes, in the order it stores it (a copy)."""
-        values = flat if self.values is None else self.values.stored(flat)
-        return values.view(self.rows, self.cols).t().contiguous().view(-1)
+        return self.by_columns(flat if self.values is None else self.values.stored(flat))
 
     def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> ExactRecord | ByColumnsRecord:
         with torch.no_grad():
-            by_columns = flat.view(self.rows, self.cols).t().contiguous().view(-1)
-            inner = encode(by_columns, "quantize", bits, group_size, seed, self.values)
+            inner = encode(self.by_columns(flat), "quantize", bits, group_size, seed, self.values)
         return _wrapped(inner, flat, ByColumnsRecord, self)
 
 
