@@ -28,6 +28,8 @@ For each size (millions of values) it measures, as medians over repeats, in one 
   the two under one protocol and cache state (the copy evicts a decode's output, so both write to
   cold memory). ``reference_alone_ms`` and ``fast_alone_ms`` are their back-to-back medians (warm
   caches, as in a loop over one buffer), and ``speedup_alone`` (the ``alone`` column) their ratio;
+* with ``--grid`` (2 and 4 bits), quantize and decode on the fitted grid ``fit_grid`` gives the input
+  (``NOTE [ Fitted grids ]`` in ``kernels/grids.py``), reference and fast alike;
 * ``group_minmax`` with each reduction strategy (``per_group``, ``two_level``) and the registered op
   (whatever the ``ReductionSelector`` calibrated).
 
@@ -66,6 +68,7 @@ from daftrain.kernels import (
     reference,
     registry,
 )
+from daftrain.kernels.grids import fit_grid
 
 TARGET_COPY_FRACTION = 0.5
 TARGET_SPEEDUP = 15.0
@@ -195,18 +198,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         copy_gbps = gbps(nbytes, t_copy)
         G = args.group_size
         for bits in args.bits:
+            grid = fit_grid(x, bits, G) if args.grid else None
+            if args.grid and grid is None:
+                raise SystemExit(f"--grid: the uniform grid fits this input best at {bits} bits")
             _, t_ref_q, _, alone_q = paired_and_alone(
-                copy, sync(partial(reference.quantize_pack, x, bits, G, 1)), args.ref_repeats
+                copy, sync(partial(reference.quantize_pack, x, bits, G, 1, grid)), args.ref_repeats
             )
             copy_q, t_fast_q, best_q, fast_alone_q = paired_and_alone(
-                copy, sync(partial(torch.ops.daftrain.quantize_pack, x, bits, G, 1)), args.repeats
+                copy, sync(partial(torch.ops.daftrain.quantize_pack, x, bits, G, 1, grid)), args.repeats
             )
-            codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, G, 1)
+            codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, G, 1, grid)
             out = torch.empty_like(x)
             _, t_ref_i, _, alone_i = paired_and_alone(
-                copy, sync(partial(reference.unpack_dequantize_into, out, codes, lo, scale, bits, G)), args.ref_repeats
+                copy, sync(partial(reference.unpack_dequantize_into, out, codes, lo, scale, bits, G, grid)),
+                args.ref_repeats,
             )
-            decode = sync(partial(torch.ops.daftrain.unpack_dequantize_into, out, codes, lo, scale, bits, G))
+            decode = sync(partial(torch.ops.daftrain.unpack_dequantize_into, out, codes, lo, scale, bits, G, grid))
             copy_i, t_fast_i, best_i, fast_alone_i = paired_and_alone(copy, decode, args.repeats)
             # the write limit of a decode: it reads a few bits per value and writes the whole output
             fill = sync(partial(out.fill_, 1.0))
@@ -219,11 +226,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if dtype == torch.float32:
                     store_i, t_fast_store, _ = paired(partial(store, out, threads), decode, args.repeats)
             _, t_ref_u, _, alone_u = paired_and_alone(
-                copy, sync(partial(reference.unpack_dequantize, codes, lo, scale, bits, G, numel, dtype)),
+                copy, sync(partial(reference.unpack_dequantize, codes, lo, scale, bits, G, numel, dtype, grid)),
                 args.ref_repeats,
             )
             copy_u, t_fast_u, best_u, fast_alone_u = paired_and_alone(
-                copy, sync(partial(torch.ops.daftrain.unpack_dequantize, codes, lo, scale, bits, G, numel, dtype)),
+                copy,
+                sync(partial(torch.ops.daftrain.unpack_dequantize, codes, lo, scale, bits, G, numel, dtype, grid)),
                 args.repeats,
             )
             for op, t_ref, t_ref_alone, t_fast, t_fast_alone, best, t_pair_copy in (
@@ -239,6 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "numel": numel,
                     "dtype": args.dtype,
                     "bits": bits,
+                    "fitted_grid": grid is not None,
                     "group_size": G,
                     "copy_ms": t_pair_copy * 1e3,
                     "copy_first_ms": t_copy * 1e3,
@@ -374,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--input", default="randn", choices=["randn", "relu"],
                    help="relu: every group zero-exact (min exactly 0), as a ReLU output's")
+    p.add_argument("--grid", action="store_true",
+                   help="2 and 4 bits on the input's fitted grid (NOTE [ Fitted grids ] in kernels/grids.py)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--ref-repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first (numba follows)")

@@ -15,7 +15,8 @@ defaults and calls ``malloc_trim(0)`` when each forward ends and each step start
 ``+hugetlb`` starts the process with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc advises transparent
 huge pages for what it maps), ``+thp`` with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch does, for its tensors of
 2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``. ``bits2+columns`` is
-``compress(bits=2, column_groups=True)``: groups down a tensor's columns where they pay.
+``compress(bits=2, column_groups=True)``: groups down a tensor's columns where they pay; ``+uniform`` is
+``compress(fitted_grids=False)``: evenly spaced levels everywhere (``NOTE [ Fitted grids ]``).
 
 ``--device cuda`` runs on the GPU: the baseline is ``torch.cuda.memory_allocated`` once model, optimizer
 and batch are on the device, each phase's peak is ``torch.cuda.max_memory_allocated`` above it (reset
@@ -57,6 +58,8 @@ CONFIGS = {
     "bits2+ckpt": {"bits": 2, "checkpoint": True},
     "plain+ckpt": {"checkpoint": True},
     "bits2+columns": {"bits": 2, "compress": {"column_groups": True}},
+    "bits2+uniform": {"bits": 2, "compress": {"fitted_grids": False}},
+    "bits4+uniform": {"bits": 4, "compress": {"fitted_grids": False}},
 }
 _HUGETLB = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 _TORCH_THP = {"THP_MEM_ALLOC_ENABLE": "1"}
@@ -180,8 +183,9 @@ class PhasePeaks:
 
 def instrument() -> dict[str, float]:
     """Wrap daftrain's pack and unpack hooks, and the op-aware encoding of normalisation inputs inside them,
-    with timers; returns the dict of seconds they add to (cumulative, nested: ``pack`` includes
-    ``pack_normalized``)."""
+    with timers; returns the dict of seconds (and, ``*_faults``, minor page faults) they add to (cumulative,
+    nested: ``pack`` includes ``pack_normalized``)."""
+    import resource
     from collections import defaultdict
 
     from daftrain.saved import hooks, records
@@ -192,11 +196,12 @@ def instrument() -> dict[str, float]:
         fn = getattr(owner, name)
 
         def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-            start = time.perf_counter()
+            start, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             try:
                 return fn(*args, **kwargs)
             finally:
                 acc[label] += time.perf_counter() - start
+                acc[f"{label}_faults"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
         setattr(owner, name, wrapper)
 
@@ -413,7 +418,8 @@ def main() -> None:
                       f"first {r['first_step_s']:.2f} s; load {r['load_average'][0]:.2f}",
                       flush=True)
                 if "hooks_s" in r:
-                    print(" " * 26 + ", ".join(f"{k} {v:.3f} s" for k, v in r["hooks_s"].items()), flush=True)
+                    print(" " * 26 + ", ".join(f"{k} {v:.0f}" if k.endswith("_faults") else f"{k} {v:.3f} s"
+                                               for k, v in r["hooks_s"].items()), flush=True)
     summary = {}
     for model in args.models.split(","):
         def med(config: str, key: str, m: str = model) -> float:

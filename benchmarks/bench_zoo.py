@@ -90,13 +90,14 @@ class _OneTensor(daftrain.compress):
         return super()._pack(t)
 
 
-def attribute(model: torch.nn.Module, inputs: dict[str, torch.Tensor], bits: int, top: int) -> list[dict[str, Any]]:
-    """The ``top`` saved tensors whose quantization alone (at ``bits``) moves the gradient most."""
+def attribute(model: torch.nn.Module, inputs: dict[str, torch.Tensor], bits: int, top: int,
+              settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The ``top`` saved tensors whose quantization alone (at ``bits``, with ``settings``) moves the gradient most."""
     ref = zoo_gradient(model, inputs, None)
     log: list[dict[str, Any]] = []
-    zoo_gradient(model, inputs, _OneTensor(None, log, bits=bits, model=model))
+    zoo_gradient(model, inputs, _OneTensor(None, log, bits=bits, model=model, **(settings or {})))
     for entry in log:
-        grad = zoo_gradient(model, inputs, _OneTensor(entry["index"], bits=bits, model=model))
+        grad = zoo_gradient(model, inputs, _OneTensor(entry["index"], bits=bits, model=model, **(settings or {})))
         entry["error"] = 1.0 - _cos(grad, ref)
     return sorted(log, key=lambda e: -e["error"])[:top]
 
@@ -236,17 +237,20 @@ def main() -> None:
                         help="the bound of the bits='auto', error_share=... column")
     parser.add_argument("--column-groups", action="store_true",
                         help="compress(column_groups=True) in every compressed run (NOTE [ Groups down the columns ])")
+    parser.add_argument("--uniform-grids", action="store_true",
+                        help="compress(fitted_grids=False) in every compressed run (NOTE [ Fitted grids ])")
     args = parser.parse_args()
+    settings = {**({"column_groups": True} if args.column_groups else {}),
+                **({"fitted_grids": False} if args.uniform_grids else {})}
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     zoo = [z for z in zoo_entries(args.zoo) if not args.models or z[0] in args.models]
     rows = []
     for model_type, kind, overrides in zoo:
-        row = run_model(model_type, kind, overrides, args.error_share,
-                        {"column_groups": True} if args.column_groups else None)
+        row = run_model(model_type, kind, overrides, args.error_share, settings or None)
         if args.attribute and row["status"] == "ok":
             model, inputs = build_zoo_model(model_type, kind, overrides)
-            found = attribute(model, inputs, args.attribute, args.top)
+            found = attribute(model, inputs, args.attribute, args.top, settings or None)
             row[f"attribution{args.attribute}"] = found
             for e in found:
                 print(f"  {e['error']:.5f} #{e['index']} {e['node']} {e['shape']} rule={e['rule']!r} "

@@ -31,6 +31,7 @@ def test_supported_bits(bits):
         ({"min_numel": -1}, ValueError, "min_numel"),
         ({"pack_bool": 1}, TypeError, "pack_bool"),
         ({"column_groups": "yes"}, TypeError, "column_groups"),
+        ({"fitted_grids": 1}, TypeError, "fitted_grids"),
         ({"seed": -5}, ValueError, "seed"),
         ({"bits": "Auto"}, ValueError, "bits must be one of"),
         ({"bits": 2, "avg_bits": 2.0}, ValueError, "only apply with bits='auto'"),

@@ -32,6 +32,25 @@ def test_worked_example_from_the_docstring():
     assert out[:4].tolist() == [-1.0, 2.0, 0.0, 1.0]
 
 
+def test_worked_example_on_a_fitted_grid():
+    # Levels at 0, 0.75, 2.5 and 3 steps: a value on a level gets its code whatever the noise, and
+    # decodes to lo + g[c] * step; a value between two levels goes to one of them, keeping its mean.
+    grid = torch.tensor([0.0, 0.75, 2.5, 3.0])
+    x = torch.tensor([-1.0, 2.0, -0.25, 1.5] + [0.5] * 28)
+    codes, lo, scale = torch.ops.daftrain.quantize_pack(x, 2, 32, 12345, grid)
+    assert lo.item() == -1.0 and scale.float().item() == 1.0
+    assert codes[0, 0].item() == 0 | 3 << 2 | 1 << 4 | 2 << 6
+    out = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, 2, 32, 32, torch.float32, grid)
+    assert out[:4].tolist() == [-1.0, 2.0, -0.25, 1.5]
+    assert set(out[4:].tolist()) <= {-0.25, 1.5}  # 0.5 lies between levels 1 and 2
+    # 0.5 is 0.75 / 1.75 of the way from -0.25 to 1.5: over many seeds it rounds up that often (5600
+    # draws: a standard error of 0.007; full 32-bit seeds, as record_seed makes them).
+    seeds = [layout.record_seed(7, 0, s) for s in range(200)]
+    ups = [torch.ops.daftrain.unpack_dequantize(*torch.ops.daftrain.quantize_pack(x, 2, 32, s, grid), 2, 32, 32,
+                                                torch.float32, grid)[4:] for s in seeds]
+    assert abs(float((torch.stack(ups) == 1.5).float().mean()) - 0.75 / 1.75) < 0.03
+
+
 def test_fmix32_matches_murmur3_reference_values():
     # Values of MurmurHash3's fmix32 as published with the reference implementation.
     assert layout.fmix32(0) == 0

@@ -42,6 +42,18 @@ Worked example (``bits=2``, one group, first four values shown)::
     codes    = [0, 3, 1, 2]  (values on the grid round the same way whatever u is)
     byte 0   = 0 | 3 << 2 | 1 << 4 | 2 << 6 = 0b10011100 = 0x9c
 
+**Fitted grids** (2 and 4 bits, plain groups): a record may map its codes to levels ``g[0..L]`` that are
+not ``0, 1, ..., L``: ascending float32 values in units of the step, ``g[0] = 0`` and ``g[L] = L``, one
+grid per record (``L + 1`` float32 values beside the groups). In a plain group whose ``lo`` and step are
+finite a value is rounded stochastically between the two levels around it: with ``k`` the number of
+``g[1..L-1]`` at or below ``t``, ``c = clamp(floor(k + (t - g[k]) * w[k] + u))`` where
+``w[k] = 1 / (g[k + 1] - g[k])`` (correctly rounded, float32, no fused multiply-add), and code ``c``
+decodes to ``lo + g[c] * |scale|``. A value between two levels goes to one of them with the
+probabilities that keep its mean, so the record is as unbiased as on the uniform grid, with the levels
+placed where the record's values are (``NOTE [ Fitted grids ]`` in ``kernels/grids.py``). Zero-exact groups
+and groups with a non-finite ``lo`` or step use the uniform grid whatever the record's grid. The uniform
+grid ``g[k] = k`` gives the same bytes as no grid.
+
 ``tests/test_layout.py`` pins this example and golden vectors of whole records.
 """
 
@@ -109,6 +121,24 @@ class PackedLayout:
     def nbytes(self) -> int:
         """Bytes held in memory: codes + float32 lo + bfloat16 scale per group."""
         return self.codes_nbytes + self.num_groups * (4 + 2)
+
+
+GRID_BITS: tuple[int, ...] = (2, 4)
+"""Bit-widths whose records may carry a fitted grid (1 bit has no level between its two; 8 bits' levels are
+fine enough)."""
+
+
+def check_grid(grid: torch.Tensor, bits: int) -> None:
+    """Raise ``LayoutError`` unless ``grid`` is a fitted grid for ``bits``-bit codes: float32 ``[2**bits]``,
+    ascending from exactly 0 to exactly ``2**bits - 1``. Values are read only on the CPU (no device sync)."""
+    if bits not in GRID_BITS:
+        raise LayoutError(f"grid: fitted grids are for {GRID_BITS}-bit codes, got bits={bits}; pass grid=None")
+    levels = (1 << bits) - 1
+    if grid.dtype != torch.float32 or tuple(grid.shape) != (levels + 1,):
+        raise LayoutError(f"grid must be float32 [{levels + 1}] for {bits}-bit codes, got {grid.dtype} "
+                          f"{tuple(grid.shape)}")
+    if grid.device.type == "cpu" and not (grid[0] == 0 and grid[-1] == levels and bool((grid[1:] > grid[:-1]).all())):
+        raise LayoutError(f"grid must ascend strictly from 0 to {levels}, got {grid.tolist()}")
 
 
 def widest_bits_within(avg_bits: float) -> int:

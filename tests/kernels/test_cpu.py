@@ -461,3 +461,56 @@ def test_streaming_decode(offset: int) -> None:
         torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, 256)
         assert_same(out, reference.unpack_dequantize(codes, lo, scale, bits, 256, n, torch.float32),
                     f"streaming decode (bits={bits}, offset={offset})")
+
+
+def fitted_grid(bits: int, seed: int) -> torch.Tensor:
+    """A random ascending grid from 0 to 2**bits - 1 (``layout.py``)."""
+    levels = (1 << bits) - 1
+    inner = torch.rand(levels - 1, generator=torch.Generator().manual_seed(seed)).sort().values * levels
+    return torch.cat([torch.zeros(1), inner, torch.tensor([float(levels)])])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", (2, 4))
+def test_fitted_grid(dtype: torch.dtype, bits: int) -> None:
+    cases = {**special_inputs(32), "random": torch.randn(5000, generator=torch.Generator().manual_seed(3)) * 4}
+    for k, (name, x) in enumerate(cases.items()):
+        x, grid = x.to(dtype), fitted_grid(bits, k)
+        ref = reference.quantize_pack(x, bits, 32, 11 + k, grid)
+        for strategy in (cpu.PER_GROUP, cpu.TWO_LEVEL):
+            got = cpu.quantize_pack_with(strategy, x, bits, 32, 11 + k, grid)
+            for part, a, b in zip(("codes", "lo", "scale"), got, ref, strict=True):
+                assert_same(a, b, f"{part} on a grid ({name}, {strategy}, bits={bits}, {dtype})")
+        want = reference.unpack_dequantize(*ref, bits, 32, x.numel(), dtype, grid)
+        assert_same(torch.ops.daftrain.unpack_dequantize(*ref, bits, 32, x.numel(), dtype, grid), want,
+                    f"decoded on a grid ({name}, bits={bits}, {dtype})")
+        into = torch.full((x.numel(),), float("nan"), dtype=dtype)
+        torch.ops.daftrain.unpack_dequantize_into(into, *ref, bits, 32, grid)
+        assert_same(into, want, f"decoded into on a grid ({name}, bits={bits}, {dtype})")
+
+
+def test_uniform_grid_is_no_grid() -> None:
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(8)) * 2
+    for bits in (2, 4):
+        uniform = torch.arange(float(1 << bits))
+        plain = torch.ops.daftrain.quantize_pack(x, bits, 256, 4)
+        for a, b in zip(torch.ops.daftrain.quantize_pack(x, bits, 256, 4, uniform), plain, strict=True):
+            assert_same(a, b, f"uniform grid, bits={bits}")
+        other = torch.ops.daftrain.quantize_pack(x, bits, 256, 4, fitted_grid(bits, 0))
+        assert not torch.equal(other[0], plain[0])  # a fitted grid does change the codes
+
+
+@pytest.mark.parametrize("grid, bits, match", [
+    (torch.tensor([0.0, 2.0, 1.0, 3.0]), 2, "ascend"),
+    (torch.tensor([0.0, 1.0, 2.0, 3.5]), 2, "ascend"),
+    (torch.tensor([0.0, 1.0, 3.0]), 2, "float32 \\[4\\]"),
+    (torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float64), 2, "float32"),
+    (torch.arange(256.0), 8, "pass grid=None"),
+])
+def test_bad_grid_is_refused(grid: torch.Tensor, bits: int, match: str) -> None:
+    x = torch.randn(512)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.daftrain.quantize_pack(x, bits, 256, 0, grid)
+    codes, lo, scale = torch.ops.daftrain.quantize_pack(x, bits, 256, 0)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, 256, 512, torch.float32, grid)

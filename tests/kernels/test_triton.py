@@ -241,3 +241,26 @@ def tiny_range_groups(levels: int) -> torch.Tensor:
 def test_tiny_ranges(tk, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     for bits in (1, 2, 4, 8):
         check(tk, tiny_range_groups((1 << bits) - 1).to(dtype), bits, 32, seed=5)
+
+
+def fitted_grid(bits: int, seed: int) -> torch.Tensor:
+    """A random ascending grid from 0 to 2**bits - 1 (``layout.py``)."""
+    levels = (1 << bits) - 1
+    inner = torch.rand(levels - 1, generator=torch.Generator().manual_seed(seed)).sort().values * levels
+    return torch.cat([torch.zeros(1), inner, torch.tensor([float(levels)])])
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+def test_fitted_grid(tk, bits: int) -> None:  # type: ignore[no-untyped-def]
+    grid = fitted_grid(bits, bits)
+    gen = torch.Generator().manual_seed(5)
+    for dtype in DTYPES:
+        x = torch.cat([special(32), torch.randn(300, generator=gen) * 3]).to(dtype)
+        ref = reference.quantize_pack(x, bits, 32, 2**31 + 9, grid)
+        for strategy in (tk.PER_GROUP, tk.TWO_LEVEL):
+            got = tk.quantize_pack_with(strategy, x.to(DEV), bits, 32, 2**31 + 9, grid.to(DEV))
+            for name, a, b in zip(("codes", "lo", "scale"), got, ref, strict=True):
+                assert_same(a, b, f"{name} on a grid ({strategy}, bits={bits}, {dtype})")
+        args = (*(t.to(DEV) for t in ref), bits, 32, x.numel(), dtype, grid.to(DEV))
+        want = reference.unpack_dequantize(*ref, bits, 32, x.numel(), dtype, grid)
+        assert_same(tk.unpack_dequantize(*args), want, f"decoded on a grid ({dtype})")

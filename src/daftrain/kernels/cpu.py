@@ -441,61 +441,87 @@ def _deinterleave(builder, vectors, offsets):  # type: ignore[no-untyped-def]
     return halves[0][0] + halves[1][0], halves[0][1] + halves[1][1]
 
 
-def _make_quant_bytes(bits: int, zero_exact: bool):  # type: ignore[no-untyped-def]
+def _make_quant_bytes(bits: int, zero_exact: bool, grid: bool = False):  # type: ignore[no-untyped-def]
     """An intrinsic quantizing ``nruns`` runs of ``128 / bits`` float32 values from ``xb[i]`` (as int32
     bits) to ``bits``-bit codes with the reference's stochastic rounding, each run packed into 16 bytes,
-    from ``codes[o]`` on, as explicit 16-lane vectors; see ``NOTE [ Explicit vectors ]``."""
+    from ``codes[o]`` on, as explicit 16-lane vectors; see ``NOTE [ Explicit vectors ]``. With ``grid``
+    (plain groups), onto the fitted grid and widths of its last two arguments (``NOTE [ Grid kernels
+    without gathers ]``)."""
     nvec = 8 // bits  # codes per byte: vector j holds the values at j, j + nvec, j + 2 nvec, ...
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        with cgutils.for_range(builder, args[2]) as loop:
+            run_i = builder.add(args[1], builder.mul(loop.index, ir.Constant(args[1].type, 128 // bits)))
+            run_o = builder.add(args[8], builder.mul(loop.index, ir.Constant(args[8].type, 16)))
+            run(context, builder, sig, [args[0], run_i, *args[3:8], run_o, *args[9:]])
+        return context.get_dummy_value()
+
+    def run(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        x_a = context.make_array(sig.args[0])(context, builder, args[0])
+        c_a = context.make_array(sig.args[7])(context, builder, args[6])
+        if grid:
+            g_a = context.make_array(sig.args[9])(context, builder, args[8])
+            w_a = context.make_array(sig.args[10])(context, builder, args[9])
+        i32, v16i, v16f, v16b = _I32, _V16I, _V16F, ir.VectorType(ir.IntType(8), 16)
+        ci, cf = _i32x16, _f32x16
+        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f]), "llvm.floor.v16f32")
+
+        def splat(x, vt):  # type: ignore[no-untyped-def]
+            return _splat(builder, x, vt)
+
+        src = builder.bitcast(builder.gep(x_a.data, [args[1]]), v16i.as_pointer())
+        loaded = [builder.load(builder.gep(src, [ir.Constant(i32, j)]), align=4) for j in range(nvec)]
+        xs, offsets = _deinterleave(builder, loaded, [list(range(16 * j, 16 * j + 16)) for j in range(nvec)])
+        lo_v, inv_v, seed_v = splat(args[2], v16f), splat(args[3], v16f), splat(builder.trunc(args[5], i32), v16i)
+        i_v = splat(builder.trunc(args[1], i32), v16i)
+        top = builder.fsub(splat(args[4], v16f), cf(1.0)) if zero_exact else splat(args[4], v16f)
+        if grid:
+            grid_values = [builder.load(builder.gep(g_a.data, [ir.Constant(i32, j)])) for j in range(1 << bits)]
+            width_values = [builder.load(builder.gep(w_a.data, [ir.Constant(i32, j)])) for j in range(1 << bits)]
+        packed = None
+        for xi, off in zip(xs, offsets, strict=True):
+            x = builder.bitcast(xi, v16f)
+            # noise: fmix32((i + offset) mod 2**32 ^ seed) >> 8, times 2**-24 (``_noise``)
+            h = builder.xor(builder.add(i_v, ci(off)), seed_v)
+            h = builder.xor(h, builder.lshr(h, ci(16)))
+            h = builder.mul(h, ci(0x85EBCA6B - (1 << 32)))
+            h = builder.xor(h, builder.lshr(h, ci(13)))
+            h = builder.mul(h, ci(0xC2B2AE35 - (1 << 32)))
+            h = builder.xor(h, builder.lshr(h, ci(16)))
+            u = builder.fmul(builder.sitofp(builder.lshr(h, ci(8)), v16f), cf(5.9604644775390625e-08))
+            t = builder.fmul(builder.fsub(x, lo_v), inv_v)
+            if grid:  # k + (t - g[k]) * w[k], g[k] and w[k] by selects (NOTE [ Grid kernels without gathers ])
+                k, below, width = cf(0.0), splat(grid_values[0], v16f), splat(width_values[0], v16f)
+                for j in range(1, (1 << bits) - 1):
+                    level = splat(grid_values[j], v16f)
+                    above = builder.fcmp_ordered(">=", t, level)
+                    k = builder.select(above, cf(float(j)), k)
+                    below = builder.select(above, level, below)
+                    width = builder.select(above, splat(width_values[j], v16f), width)
+                t = builder.fadd(k, builder.fmul(builder.fsub(t, below), width))
+            r = builder.call(floor, [builder.fadd(t, u)])
+            c = builder.select(builder.fcmp_ordered("<", top, r), top, r)  # clamp; NaN stays NaN ...
+            c = builder.select(builder.fcmp_ordered(">", c, cf(0.0)), c, cf(0.0))  # ... and becomes 0
+            code = builder.fptosi(c, v16i)
+            if zero_exact:
+                special = builder.or_(builder.fcmp_ordered("==", x, cf(0.0)), builder.fcmp_unordered("uno", r, r))
+                code = builder.select(special, ci(0), builder.add(code, ci(1)))
+            # lane k of vector j is code j of byte k: shift it to bits * j and OR the vectors
+            shifted = builder.shl(code, ci(bits * off[0])) if off[0] else code
+            packed = shifted if packed is None else builder.or_(packed, shifted)
+        dst = builder.bitcast(builder.gep(c_a.data, [args[7]]), v16b.as_pointer())
+        builder.store(builder.trunc(packed, v16b), dst, align=1)
+
+    if grid:
+        @intrinsic
+        def quant_grid_bytes(typingctx, xb, i, nruns, lo, inv, levels, seed, codes, o, grid_values,  # type: ignore[no-untyped-def]
+                             widths):
+            return types.none(xb, i, nruns, lo, inv, levels, seed, codes, o, grid_values, widths), codegen
+
+        return quant_grid_bytes
 
     @intrinsic
     def quant_bytes(typingctx, xb, i, nruns, lo, inv, levels, seed, codes, o):  # type: ignore[no-untyped-def]
-        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-            with cgutils.for_range(builder, args[2]) as loop:
-                run_i = builder.add(args[1], builder.mul(loop.index, ir.Constant(args[1].type, 128 // bits)))
-                run_o = builder.add(args[8], builder.mul(loop.index, ir.Constant(args[8].type, 16)))
-                run(context, builder, sig, [args[0], run_i, *args[3:8], run_o])
-            return context.get_dummy_value()
-
-        def run(context, builder, sig, args):  # type: ignore[no-untyped-def]
-            x_a = context.make_array(sig.args[0])(context, builder, args[0])
-            c_a = context.make_array(sig.args[7])(context, builder, args[6])
-            i32, v16i, v16f, v16b = _I32, _V16I, _V16F, ir.VectorType(ir.IntType(8), 16)
-            ci, cf = _i32x16, _f32x16
-            floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f]), "llvm.floor.v16f32")
-
-            def splat(x, vt):  # type: ignore[no-untyped-def]
-                return _splat(builder, x, vt)
-
-            src = builder.bitcast(builder.gep(x_a.data, [args[1]]), v16i.as_pointer())
-            loaded = [builder.load(builder.gep(src, [ir.Constant(i32, j)]), align=4) for j in range(nvec)]
-            xs, offsets = _deinterleave(builder, loaded, [list(range(16 * j, 16 * j + 16)) for j in range(nvec)])
-            lo_v, inv_v, seed_v = splat(args[2], v16f), splat(args[3], v16f), splat(builder.trunc(args[5], i32), v16i)
-            i_v = splat(builder.trunc(args[1], i32), v16i)
-            top = builder.fsub(splat(args[4], v16f), cf(1.0)) if zero_exact else splat(args[4], v16f)
-            packed = None
-            for xi, off in zip(xs, offsets, strict=True):
-                x = builder.bitcast(xi, v16f)
-                # noise: fmix32((i + offset) mod 2**32 ^ seed) >> 8, times 2**-24 (``_noise``)
-                h = builder.xor(builder.add(i_v, ci(off)), seed_v)
-                h = builder.xor(h, builder.lshr(h, ci(16)))
-                h = builder.mul(h, ci(0x85EBCA6B - (1 << 32)))
-                h = builder.xor(h, builder.lshr(h, ci(13)))
-                h = builder.mul(h, ci(0xC2B2AE35 - (1 << 32)))
-                h = builder.xor(h, builder.lshr(h, ci(16)))
-                u = builder.fmul(builder.sitofp(builder.lshr(h, ci(8)), v16f), cf(5.9604644775390625e-08))
-                r = builder.call(floor, [builder.fadd(builder.fmul(builder.fsub(x, lo_v), inv_v), u)])
-                c = builder.select(builder.fcmp_ordered("<", top, r), top, r)  # clamp; NaN stays NaN ...
-                c = builder.select(builder.fcmp_ordered(">", c, cf(0.0)), c, cf(0.0))  # ... and becomes 0
-                code = builder.fptosi(c, v16i)
-                if zero_exact:
-                    special = builder.or_(builder.fcmp_ordered("==", x, cf(0.0)), builder.fcmp_unordered("uno", r, r))
-                    code = builder.select(special, ci(0), builder.add(code, ci(1)))
-                # lane k of vector j is code j of byte k: shift it to bits * j and OR the vectors
-                shifted = builder.shl(code, ci(bits * off[0])) if off[0] else code
-                packed = shifted if packed is None else builder.or_(packed, shifted)
-            dst = builder.bitcast(builder.gep(c_a.data, [args[7]]), v16b.as_pointer())
-            builder.store(builder.trunc(packed, v16b), dst, align=1)
-
         return types.none(xb, i, nruns, lo, inv, levels, seed, codes, o), codegen
 
     return quant_bytes
@@ -505,6 +531,7 @@ _QUANT_1, _QUANT_1Z = _make_quant_bytes(1, False), _make_quant_bytes(1, True)
 _QUANT_2, _QUANT_2Z = _make_quant_bytes(2, False), _make_quant_bytes(2, True)
 _QUANT_4, _QUANT_4Z = _make_quant_bytes(4, False), _make_quant_bytes(4, True)
 _QUANT_8, _QUANT_8Z = _make_quant_bytes(8, False), _make_quant_bytes(8, True)
+_QUANT_2G, _QUANT_4G = _make_quant_bytes(2, False, grid=True), _make_quant_bytes(4, False, grid=True)
 
 
 @njit(inline="always", **_JIT)
@@ -553,6 +580,80 @@ def _quantize_span(  # type: ignore[no-untyped-def]
     else:
         for k in range(count):
             codes[_U(o0 + k)] = np.uint8(scratch[_U(k)])
+
+
+# NOTE [ Grid kernels without gathers ]
+# On a fitted grid (``layout.py``) a value's level below and its width, and a code's level, depend on the
+# value: indexing the grid by a computed ``k`` or code is a gather, which kept numba's loops scalar and
+# made them several times slower than the uniform grid's. The float32 kernels pick them with one
+# compare and select per level instead, in the explicit vectors of ``NOTE [ Explicit vectors ]``
+# (``_make_quant_bytes(..., grid=True)``, ``_make_grid_store16``): the grid ascends, so the last level at
+# or below ``t`` wins. The arithmetic is the reference's, operation for operation. The scalar
+# ``_grid_position`` does the same for the tails of groups and other dtypes.
+@njit(inline="always", **_JIT)
+def _grid_position(t, grid, widths, inner):  # type: ignore[no-untyped-def]
+    """``k + (t - g[k]) * w[k]`` with ``k`` the number of ``g[1..inner]`` at or below ``t``."""
+    k = np.float32(0.0)
+    below = grid[0]
+    width = widths[0]
+    for j in range(1, inner + 1):
+        above = t >= grid[j]
+        k = np.float32(j) if above else k
+        below = grid[j] if above else below
+        width = widths[j] if above else width
+    return k + (t - below) * width
+
+
+@njit(inline="always", **_JIT)
+def _grid_codes(xb, a, b, lo, inv, seed, grid, widths, dst, inner):  # type: ignore[no-untyped-def]
+    levels = np.float32(inner + 1)
+    for i in range(a, b):
+        x = bits_f32(_load_bits(xb[_U(i)]))
+        r = np.floor(_grid_position((x - lo) * inv, grid, widths, inner) + _noise(i, seed))
+        c = levels if levels < r else r
+        c = c if c > 0 else np.float32(0.0)
+        dst[_U(i - a)] = np.int32(c)
+
+
+@njit(**_JIT)
+def _codes_range_grid(xb, a, b, lo, inv, bits, seed, grid, widths, dst):  # type: ignore[no-untyped-def]
+    """Codes (int32) of values ``a:b`` of a plain group with finite lo and step, on the fitted ``grid``."""
+    if bits == 2:
+        _grid_codes(xb, a, b, lo, inv, seed, grid, widths, dst, 2)
+    else:
+        _grid_codes(xb, a, b, lo, inv, seed, grid, widths, dst, 14)
+
+
+@njit(inline="always", **_JIT)
+def _quantize_span_grid(  # type: ignore[no-untyped-def]
+    xb, n, a, stop, lo_b, sb, bits, seed, grid, widths, scratch, codes, c16, c32, o0
+):
+    """``_quantize_span`` on the fitted ``grid``: plain groups with finite lo and step round onto it, the
+    others as without a grid (``layout.py``)."""
+    lo = bits_f32(lo_b)
+    step, zero_exact = _scale_step(sb)
+    if zero_exact or not (np.isfinite(lo) and np.isfinite(step)):
+        _quantize_span(xb, n, a, stop, lo_b, sb, bits, seed, scratch, codes, c16, c32, o0)
+        return
+    inv = np.float32(1.0) / step if step > 0 else np.float32(0.0)
+    b = max(a, min(n, stop))
+    if _is_f32(xb):  # runs of 16 bytes of codes as explicit vectors, the rest below
+        nruns = (b - a) // (128 // bits)
+        levels = np.float32((1 << bits) - 1)
+        args = (xb, _U(a), _U(nruns), lo, inv, levels, seed, codes, _U(o0), grid, widths)
+        _QUANT_2G(*args) if bits == 2 else _QUANT_4G(*args)
+        a += nruns * (128 // bits)
+        o0 += 16 * nruns
+        if a == stop:
+            return
+    count = stop - a
+    _codes_range_grid(xb, a, b, lo, inv, bits, seed, grid, widths, scratch)
+    for k in range(b - a, count):
+        scratch[_U(k)] = 0
+    if bits == 2:
+        _pack_words(scratch, count, 2, c16, o0 // 2)
+    else:
+        _pack_words(scratch, count, 4, c32, o0 // 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,9 +708,10 @@ def _minmax_two_level(xb, n, group_size, tile, out):  # type: ignore[no-untyped-
 
 @njit(**_PJIT)
 def _quantize_per_group(  # type: ignore[no-untyped-def]
-    xb, n, group_size, bits, seed, codes, lo_out, scale_out, nchunks
+    xb, n, group_size, bits, seed, grid, widths, codes, lo_out, scale_out, nchunks
 ):
-    """Fused: stats, params, codes and packing of each group in one visit, parallel over runs of groups."""
+    """Fused: stats, params, codes and packing of each group in one visit, parallel over runs of groups; on
+    the fitted ``grid`` unless it is empty."""
     ng = lo_out.shape[0]
     nbytes = group_size * bits // 8
     per = (ng + nchunks - 1) // nchunks
@@ -623,7 +725,11 @@ def _quantize_per_group(  # type: ignore[no-untyped-def]
             lo_b, sb = _params(mn, mx, mp, bits)
             lo_out[g] = lo_b
             scale_out[g] = sb
-            _quantize_span(xb, n, a, a + group_size, lo_b, sb, bits, seed, scratch, codes, c16, c32, g * nbytes)
+            if grid.shape[0]:
+                _quantize_span_grid(xb, n, a, a + group_size, lo_b, sb, bits, seed, grid, widths, scratch, codes,
+                                    c16, c32, g * nbytes)
+            else:
+                _quantize_span(xb, n, a, a + group_size, lo_b, sb, bits, seed, scratch, codes, c16, c32, g * nbytes)
 
 
 @njit(**_JIT)
@@ -749,27 +855,43 @@ def _store_fence(typingctx):  # type: ignore[no-untyped-def]
     return types.none(), codegen
 
 
+def _codes16(builder: ir.IRBuilder, words: ir.Value, w: ir.Value, bits: int, first: int) -> ir.Value:
+    """The 16 codes ``first`` to ``first + 15`` counted from word ``w`` of ``words`` (little-endian 32-bit
+    words) as a <16 x i32>."""
+    wk = ir.VectorType(_I32, max(1, (first + 16) * bits // 32))
+    loaded = builder.load(builder.bitcast(builder.gep(words, [w]), wk.as_pointer()), align=4)
+    lanes = builder.shuffle_vector(loaded, ir.Constant(wk, ir.Undefined),
+                                   ir.Constant(_V16I, [(first + k) * bits // 32 for k in range(16)]))
+    shifts = ir.Constant(_V16I, [((first + k) * bits) % 32 for k in range(16)])
+    return builder.and_(builder.lshr(lanes, shifts), ir.Constant(_V16I, [(1 << bits) - 1] * 16))
+
+
+def _store16(builder: ir.IRBuilder, out: ir.Value, o: ir.Value, values: ir.Value, streaming: ir.Value) -> None:
+    """Store the <16 x i32> ``values`` at ``out[o:o + 16]``, non-temporally if ``streaming`` is set."""
+    dst = builder.bitcast(builder.gep(out, [o]), _V16I.as_pointer())
+    is_streaming = builder.icmp_unsigned("!=", streaming, ir.Constant(streaming.type, 0))
+    with builder.if_else(is_streaming) as (stream, cached):
+        with stream:
+            store = builder.store(values, dst, align=64)
+            store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
+        with cached:
+            builder.store(values, dst, align=4)
+
+
 def _make_store16(bits: int, first: int = 0):  # type: ignore[no-untyped-def]
     """An intrinsic decoding 16 codes of ``bits`` of a group (zero-exact or not, ``zero_exact``) from
     little-endian 32-bit words (codes ``first`` to ``first + 15`` counted from word ``w``) into 16 float32
     bit patterns at ``out[o:o + 16]``, as one explicit 16-lane vector; see ``NOTE [ Explicit vectors ]``.
     With ``streaming`` the store is non-temporal and ``out + o`` must be 64-byte aligned
     (``NOTE [ Streaming stores ]``)."""
-    words_per_16 = max(1, (first + 16) * bits // 32)
 
     @intrinsic
     def store16(typingctx, out, o, words, w, lo, step, zero_exact, streaming):  # type: ignore[no-untyped-def]
         def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
             out_a = context.make_array(sig.args[0])(context, builder, args[0])
             words_a = context.make_array(sig.args[2])(context, builder, args[2])
-            i32, v16i, v16f = _I32, _V16I, _V16F
-            wk = ir.VectorType(i32, words_per_16)
-            src = builder.gep(words_a.data, [args[3]])
-            loaded = builder.load(builder.bitcast(src, wk.as_pointer()), align=4)
-            lanes = builder.shuffle_vector(loaded, ir.Constant(wk, ir.Undefined),
-                                           ir.Constant(v16i, [(first + k) * bits // 32 for k in range(16)]))
-            shifts = ir.Constant(v16i, [((first + k) * bits) % 32 for k in range(16)])
-            c = builder.and_(builder.lshr(lanes, shifts), ir.Constant(v16i, [(1 << bits) - 1] * 16))
+            v16i, v16f = _V16I, _V16F
+            c = _codes16(builder, words_a.data, args[3], bits, first)
 
             def splat(x, vt=v16f):  # type: ignore[no-untyped-def]
                 return _splat(builder, x, vt)
@@ -780,14 +902,7 @@ def _make_store16(bits: int, first: int = 0):  # type: ignore[no-untyped-def]
             v = builder.fadd(splat(args[4]), builder.fmul(builder.sitofp(k, v16f), splat(args[5])))
             is0 = builder.and_(builder.icmp_unsigned("==", c, ir.Constant(v16i, [0] * 16)), zx_v)
             vb = builder.select(is0, ir.Constant(v16i, [0] * 16), builder.bitcast(v, v16i))
-            dst = builder.bitcast(builder.gep(out_a.data, [args[1]]), v16i.as_pointer())
-            is_streaming = builder.icmp_unsigned("!=", args[7], ir.Constant(args[7].type, 0))
-            with builder.if_else(is_streaming) as (stream, cached):
-                with stream:
-                    store = builder.store(vb, dst, align=64)
-                    store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(i32, 1)]))
-                with cached:
-                    builder.store(vb, dst, align=4)
+            _store16(builder, out_a.data, args[1], vb, args[7])
             return context.get_dummy_value()
 
         return types.none(out, o, words, w, lo, step, zero_exact, streaming), codegen
@@ -795,8 +910,33 @@ def _make_store16(bits: int, first: int = 0):  # type: ignore[no-untyped-def]
     return store16
 
 
+def _make_grid_store16(bits: int):  # type: ignore[no-untyped-def]
+    """``_make_store16`` for a plain group on a fitted grid: 16 codes decoded as ``lo + g[c] * step``, the
+    level picked by selects (``NOTE [ Grid kernels without gathers ]``)."""
+
+    @intrinsic
+    def grid_store16(typingctx, out, o, words, w, lo, step, grid_values, streaming):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            out_a = context.make_array(sig.args[0])(context, builder, args[0])
+            words_a = context.make_array(sig.args[2])(context, builder, args[2])
+            g_a = context.make_array(sig.args[6])(context, builder, args[6])
+            c = _codes16(builder, words_a.data, args[3], bits, 0)
+            level = _splat(builder, builder.load(builder.gep(g_a.data, [ir.Constant(_I32, 0)])), _V16F)
+            for j in range(1, 1 << bits):
+                g_j = _splat(builder, builder.load(builder.gep(g_a.data, [ir.Constant(_I32, j)])), _V16F)
+                level = builder.select(builder.icmp_unsigned("==", c, _i32x16(j)), g_j, level)
+            v = builder.fadd(_splat(builder, args[4], _V16F), builder.fmul(level, _splat(builder, args[5], _V16F)))
+            _store16(builder, out_a.data, args[1], builder.bitcast(v, _V16I), args[7])
+            return context.get_dummy_value()
+
+        return types.none(out, o, words, w, lo, step, grid_values, streaming), codegen
+
+    return grid_store16
+
+
 _STORE16_1, _STORE16_1H = _make_store16(1), _make_store16(1, 16)  # a word's lower and upper half
 _STORE16_2, _STORE16_4, _STORE16_8 = _make_store16(2), _make_store16(4), _make_store16(8)
+_GRID_STORE16_2, _GRID_STORE16_4 = _make_grid_store16(2), _make_grid_store16(4)
 
 
 # NOTE [ Inlined group decode ]
@@ -877,6 +1017,59 @@ def _dequantize(codes, lo_b, scale_b, bits, group_size, n, out, nchunks, streami
             if count > 0:
                 c0 = g * nbytes + off * bits // 8
                 _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b[g], scale_b[g], out, a, streaming)
+        if streaming:
+            _store_fence()
+
+
+@njit(inline="always", **_JIT)
+def _grid_decode_words(words, w0, nwords, lo, step, grid, out, o0, bits):  # type: ignore[no-untyped-def]
+    """Decode ``nwords`` words of 8 codes (``words``' dtype has ``8 * bits`` bits) on ``grid``, one value at a
+    time (float16 and bfloat16 outputs)."""
+    mask = (1 << bits) - 1
+    for k in range(nwords):
+        w = words[_U(w0 + k)]
+        for s in range(8):
+            c = (w >> (bits * s)) & mask
+            _store_bits(out, _U(o0 + 8 * k + s), f32_bits(lo + grid[c] * step))
+
+
+@njit(**_PJIT)
+def _dequantize_grid(codes, lo_b, scale_b, bits, group_size, n, grid, out, nchunks, streaming):  # type: ignore[no-untyped-def]
+    """``_dequantize`` of a record on the fitted ``grid``: plain groups with finite lo and step decode
+    ``lo + g[c] * step``, the others as without a grid; parallel over runs of groups."""
+    ng = lo_b.shape[0]
+    nbytes = group_size * bits // 8
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    per = (ng + nchunks - 1) // nchunks
+    for ci in prange(nchunks):
+        c16, c32, c64 = _word_views(codes)
+        for g in range(ci * per, min(ng, (ci + 1) * per)):
+            a = g * group_size
+            count = min(n, a + group_size) - a
+            c0 = g * nbytes
+            lo = bits_f32(lo_b[g])
+            step, zero_exact = _scale_step(scale_b[g])
+            if zero_exact or not (np.isfinite(lo) and np.isfinite(step)):
+                _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b[g], scale_b[g], out, a, streaming)
+                continue
+            if _is_f32(out):
+                full = count // 16 * 16
+                w0 = c0 // 4
+                for j in range(count // 16):
+                    if bits == 2:
+                        _GRID_STORE16_2(out, _U(a + 16 * j), c32, _U(w0 + j), lo, step, grid, streaming)
+                    else:
+                        _GRID_STORE16_4(out, _U(a + 16 * j), c32, _U(w0 + 2 * j), lo, step, grid, streaming)
+            else:
+                full = count // 8 * 8
+                if bits == 2:
+                    _grid_decode_words(c16, c0 // 2, count // 8, lo, step, grid, out, a, 2)
+                else:
+                    _grid_decode_words(c32, c0 // 4, count // 8, lo, step, grid, out, a, 4)
+            for j in range(full, count):
+                c = (codes[_U(c0 + j // per_byte)] >> ((j % per_byte) * bits)) & mask
+                _store_bits(out, _U(a + j), f32_bits(lo + grid[c] * step))
         if streaming:
             _store_fence()
 
@@ -1121,6 +1314,7 @@ def minmax_two_level(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 STRATEGIES = {PER_GROUP: minmax_per_group, TWO_LEVEL: minmax_two_level}
+_NO_GRID = np.empty(0, np.float32)
 
 
 def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
@@ -1133,7 +1327,7 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         return STRATEGIES[strategy](flat, group_size)
 
     def quantize_pack(
-        x: torch.Tensor, bits: int, group_size: int, seed: int
+        x: torch.Tensor, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = _flat(x)
         n = flat.numel()
@@ -1152,7 +1346,12 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         # The tiled schedule reads the input twice (stats, then codes); it only pays where the fused
         # one cannot keep the threads busy: few groups per thread. There the selector decides.
         strategy = PER_GROUP if ng >= 8 * threads() else selector.choose(n, group_size, flat.dtype)
-        if strategy == TWO_LEVEL:
+        if grid is not None:  # one schedule: a grid's record reads its groups once, whatever their number
+            grid_np, widths_np = grid.numpy(), reference.grid_widths(grid).numpy()
+            with _Guard(n) as nt:
+                _quantize_per_group(xb, n, group_size, bits, seed32, grid_np, widths_np, codes_np, lo_np, sc_np,
+                                    _chunks(ng, nt))
+        elif strategy == TWO_LEVEL:
             stats = minmax_two_level(flat, group_size)
             with _Guard(n) as nt:
                 _params_all(stats.view(torch.int32).numpy(), bits, lo_np, sc_np)
@@ -1160,7 +1359,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
                 _quantize_tiles(xb, n, group_size, bits, seed32, tile, lo_np, sc_np, codes_np)
         else:
             with _Guard(n) as nt:
-                _quantize_per_group(xb, n, group_size, bits, seed32, codes_np, lo_np, sc_np, _chunks(ng, nt))
+                _quantize_per_group(xb, n, group_size, bits, seed32, _NO_GRID, _NO_GRID, codes_np, lo_np, sc_np,
+                                    _chunks(ng, nt))
         return codes, lo, scale
 
     return {fn.__name__: fn for fn in (group_minmax, quantize_pack, reference.seeded(quantize_pack), unpack_dequantize,
@@ -1168,7 +1368,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
 
 
 def unpack_dequantize_into(
-    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+    grid: torch.Tensor | None = None,
 ) -> None:
     """Decode into a preallocated contiguous 1-D ``out`` (its dtype and numel say what to decode)."""
     numel = out.numel()
@@ -1179,7 +1380,11 @@ def unpack_dequantize_into(
     sc_np = scale.detach().contiguous().view(torch.int16).numpy()
     out_np = _raw(out)
     with _Guard(numel) as nt:
-        _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt, streams(out))
+        if grid is not None:
+            _dequantize_grid(codes_np, lo_np, sc_np, bits, group_size, numel, grid.numpy(), out_np, 4 * nt,
+                             streams(out))
+        else:
+            _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt, streams(out))
 
 
 unpack_dequantize = reference.allocating(unpack_dequantize_into, lambda numel, dtype, device: _empty(numel, dtype))
@@ -1205,13 +1410,13 @@ def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def quantize_pack_with(
-    strategy: str, x: torch.Tensor, bits: int, group_size: int, seed: int
+    strategy: str, x: torch.Tensor, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_pack`` with a forced schedule (``per_group`` / ``two_level``), for tests and benchmarks;
     it bypasses the op, so it runs the op's check itself."""
-    ops.quantize_pack.check(x, bits, group_size, seed)
+    ops.quantize_pack.check(x, bits, group_size, seed, grid)
     forced = ReductionSelector("cpu", STRATEGIES, forced=strategy)
-    return make_kernels(forced)["quantize_pack"](x, bits, group_size, seed)
+    return make_kernels(forced)["quantize_pack"](x, bits, group_size, seed, grid)
 
 
 # NOTE [ Kernels load before the first step ]
@@ -1231,4 +1436,7 @@ def warmup() -> None:
         c, lo, s = quantize_pack_with(strategy, x, 2, 32, 0)
         STRATEGIES[strategy](x, 32)
     unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32)
+    grid = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    c, lo, s = quantize_pack_with(PER_GROUP, x, 2, 32, 0, grid)
+    unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32, grid)
     unpack_bool(pack_bool(x > 0), 100)

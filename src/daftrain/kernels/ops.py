@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
+from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes, check_grid
 from . import reference
 
 __all__ = [
@@ -102,14 +102,24 @@ def _check_group_minmax(x: torch.Tensor, group_size: int) -> None:
     PackedLayout(8, group_size, 0)  # raises LayoutError (a ValueError) for a bad group size
 
 
-def _check_quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> None:
-    _check_float(x)
-    PackedLayout(bits, group_size, x.numel())
+def _check_grid(grid: torch.Tensor | None, bits: int, device: torch.device) -> None:
+    if grid is not None:
+        _require(grid.device == device, lambda: f"grid must be on {device}, got {grid.device}")
+        check_grid(grid, bits)  # raises LayoutError (a ValueError)
 
 
-def _check_quantize_pack_seeded(x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor) -> None:
+def _check_quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int,
+                         grid: torch.Tensor | None = None) -> None:
     _check_float(x)
     PackedLayout(bits, group_size, x.numel())
+    _check_grid(grid, bits, x.device)
+
+
+def _check_quantize_pack_seeded(x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor,
+                                grid: torch.Tensor | None = None) -> None:
+    _check_float(x)
+    PackedLayout(bits, group_size, x.numel())
+    _check_grid(grid, bits, x.device)
     _require(
         seed.dim() == 0 and seed.dtype == torch.int64 and seed.device.type == "cpu",
         lambda: f"seed must be a 0-d int64 CPU tensor, got {seed.dim()}-d {seed.dtype} on {seed.device}",
@@ -118,9 +128,10 @@ def _check_quantize_pack_seeded(x: torch.Tensor, bits: int, group_size: int, see
 
 def _check_unpack(
     codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, grid: torch.Tensor | None = None,
 ) -> None:
     layout = PackedLayout(bits, group_size, numel)
+    _check_grid(grid, bits, codes.device)
     _require(dtype in QUANTIZABLE_DTYPES,
              lambda: f"cannot dequantize to {dtype}: dtype must be float32, float16 or bfloat16", KernelDtypeError)
     _require(
@@ -139,13 +150,14 @@ def _check_unpack(
 
 
 def _check_unpack_into(
-    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+    grid: torch.Tensor | None = None,
 ) -> None:
     _require(
         out.dim() == 1 and out.is_contiguous() and out.device == codes.device,
         lambda: f"out must be a contiguous 1-D tensor on {codes.device}, got {out.dim()}-D on {out.device}",
     )
-    _check_unpack(codes, lo, scale, bits, group_size, out.numel(), out.dtype)
+    _check_unpack(codes, lo, scale, bits, group_size, out.numel(), out.dtype, grid)
 
 
 def _check_pack_bool(x: torch.Tensor) -> None:
@@ -165,7 +177,7 @@ def _fake_group_minmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def _fake_quantize_pack(
-    x: torch.Tensor, bits: int, group_size: int, seed: int
+    x: torch.Tensor, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     layout = PackedLayout(bits, group_size, x.numel())
     return (
@@ -176,16 +188,16 @@ def _fake_quantize_pack(
 
 
 def _fake_quantize_pack_seeded(
-    x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor
+    x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor, grid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _fake_quantize_pack(x, bits, group_size, 0)
 
 
-def _fake_unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype):  # type: ignore[no-untyped-def]
+def _fake_unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, grid=None):  # type: ignore[no-untyped-def]
     return codes.new_empty(numel, dtype=dtype)
 
 
-def _fake_unpack_dequantize_into(out, codes, lo, scale, bits, group_size):  # type: ignore[no-untyped-def]
+def _fake_unpack_dequantize_into(out, codes, lo, scale, bits, group_size, grid=None):  # type: ignore[no-untyped-def]
     return None
 
 
@@ -204,15 +216,17 @@ group_minmax = Op(
 """Per-group ``[min, max, min positive]`` of flat ``x`` as float32 [num_groups, 3]."""
 
 quantize_pack = Op(
-    "quantize_pack(Tensor x, int bits, int group_size, int seed) -> (Tensor, Tensor, Tensor)",
+    "quantize_pack(Tensor x, int bits, int group_size, int seed, Tensor? grid=None) -> (Tensor, Tensor, Tensor)",
     check=_check_quantize_pack, fake=_fake_quantize_pack, reference=reference.quantize_pack,
 )
 """Quantize flat ``x`` per group with stochastic rounding and bit-pack it: ``(codes uint8
 [num_groups, group_size*bits/8], lo float32 [num_groups], scale bfloat16 [num_groups])`` in the
-unified layout (``layout.py``)."""
+unified layout (``layout.py``); with ``grid`` (float32 ``[2**bits]``, 2 and 4 bits), plain groups round
+onto that fitted grid."""
 
 quantize_pack_seeded = Op(
-    "quantize_pack_seeded(Tensor x, int bits, int group_size, Tensor seed) -> (Tensor, Tensor, Tensor)",
+    "quantize_pack_seeded(Tensor x, int bits, int group_size, Tensor seed, Tensor? grid=None) "
+    "-> (Tensor, Tensor, Tensor)",
     check=_check_quantize_pack_seeded, fake=_fake_quantize_pack_seeded, reference=reference.quantize_pack_seeded,
 )
 """``quantize_pack`` with the seed in a 0-d int64 CPU tensor: the same bytes as ``quantize_pack(x, bits,
@@ -222,13 +236,14 @@ constant baked into the graph."""
 
 unpack_dequantize = Op(
     "unpack_dequantize(Tensor codes, Tensor lo, Tensor scale, int bits, int group_size, int numel, "
-    "ScalarType dtype) -> Tensor",
+    "ScalarType dtype, Tensor? grid=None) -> Tensor",
     check=_check_unpack, fake=_fake_unpack_dequantize, reference=reference.unpack_dequantize,
 )
-"""Decode what ``quantize_pack`` wrote into a flat tensor of ``numel`` values of ``dtype``."""
+"""Decode what ``quantize_pack`` wrote (with the same ``grid``) into a flat tensor of ``numel`` values of ``dtype``."""
 
 unpack_dequantize_into = Op(
-    "unpack_dequantize_into(Tensor(a!) out, Tensor codes, Tensor lo, Tensor scale, int bits, int group_size) -> ()",
+    "unpack_dequantize_into(Tensor(a!) out, Tensor codes, Tensor lo, Tensor scale, int bits, int group_size, "
+    "Tensor? grid=None) -> ()",
     check=_check_unpack_into, fake=_fake_unpack_dequantize_into, reference=reference.unpack_dequantize_into,
 )
 """``unpack_dequantize`` into the preallocated contiguous 1-D ``out`` (its numel and dtype say what to

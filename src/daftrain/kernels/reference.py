@@ -134,10 +134,22 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
 
 
+def grid_widths(grid: torch.Tensor) -> torch.Tensor:
+    """``w[k] = 1 / (g[k + 1] - g[k])`` of a fitted grid, float32 (``layout.py``)."""
+    return 1.0 / (grid[1:] - grid[:-1])
+
+
+def grid_position(t: torch.Tensor, grid: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """``t`` (in steps) as a position on ``grid``: ``k + (t - g[k]) * w[k]``, float32 (``layout.py``)."""
+    k = (t[..., None] >= grid[1:-1]).sum(-1)
+    return k.to(torch.float32) + (t - grid[k]) * widths[k]
+
+
 def quantize_pack(
-    x: torch.Tensor, bits: int, group_size: int, seed: int
+    x: torch.Tensor, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat float ``x`` -> ``(codes uint8 [num_groups, G*bits/8], lo float32, scale bfloat16)``."""
+    """Flat float ``x`` -> ``(codes uint8 [num_groups, G*bits/8], lo float32, scale bfloat16)``; with
+    ``grid``, plain groups round onto that fitted grid (``layout.py``)."""
     x = x.reshape(-1)
     layout = PackedLayout(bits, group_size, x.numel())
     levels = layout.levels
@@ -146,6 +158,8 @@ def quantize_pack(
     step = scale.to(torch.float32).abs()
     inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
     zero_exact = torch.signbit(scale)
+    on_grid = ~zero_exact & torch.isfinite(lo) & torch.isfinite(step)
+    widths = grid_widths(grid) if grid is not None else None
     for g0, g1 in _chunks(layout.num_groups, group_size):
         block = _group_block(x, g0, g1, group_size, 0.0)
         index = torch.arange(g0 * group_size, g1 * group_size, dtype=torch.int64, device=x.device)
@@ -153,6 +167,9 @@ def quantize_pack(
         t = (block - lo[g0:g1, None]) * inv[g0:g1, None]
         r = torch.floor(t + u)
         plain = r.clamp(0, levels)
+        if grid is not None:
+            fitted = torch.floor(grid_position(t, grid, widths) + u).clamp(0, levels)
+            plain = torch.where(on_grid[g0:g1, None], fitted, plain)
         zero = torch.where(block == 0, 0.0, r.clamp(0, levels - 1) + 1)
         c = torch.where(zero_exact[g0:g1, None], zero, plain)
         c = torch.where(index.view_as(block) < x.numel(), c, 0.0)
@@ -161,16 +178,16 @@ def quantize_pack(
 
 
 def seeded(
-    quantize: Callable[[torch.Tensor, int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-) -> Callable[[torch.Tensor, int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    quantize: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``quantize_pack_seeded`` of a backend from its ``quantize_pack``: the seed is read from its 0-d
     tensor (on the CPU: no device synchronisation) and the bytes are ``quantize``'s."""
 
     def quantize_pack_seeded(
-        x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor
+        x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor, grid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``quantize_pack(x, bits, group_size, int(seed))``."""
-        return quantize(x, bits, group_size, int(seed))
+        """``quantize_pack(x, bits, group_size, int(seed), grid)``."""
+        return quantize(x, bits, group_size, int(seed), grid)
 
     return quantize_pack_seeded
 
@@ -179,15 +196,20 @@ quantize_pack_seeded = seeded(quantize_pack)
 
 
 def unpack_dequantize_into(
-    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+    grid: torch.Tensor | None = None,
 ) -> None:
     """``unpack_dequantize`` written into the flat tensor ``out``, whose numel and dtype say what to decode."""
     layout = PackedLayout(bits, group_size, out.numel())
     step = scale.to(torch.float32).abs()
     zero_exact = torch.signbit(scale)
     shift = zero_exact.to(torch.float32)
+    on_grid = ~zero_exact & torch.isfinite(lo) & torch.isfinite(step)
     for g0, g1 in _chunks(layout.num_groups, group_size):
-        c = unpack_codes(codes[g0:g1], bits).to(torch.float32)
+        raw = unpack_codes(codes[g0:g1], bits)
+        c = raw.to(torch.float32)
+        if grid is not None:
+            c = torch.where(on_grid[g0:g1, None], grid[raw.long()], c)
         v = lo[g0:g1, None] + (c - shift[g0:g1, None]) * step[g0:g1, None]
         v = torch.where(zero_exact[g0:g1, None] & (c == 0), 0.0, v)
         start, stop = g0 * group_size, min(g1 * group_size, layout.numel)
@@ -195,20 +217,20 @@ def unpack_dequantize_into(
 
 
 def allocating(
-    into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], None],
+    into: Callable[..., None],
     empty: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, torch.dtype], torch.Tensor]:
+) -> Callable[..., torch.Tensor]:
     """``unpack_dequantize`` of a backend from its ``unpack_dequantize_into``: the output comes from
     ``empty(numel, dtype, device)`` (``torch.empty`` by default), then ``into`` decodes into it."""
 
     def unpack_dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
-                          numel: int, dtype: torch.dtype) -> torch.Tensor:
+                          numel: int, dtype: torch.dtype, grid: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of ``quantize_pack``: flat tensor of ``numel`` values of ``dtype``."""
         if empty is None:
             out = torch.empty(numel, dtype=dtype, device=codes.device)
         else:
             out = empty(numel, dtype, codes.device)
-        into(out, codes, lo, scale, bits, group_size)
+        into(out, codes, lo, scale, bits, group_size, grid)
         return out
 
     return unpack_dequantize

@@ -151,11 +151,12 @@ def _fmix32(h):
 
 @triton.jit
 def _quantize_span(
-    x_ptr, codes_ptr, n, g_start, span_start, span_len, byte0, lo_b, scale_b, seed,
-    KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, codes_ptr, n, g_start, span_start, span_len, byte0, lo_b, scale_b, seed, grid_ptr, widths_ptr,
+    KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
 ):
     """Codes of the ``span_len`` values (a multiple of 32) from ``g_start + span_start`` of one group,
-    packed into bytes from ``codes_ptr + byte0``; values at index >= n are padding (code 0)."""
+    packed into bytes from ``codes_ptr + byte0``; values at index >= n are padding (code 0). With
+    ``GRID``, a plain group with finite lo and step rounds onto the fitted grid at ``grid_ptr``."""
     PER: tl.constexpr = 8 // BITS
     NB: tl.constexpr = BLOCK // PER
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -175,6 +176,15 @@ def _quantize_span(
         h = _fmix32(i.to(tl.uint32) ^ seed.to(tl.uint32, bitcast=True))
         u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
         r = tl.floor((x - lo) * inv + u)
+        if GRID:
+            on_grid = ((scale_b & 0x8000) == 0) & ((lo_b & 0x7F800000) != 0x7F800000) & (
+                ((scale_b << 16) & 0x7F800000) != 0x7F800000)
+            t = (x - lo) * inv
+            k = tl.zeros_like(j).to(tl.int32)
+            for level in tl.static_range(1, LEVELS):
+                k += (t >= tl.load(grid_ptr + level)).to(tl.int32)
+            position = k.to(tl.float32) + (t - tl.load(grid_ptr + k)) * tl.load(widths_ptr + k)
+            r = tl.where(on_grid, tl.floor(position + u), r)
         c = tl.where(r > 0.0, r, 0.0)  # NaN -> 0
         c = tl.where(c < top, c, top)
         code = c.to(tl.int32)
@@ -240,8 +250,8 @@ def _combine_kernel(part_ptr, stats_ptr, lo_ptr, scale_ptr, TPG, BITS: tl.conste
 
 @triton.jit
 def _quantize_per_group_kernel(
-    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, seed,
-    KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, seed, grid_ptr, widths_ptr,
+    KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     start = g * G
@@ -251,13 +261,14 @@ def _quantize_per_group_kernel(
     lo, scale = _params(mn, mx, mp, BITS)
     tl.store(lo_ptr + g, lo)
     tl.store(scale_ptr + g, scale.to(tl.int16))
-    _quantize_span(x_ptr, codes_ptr, n, start, 0, G, g * (G * BITS // 8), lo, scale, seed, KIND, BITS, BLOCK)
+    _quantize_span(x_ptr, codes_ptr, n, start, 0, G, g * (G * BITS // 8), lo, scale, seed, grid_ptr, widths_ptr,
+                   KIND, BITS, BLOCK, GRID)
 
 
 @triton.jit
 def _quantize_tiles_kernel(
-    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, TILE, TPG, seed,
-    KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, TILE, TPG, seed, grid_ptr, widths_ptr,
+    KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = t // TPG
@@ -267,7 +278,7 @@ def _quantize_tiles_kernel(
     scale = tl.load(scale_ptr + g).to(tl.int32) & 0xFFFF
     _quantize_span(
         x_ptr, codes_ptr, n, g * G, off, span, g * (G * BITS // 8) + off * BITS // 8, lo, scale, seed,
-        KIND, BITS, BLOCK,
+        grid_ptr, widths_ptr, KIND, BITS, BLOCK, GRID,
     )
 
 
@@ -302,9 +313,11 @@ def _f32_to_f16_bits(b):
 
 @triton.jit
 def _dequantize_kernel(
-    codes_ptr, lo_ptr, scale_ptr, out_ptr, numel, G, BITS: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr
+    codes_ptr, lo_ptr, scale_ptr, out_ptr, numel, G, grid_ptr,
+    BITS: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
 ):
-    """One program per BLOCK output values. OUT 0: float32 (int32 bits), 1: bfloat16, 2: float16 (int16)."""
+    """One program per BLOCK output values. OUT 0: float32 (int32 bits), 1: bfloat16, 2: float16 (int16).
+    With ``GRID``, plain groups with finite lo and step decode code ``c`` as ``lo + g[c] * step``."""
     PER: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -320,6 +333,9 @@ def _dequantize_kernel(
     step = step_b.to(tl.float32, bitcast=True)
     zero_exact = (sb & 0x8000) != 0
     k = c.to(tl.float32) - tl.where(zero_exact, 1.0, 0.0)
+    if GRID:
+        on_grid = ((sb & 0x8000) == 0) & ((lo_b & 0x7F800000) != 0x7F800000) & ((step_b & 0x7F800000) != 0x7F800000)
+        k = tl.where(on_grid, tl.load(grid_ptr + c, mask=m, other=0.0), k)
     # NaN rules of the reference on x86: a NaN operand propagates quieted (the second if both are),
     # an invalid operation (0 * inf, inf - inf) gives the default NaN 0xffc00000.
     prod_b = (k * step).to(tl.int32, bitcast=True)
@@ -466,7 +482,7 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         return STRATEGIES[selector.choose(flat.numel(), group_size, flat.dtype)](flat, group_size)
 
     def quantize_pack(
-        x: torch.Tensor, bits: int, group_size: int, seed: int
+        x: torch.Tensor, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = _flat(x)
         n = flat.numel()
@@ -476,6 +492,7 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         scale = torch.empty(ng, dtype=torch.bfloat16, device=flat.device)
         if ng == 0:
             return codes, lo, scale
+        grid_args = (lo, lo) if grid is None else (grid, reference.grid_widths(grid))
         xb, kind = _input(flat)
         seed32 = _as_int32(seed)
         block = _block(group_size, 1024)
@@ -484,13 +501,14 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         if few and selector.choose(n, group_size, flat.dtype) == TWO_LEVEL:
             _, tile, tpg = _two_level_stats(flat, group_size, bits, lo, scale)
             _quantize_tiles_kernel[(ng * tpg,)](
-                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, tile, tpg, seed32,
-                KIND=kind, BITS=bits, BLOCK=min(block, tile), **_LAUNCH,
+                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, tile, tpg, seed32, *grid_args,
+                KIND=kind, BITS=bits, BLOCK=min(block, tile), GRID=grid is not None, **_LAUNCH,
             )
         else:
             _quantize_per_group_kernel[(ng,)](
-                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, seed32,
-                KIND=kind, BITS=bits, BLOCK_S=_block(group_size, 2048), BLOCK=block, **_LAUNCH,
+                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, seed32, *grid_args,
+                KIND=kind, BITS=bits, BLOCK_S=_block(group_size, 2048), BLOCK=block, GRID=grid is not None,
+                **_LAUNCH,
             )
         return codes, lo, scale
 
@@ -499,7 +517,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
 
 
 def unpack_dequantize_into(
-    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+    grid: torch.Tensor | None = None,
 ) -> None:
     """Decode into a preallocated contiguous 1-D ``out`` (its dtype and numel say what to decode)."""
     numel = out.numel()
@@ -515,9 +534,11 @@ def unpack_dequantize_into(
         out_bits,
         numel,
         group_size,
+        lo if grid is None else grid,
         BITS=bits,
         OUT=kind,
         BLOCK=block,
+        GRID=grid is not None,
         **_LAUNCH,
     )
 
@@ -547,10 +568,10 @@ def unpack_bool(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def quantize_pack_with(
-    strategy: str, x: torch.Tensor, bits: int, group_size: int, seed: int
+    strategy: str, x: torch.Tensor, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_pack`` with a forced schedule, for tests and benchmarks; it bypasses the op, so it
     runs the op's check itself."""
-    ops.quantize_pack.check(x, bits, group_size, seed)
+    ops.quantize_pack.check(x, bits, group_size, seed, grid)
     forced = ReductionSelector(x.device.type, STRATEGIES, forced=strategy)
-    return make_kernels(forced)["quantize_pack"](x, bits, group_size, seed)
+    return make_kernels(forced)["quantize_pack"](x, bits, group_size, seed, grid)

@@ -27,6 +27,7 @@ from ..pool import PagePool
 from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
 from .decide import Decision, Treatment, decide
 from .decode_buffers import DecodeBuffers
+from .grid_choice import GridChoice
 from .grouping import ColumnChoice
 from .nesting import warn_if_nested
 from .op_rules import OpMatch, OpTracer
@@ -190,6 +191,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # The bits each quantized record was made at, for the saves that would share it (``_serves``).
         self._record_bits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._column_choice = ColumnChoice(self.config.group_size)
+        self._grid_choice = GridChoice(self.config.group_size) if self.config.fitted_grids else None
         self._calibration_pass: CalibrationPass | None = None
         self._loss_catcher: LossCatcher | None = None
         self._calibration_warned = False
@@ -469,8 +471,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 index: int) -> Record | PendingRecord:
         """Pack ``flat`` at the assignment's bits, here or on the packer thread, into the pool if there is one."""
         seed = record_seed(self._base_seed, self.step, index)
+        grids = None if self._grid_choice is None else functools.partial(self._grid_choice.grid, self.step, index)
         job = functools.partial(encode, kind=kind, bits=assignment.bits, group_size=self.config.group_size,
-                                seed=seed, encoding=decision.encoding)
+                                seed=seed, encoding=decision.encoding, grids=grids)
         if self.pool is not None:  # NOTE [ Importance of a record in the pool ] in auto/policy.py
             job = functools.partial(_encode_into_pool, job, pool=self.pool, importance=assignment.importance,
                                     seed=seed)

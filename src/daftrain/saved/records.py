@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
@@ -14,20 +14,30 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from ..errors import InPlaceModificationError
-from ..layout import PackedLayout
+from ..layout import GRID_BITS, PackedLayout
 
 if TYPE_CHECKING:
     from ..pool import PagePool, PooledRecord
     from .decode_buffers import DecodeBuffers
 
 
-def _dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
+Grids = Callable[[torch.Tensor, int], "torch.Tensor | None"]
+"""The fitted grid (``NOTE [ Fitted grids ]`` in ``kernels/grids.py``) for the values a record quantizes at
+some bits."""
+
+
+def _dequantize(payload: tuple[torch.Tensor, ...], grid: torch.Tensor | None, group_size: int, numel: int,
                 dtype: torch.dtype, buffers: DecodeBuffers | None) -> torch.Tensor:
-    """Decode into a buffer from ``buffers`` (CPU; see ``NOTE [ Decode buffers ]``), else into fresh memory."""
+    """Decode ``(codes, lo, scale)`` (on ``grid`` where it is for the codes' bits, see ``PackedRecord``) into a
+    buffer from ``buffers`` (CPU; see ``NOTE [ Decode buffers ]``), else into fresh memory."""
+    codes, lo, scale = payload
+    bits = bits_of(codes, group_size)
+    if grid is not None and grid.numel() != 1 << bits:
+        grid = None
     if buffers is None or codes.device.type != "cpu":
-        return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype)
+        return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, grid)
     out = buffers.take(numel, dtype)
-    torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, group_size)
+    torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, group_size, grid)
     return out
 
 
@@ -78,21 +88,24 @@ class PackedRecord:
     or, for bool tensors, a bitmap ``(packed,)``; its bytes in memory or in pool pages (``storage``).
 
     A paged quantized record may be demoted by the pool to fewer bits: the bit-width is read from the
-    stored codes at each decode, so decoding always matches what the storage holds.
+    stored codes at each decode, so decoding always matches what the storage holds. ``grid`` is the
+    fitted grid its codes were made on (``NOTE [ Fitted grids ]`` in ``kernels/grids.py``), shared with
+    the other records of its forward position and held by the context's ``GridChoice``, so not counted in
+    its bytes; a demoted payload is on the uniform grid (the grid's size no longer matches its bits).
     """
 
-    __slots__ = ("__weakref__", "dtype", "group_size", "is_bool", "numel", "storage")
+    __slots__ = ("__weakref__", "dtype", "grid", "group_size", "is_bool", "numel", "storage")
 
     def __init__(self, storage: Storage, *, is_bool: bool, numel: int, dtype: torch.dtype,
-                 group_size: int = 0) -> None:
+                 group_size: int = 0, grid: torch.Tensor | None = None) -> None:
         self.storage, self.is_bool, self.numel = storage, is_bool, numel
-        self.dtype, self.group_size = dtype, group_size
+        self.dtype, self.group_size, self.grid = dtype, group_size, grid
 
     @classmethod
     def quantized(cls, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, layout: PackedLayout,
-                  dtype: torch.dtype) -> PackedRecord:
+                  dtype: torch.dtype, grid: torch.Tensor | None = None) -> PackedRecord:
         return cls(InMemory((codes, lo, scale)), is_bool=False, numel=layout.numel, dtype=dtype,
-                   group_size=layout.group_size)
+                   group_size=layout.group_size, grid=grid)
 
     @classmethod
     def bitmap(cls, packed: torch.Tensor, numel: int) -> PackedRecord:
@@ -106,9 +119,7 @@ class PackedRecord:
         with self.storage.borrow() as parts:
             if self.is_bool:
                 return torch.ops.daftrain.unpack_bool(parts[0], self.numel)
-            codes, lo, scale = parts
-            bits = bits_of(codes, self.group_size)
-            return _dequantize(codes, lo, scale, bits, self.group_size, self.numel, self.dtype, buffers)
+            return _dequantize(parts, self.grid, self.group_size, self.numel, self.dtype, buffers)
 
     def to_pool(self, pool: PagePool, importance: float, seed: int) -> PackedRecord:
         """The same record with its bytes copied into ``pool``'s pages (NOTE [ Importance of a record in
@@ -117,10 +128,11 @@ class PackedRecord:
             if self.is_bool:
                 pooled = pool.store(parts, importance)
             else:
-                demote = functools.partial(demote_payload, group_size=self.group_size, numel=self.numel, seed=seed)
+                demote = functools.partial(demote_payload, group_size=self.group_size, numel=self.numel, seed=seed,
+                                           grid=self.grid)
                 pooled = pool.store(parts, importance, demote=demote)
         return PackedRecord(Paged(pooled), is_bool=self.is_bool, numel=self.numel, dtype=self.dtype,
-                            group_size=self.group_size)
+                            group_size=self.group_size, grid=self.grid)
 
 
 class ExactRecord:
@@ -145,17 +157,16 @@ class ExactRecord:
 
 
 def demote_payload(
-    payload: tuple[torch.Tensor, ...], *, group_size: int, numel: int, seed: int
+    payload: tuple[torch.Tensor, ...], *, group_size: int, numel: int, seed: int, grid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(codes, lo, scale)`` at ``bits`` -> the same values re-quantized at ``bits // 2``, or ``None``
-    at 1 bit. A pure function of the layout: decoding is exact and re-quantizing rounds stochastically
-    again, so a demoted record is still an unbiased estimate of the activation, with the variance of
-    both roundings."""
-    codes, lo, scale = payload
-    bits = bits_of(codes, group_size)
+    """``(codes, lo, scale)`` at ``bits`` (on ``grid`` if it is for those bits) -> the same values re-quantized
+    at ``bits // 2`` on the uniform grid, or ``None`` at 1 bit. A pure function of the layout: decoding is
+    exact and re-quantizing rounds stochastically again, so a demoted record is still an unbiased estimate
+    of the activation, with the variance of both roundings."""
+    bits = bits_of(payload[0], group_size)
     if bits <= 1:
         return None
-    values = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, torch.float32)
+    values = _dequantize(payload, grid, group_size, numel, torch.float32, None)
     new = torch.ops.daftrain.quantize_pack(values, bits // 2, group_size, seed ^ (0x9E3779B9 * bits))
     if not bool(torch.isfinite(new[1]).all() and torch.isfinite(new[2]).all()):
         return None
@@ -163,12 +174,13 @@ def demote_payload(
 
 
 def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
-           encoding: Encoding | None = None) -> Record:
+           encoding: Encoding | None = None, grids: Grids | None = None) -> Record:
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
     1-bit layout is exact, else keep) or ``"bool"``; an op rule's ``encoding`` (``NOTE [ Op-aware
-    encodings ]``) replaces a quantize. Runs on the caller's or the packer's thread."""
+    encodings ]``) replaces a quantize; ``grids`` gives a quantized record its fitted grid. Runs on the
+    caller's or the packer's thread."""
     if encoding is not None and kind in ("quantize", "bool"):
-        return encoding.encode(flat, bits, group_size, seed)
+        return encoding.encode(flat, bits, group_size, seed, grids)
     if kind == "bool":
         return PackedRecord.bitmap(torch.ops.daftrain.pack_bool(flat), flat.numel())
     if kind == "lossless":
@@ -177,13 +189,14 @@ def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
         if not bool(((mn == mx) | ((mn == 0) & (min_pos == mx))).all()):
             return ExactRecord(flat, "constant")
         bits = 1
-    codes, lo, scale = torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed)
+    grid = grids(flat, bits) if grids is not None and kind == "quantize" and bits in GRID_BITS else None
+    codes, lo, scale = torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed, grid)
     # NOTE [ Non-finite activations ]: a NaN or Inf anywhere in a group shows in that group's lo or
     # scale. Such a tensor is kept exact, so backward sees exactly what plain PyTorch would: values
     # are never silently replaced. The check reads num_groups values, not the tensor.
     if not bool(torch.isfinite(lo).all() and torch.isfinite(scale).all()):
         return ExactRecord(flat, "nonfinite")
-    return PackedRecord.quantized(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype)
+    return PackedRecord.quantized(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype, grid)
 
 
 class PendingRecord:
@@ -325,10 +338,10 @@ class Normalized:
     reduce: tuple[int, ...]
     center: bool = True
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> Record:
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int, grids: Grids | None = None) -> Record:
         with torch.no_grad():
             x_hat, mean, std = self._normalize(flat.view(self.view).float())
-            inner = encode(x_hat.reshape(-1), "quantize", bits, group_size, seed)
+            inner = encode(x_hat.reshape(-1), "quantize", bits, group_size, seed, grids=grids)
             finite = bool(torch.isfinite(std).all()) and (mean is None or bool(torch.isfinite(mean).all()))
         if isinstance(inner, ExactRecord) or not finite:
             return ExactRecord(flat, "nonfinite")
@@ -415,7 +428,7 @@ class ClipMask:
             keep &= (x <= self.upper) if self.inclusive else (x < self.upper)
         return keep
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> Record:
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int, grids: Grids | None = None) -> Record:
         with torch.no_grad():
             # a NaN compares false both ways, and a maximum's backward sends it the gradient on both sides:
             # no ordered value restores it (NOTE [ Non-finite activations ])
@@ -528,8 +541,10 @@ class Derivative:
         pos = d.sub_(d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
         return table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> ExactRecord | DerivativeRecord:
-        return _wrapped(encode(self.stored(flat), "quantize", bits, group_size, seed), flat, DerivativeRecord, self)
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+               grids: Grids | None = None) -> ExactRecord | DerivativeRecord:
+        inner = encode(self.stored(flat), "quantize", bits, group_size, seed, grids=grids)
+        return _wrapped(inner, flat, DerivativeRecord, self)
 
 
 class DerivativeRecord(_EncodedRecord):
@@ -562,9 +577,10 @@ class ByColumns:
         """What the record quantizes, in the order it stores it (a copy)."""
         return self.by_columns(flat if self.values is None else self.values.stored(flat))
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int) -> ExactRecord | ByColumnsRecord:
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+               grids: Grids | None = None) -> ExactRecord | ByColumnsRecord:
         with torch.no_grad():
-            inner = encode(self.by_columns(flat), "quantize", bits, group_size, seed, self.values)
+            inner = encode(self.by_columns(flat), "quantize", bits, group_size, seed, self.values, grids)
         return _wrapped(inner, flat, ByColumnsRecord, self)
 
 

@@ -1,0 +1,77 @@
+"""Fitted grids in ``compress`` (saved/grid_choice.py): one per forward position, fitted again when due, through
+the pool's demotion, and a lower gradient error end to end at the same bytes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import daftrain
+from daftrain.kernels.grids import fit_grid
+from daftrain.saved import grouping
+from daftrain.saved.grid_choice import GridChoice
+from daftrain.saved.records import InMemory, PackedRecord, demote_payload, encode
+
+G = 256
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_the_choice_is_kept_per_position_and_fitted_again() -> None:
+    choice = GridChoice(G)
+    x = torch.randn(64, 1024, generator=_gen(7))
+    first = choice.grid(0, 3, x, 2)
+    assert first is not None and choice.grid(1, 3, x * 5, 2) is first  # kept: same shape, dtype and bits
+    assert choice.grid(1, 3, x[:32], 2) is not first  # its tensor changed shape
+    again = choice.grid(1 + grouping.REESTIMATE_STEPS, 3, torch.rand(32, 1024, generator=_gen(8)), 2)
+    assert again is None  # fitted again after REESTIMATE_STEPS: evenly spread values now
+
+
+def test_demotion_decodes_on_the_grid_then_rounds_on_the_uniform_grid() -> None:
+    x = torch.randn(16 * G, generator=_gen(9))
+    record = encode(x, "quantize", 4, G, 11, grids=lambda v, bits: fit_grid(v, bits, G))
+    assert isinstance(record, PackedRecord) and record.grid is not None
+    with record.storage.borrow() as parts:
+        demoted = demote_payload(parts, group_size=G, numel=x.numel(), seed=5, grid=record.grid)
+    assert demoted is not None and demoted[0].shape[1] == G * 2 // 8
+    expected = torch.ops.daftrain.quantize_pack(record.decode(), 2, G, 5 ^ (0x9E3779B9 * 4))
+    assert all(torch.equal(a, b) for a, b in zip(demoted, expected, strict=True))
+    # The demoted payload under the record's (4-bit) grid decodes on the uniform grid, as it was made.
+    demoted_record = PackedRecord(InMemory(demoted), is_bool=False, numel=x.numel(), dtype=x.dtype, group_size=G,
+                                  grid=record.grid)
+    plain = torch.ops.daftrain.unpack_dequantize(*demoted, 2, G, x.numel(), x.dtype)
+    assert torch.equal(demoted_record.decode(), plain)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
+
+
+def _weight_grad(model: nn.Module, x: torch.Tensor, ctx: daftrain.compress | None) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    if ctx is None:
+        loss = model(x).square().mean()
+    else:
+        with ctx:
+            loss = model(x).square().mean()
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_fitted_grids_lower_the_gradient_error_at_the_same_bytes() -> None:
+    model, x = _mlp(), torch.randn(1024, 64, generator=_gen(10))
+    exact = _weight_grad(model, x, None)
+    errors, sizes = {}, {}
+    for fitted in (True, False):
+        total = 0.0
+        for seed in range(6):
+            ctx = daftrain.compress(bits=2, seed=seed, fitted_grids=fitted)
+            total += float((_weight_grad(model, x, ctx) - exact).square().sum())
+        errors[fitted], sizes[fitted] = total, ctx.stats.packed_bytes
+    assert sizes[True] == sizes[False]  # the grid is the context's, not the records' bytes
+    # Over 6 seeds the squared error is averaged enough that a 10 % gain is not noise (the per-tensor
+    # estimates gain 15-45 % on these bell-shaped, GELU and tanh outputs).
+    assert errors[True] < 0.9 * errors[False], errors
