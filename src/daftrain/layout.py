@@ -128,16 +128,19 @@ GRID_BITS: tuple[int, ...] = (2, 4)
 fine enough)."""
 
 
-def check_grid(grid: torch.Tensor, bits: int) -> None:
+def check_grid(grid: torch.Tensor, bits: int, *, values: bool = True) -> None:
     """Raise ``LayoutError`` unless ``grid`` is a fitted grid for ``bits``-bit codes: float32 ``[2**bits]``,
-    ascending from exactly 0 to exactly ``2**bits - 1``. Values are read only on the CPU (no device sync)."""
+    ascending from exactly 0 to exactly ``2**bits - 1``. With ``values``, the values are read on the CPU
+    (never on a device: no sync)."""
     if bits not in GRID_BITS:
         raise LayoutError(f"grid: fitted grids are for {GRID_BITS}-bit codes, got bits={bits}; pass grid=None")
     levels = (1 << bits) - 1
     if grid.dtype != torch.float32 or tuple(grid.shape) != (levels + 1,):
         raise LayoutError(f"grid must be float32 [{levels + 1}] for {bits}-bit codes, got {grid.dtype} "
                           f"{tuple(grid.shape)}")
-    if grid.device.type == "cpu" and not (grid[0] == 0 and grid[-1] == levels and bool((grid[1:] > grid[:-1]).all())):
+    if not values or grid.device.type != "cpu":
+        return
+    if not (grid[0] == 0 and grid[-1] == levels and bool((grid[1:] > grid[:-1]).all())):
         raise LayoutError(f"grid must ascend strictly from 0 to {levels}, got {grid.tolist()}")
 
 

@@ -330,6 +330,12 @@ def test_opcheck() -> None:
     torch.library.opcheck(torch.ops.daftrain.unpack_dequantize.default, (codes, lo, scale, 2, 32, 300, torch.float16))
     out = torch.empty(300, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.daftrain.unpack_dequantize_into.default, (out, codes, lo, scale, 2, 32))
+    grid = torch.tensor([0.0, 1.25, 2.0, 3.0])
+    torch.library.opcheck(torch.ops.daftrain.quantize_pack.default, (x, 2, 32, 7, grid))
+    codes, lo, scale = torch.ops.daftrain.quantize_pack(x, 2, 32, 7, grid)
+    torch.library.opcheck(torch.ops.daftrain.unpack_dequantize.default,
+                          (codes, lo, scale, 2, 32, 300, torch.float32, grid))
+    torch.library.opcheck(torch.ops.daftrain.unpack_dequantize_into.default, (out, codes, lo, scale, 2, 32, grid))
     b = x > 0
     torch.library.opcheck(torch.ops.daftrain.pack_bool.default, (b,))
     torch.library.opcheck(torch.ops.daftrain.unpack_bool.default, (torch.ops.daftrain.pack_bool(b), 300))

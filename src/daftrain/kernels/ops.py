@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes, check_grid
@@ -105,7 +106,8 @@ def _check_group_minmax(x: torch.Tensor, group_size: int) -> None:
 def _check_grid(grid: torch.Tensor | None, bits: int, device: torch.device) -> None:
     if grid is not None:
         _require(grid.device == device, lambda: f"grid must be on {device}, got {grid.device}")
-        check_grid(grid, bits)  # raises LayoutError (a ValueError)
+        # raises LayoutError (a ValueError); a fake tensor (tracing, the fake kernel) has no values to read
+        check_grid(grid, bits, values=not is_fake(grid))
 
 
 def _check_quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int,
