@@ -29,6 +29,13 @@ def test_the_choice_is_kept_per_position_and_fitted_again() -> None:
     assert again is None  # fitted again after REESTIMATE_STEPS: evenly spread values now
 
 
+def test_bfloat16_values_on_the_cpu_keep_the_uniform_grid() -> None:
+    # NOTE [ Fitted grids on the CPU take float32 ]: the same values as float32 take a grid.
+    x = torch.randn(64, 1024, generator=_gen(11))
+    assert GridChoice(G).grid(0, 0, x, 4) is not None
+    assert GridChoice(G).grid(0, 0, x.to(torch.bfloat16), 4) is None
+
+
 def test_demotion_decodes_on_the_grid_then_rounds_on_the_uniform_grid() -> None:
     x = torch.randn(16 * G, generator=_gen(9))
     record = encode(x, "quantize", 4, G, 11, grids=lambda v, bits: fit_grid(v, bits, G))
