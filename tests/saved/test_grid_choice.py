@@ -82,3 +82,12 @@ def test_fitted_grids_lower_the_gradient_error_at_the_same_bytes() -> None:
     # Over 6 seeds the squared error is averaged enough that a 10 % gain is not noise (the per-tensor
     # estimates gain 15-45 % on these bell-shaped, GELU and tanh outputs).
     assert errors[True] < 0.9 * errors[False], errors
+
+
+def test_stats_count_the_records_on_fitted_grids() -> None:
+    model, x = _mlp(), torch.randn(1024, 64, generator=_gen(12))
+    fitted, uniform = daftrain.compress(bits=2), daftrain.compress(bits=2, fitted_grids=False)
+    for ctx in (fitted, uniform):
+        _weight_grad(model, x, ctx)
+    assert 0 < fitted.stats.fitted_grids <= fitted.stats.compressed and uniform.stats.fitted_grids == 0
+    assert f"({fitted.stats.fitted_grids} on fitted grids)" in fitted.stats.summary()

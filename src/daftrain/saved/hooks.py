@@ -45,6 +45,7 @@ from .records import (
     compact_expanded,
     encode,
     is_expanded,
+    on_fitted_grid,
 )
 from .stats import CompressionStats
 
@@ -494,6 +495,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 stats.kept_bytes += record.nbytes
             else:
                 stats.compressed += not record.is_bool
+                stats.fitted_grids += on_fitted_grid(record)
                 stats.bool_packed += record.is_bool
                 stats.packed_bytes += record.nbytes
 

@@ -602,5 +602,15 @@ class ByColumnsRecord(_EncodedRecord):
         return out
 
 
+def on_fitted_grid(record: Record) -> bool:
+    """Whether the packed record inside ``record`` (through its encodings) has codes on a fitted grid."""
+    inner: Any = record
+    while not isinstance(inner, PackedRecord):
+        inner = getattr(inner, "inner", None)
+        if inner is None:
+            return False
+    return inner.grid is not None
+
+
 Encoding = Normalized | ClipMask | Derivative | ByColumns
 Record = PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord | DerivativeRecord | ByColumnsRecord

@@ -24,6 +24,8 @@ class CompressionStats:
     """Saved tensors recognised as parameters (kept, not counted in bytes)."""
     compressed: int = 0
     """Float regions quantized (unique records)."""
+    fitted_grids: int = 0
+    """Of those, records on a fitted grid (``NOTE [ Fitted grids ]`` in ``kernels/grids.py``)."""
     bool_packed: int = 0
     """Bool regions stored at 1 bit per value (unique records)."""
     deduplicated: int = 0
@@ -85,7 +87,8 @@ class CompressionStats:
     def summary(self) -> str:
         """One line: what was saved and how, the bytes before and after, and the process's peak memory."""
         return (
-            f"saved tensors: {self.tensors_seen} seen, {self.compressed} quantized, {self.bool_packed} bool-packed, "
+            f"saved tensors: {self.tensors_seen} seen, {self.compressed} quantized ({self.fitted_grids} on fitted "
+            f"grids), {self.bool_packed} bool-packed, "
             f"{self.deduplicated} deduplicated, {self.kept} kept ({dict(self.kept_reasons)}), "
             f"{self.parameters} parameters; {self.raw_bytes / 1e6:.2f} MB -> {self.stored_bytes / 1e6:.2f} MB "
             f"({self.ratio:.1f}x)" + (
