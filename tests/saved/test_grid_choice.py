@@ -8,7 +8,7 @@ from torch import nn
 
 import daftrain
 from daftrain.kernels.grids import fit_grid
-from daftrain.saved import grouping
+from daftrain.saved import per_position
 from daftrain.saved.grid_choice import GridChoice
 from daftrain.saved.records import InMemory, PackedRecord, demote_payload, encode
 
@@ -25,7 +25,7 @@ def test_the_choice_is_kept_per_position_and_fitted_again() -> None:
     first = choice.grid(0, 3, x, 2)
     assert first is not None and choice.grid(1, 3, x * 5, 2) is first  # kept: same shape, dtype and bits
     assert choice.grid(1, 3, x[:32], 2) is not first  # its tensor changed shape
-    again = choice.grid(1 + grouping.REESTIMATE_STEPS, 3, torch.rand(32, 1024, generator=_gen(8)), 2)
+    again = choice.grid(1 + per_position.REESTIMATE_STEPS, 3, torch.rand(32, 1024, generator=_gen(8)), 2)
     assert again is None  # fitted again after REESTIMATE_STEPS: evenly spread values now
 
 

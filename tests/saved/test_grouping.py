@@ -12,7 +12,7 @@ from torch import nn
 import daftrain
 from daftrain.kernels import reference
 from daftrain.pool import PagePool, PoolConfig
-from daftrain.saved import grouping
+from daftrain.saved import grouping, per_position
 from daftrain.saved.grouping import by_columns_if_better
 from daftrain.saved.records import ByColumns, ByColumnsRecord, Derivative, ExactRecord
 
@@ -149,7 +149,7 @@ def test_a_positions_choice_is_measured_once_then_again_when_its_tensor_changes_
     assert len(calls) == 1
     y = outlier_features(rows=256)
     assert choice.layout(3, 0, y.view(-1), y, None) == ByColumns(256, 64)  # a new shape at that position
-    assert choice.layout(3 + grouping.REESTIMATE_STEPS, 0, y.view(-1), y, None) == ByColumns(256, 64)
+    assert choice.layout(3 + per_position.REESTIMATE_STEPS, 0, y.view(-1), y, None) == ByColumns(256, 64)
     assert len(calls) == 3
 
 

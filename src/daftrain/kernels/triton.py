@@ -175,11 +175,11 @@ def _quantize_span(
         x = b.to(tl.float32, bitcast=True)
         h = _fmix32(i.to(tl.uint32) ^ seed.to(tl.uint32, bitcast=True))
         u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
-        r = tl.floor((x - lo) * inv + u)
+        t = (x - lo) * inv
+        r = tl.floor(t + u)
         if GRID:
             on_grid = ((scale_b & 0x8000) == 0) & ((lo_b & 0x7F800000) != 0x7F800000) & (
                 ((scale_b << 16) & 0x7F800000) != 0x7F800000)
-            t = (x - lo) * inv
             k = tl.zeros_like(j).to(tl.int32)
             for level in tl.static_range(1, LEVELS):
                 k += (t >= tl.load(grid_ptr + level)).to(tl.int32)

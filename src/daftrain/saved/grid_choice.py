@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.grids import fit_grid
-from .grouping import REESTIMATE_STEPS
+from .per_position import PerPosition
 
 __all__ = ["GridChoice"]
 
@@ -22,20 +22,18 @@ def _fast_on_a_grid(values: torch.Tensor) -> bool:
 
 
 class GridChoice:
-    """``fit_grid`` per forward position, fitted on a position's first step and again every
-    ``REESTIMATE_STEPS`` steps or when what it stores changes shape, dtype or bits (one context's state);
-    float32 values only on the CPU (``NOTE [ Fitted grids on the CPU take float32 ]``)."""
+    """``fit_grid`` per forward position (``PerPosition``: fitted again when what it stores changes shape,
+    dtype or bits, else every ``REESTIMATE_STEPS`` steps); float32 values only on the CPU
+    (``NOTE [ Fitted grids on the CPU take float32 ]``)."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
-        self._made: dict[int, tuple[tuple[object, ...], int, torch.Tensor | None]] = {}
+        self._made: PerPosition[torch.Tensor | None] = PerPosition()
 
     def grid(self, step: int, index: int, values: torch.Tensor, bits: int) -> torch.Tensor | None:
         """The grid of the record at forward position ``index`` of ``step``, which quantizes ``values``."""
         what = (tuple(values.shape), values.dtype, values.device, bits)
-        made = self._made.get(index)
-        if made is not None and made[0] == what and step - made[1] < REESTIMATE_STEPS:
-            return made[2]
-        grid = fit_grid(values, bits, self.group_size) if _fast_on_a_grid(values) else None
-        self._made[index] = (what, step, grid)
-        return grid
+        return self._made.get(step, index, what, lambda: self._fit(values, bits))
+
+    def _fit(self, values: torch.Tensor, bits: int) -> torch.Tensor | None:
+        return fit_grid(values, bits, self.group_size) if _fast_on_a_grid(values) else None

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from .per_position import PerPosition
 from .records import ByColumns, Derivative
 
-__all__ = ["COLUMN_GAIN", "REESTIMATE_STEPS", "ColumnChoice", "by_columns_if_better"]
+__all__ = ["COLUMN_GAIN", "ColumnChoice", "by_columns_if_better"]
 
 COLUMN_GAIN = 0.9
 """Groups run down the columns only where that estimates at most this share of the rounding variance of
 groups along the rows: a transposed copy at each pack and decode must buy a clear gain."""
-
-REESTIMATE_STEPS = 100
-"""A forward position's choice is measured again after this many steps (or at once if its tensor changes)."""
 
 
 # NOTE [ Groups down the columns ]
@@ -54,21 +52,15 @@ def by_columns_if_better(flat: torch.Tensor, source: torch.Tensor, group_size: i
 
 
 class ColumnChoice:
-    """``by_columns_if_better`` per forward position, measured on a position's first step and again every
-    ``REESTIMATE_STEPS`` steps or when its tensor's shape, dtype or encoding changes: a step of a model whose
-    activations keep their scales between steps pays for no estimate (one context's state)."""
+    """``by_columns_if_better`` per forward position (``PerPosition``: measured again when its tensor's shape,
+    dtype or encoding changes, else every ``REESTIMATE_STEPS`` steps)."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
-        self._made: dict[int, tuple[tuple[object, ...], int, ByColumns | None]] = {}
+        self._made: PerPosition[ByColumns | None] = PerPosition()
 
     def layout(self, step: int, index: int, flat: torch.Tensor, source: torch.Tensor,
                values: Derivative | None) -> ByColumns | None:
         """The layout for the record at forward position ``index`` of ``step``."""
         what = (tuple(source.shape), source.dtype, source.is_contiguous(), values)
-        made = self._made.get(index)
-        if made is not None and made[0] == what and step - made[1] < REESTIMATE_STEPS:
-            return made[2]
-        layout = by_columns_if_better(flat, source, self.group_size, values)
-        self._made[index] = (what, step, layout)
-        return layout
+        return self._made.get(step, index, what, lambda: by_columns_if_better(flat, source, self.group_size, values))
