@@ -21,6 +21,7 @@ CAST_AND_VIEW_NODES = frozenset(
 )
 _CAST_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
 _COPY_NODES = CAST_AND_VIEW_NODES | _CAST_NODES
+_RESHAPE_NODES = _CAST_NODES | {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"}
 _MAX_STEPS = 5
 
 
@@ -50,13 +51,19 @@ def reaches(node: object, end: Callable[[object], bool], through: frozenset[str]
 #      to follow, and inside one op call no other saved tensor of that size arises from the operand.
 # With ``same_shape`` the copy must also have ``source``'s shape and the chain holds casts and clones
 # only: an encoding planned on the rows of ``source`` then reads the same rows in the copy (a square
-# matrix transposed and copied would have the shape and other rows).
-def copy_of(saved: torch.Tensor, source: object, same_shape: bool = False) -> bool:
+# matrix transposed and copied would have the shape and other rows). With ``same_order`` the copy is
+# contiguous and the chain holds casts, clones and reshapes only: its memory holds ``source``'s values
+# in ``source``'s logical order (``instance_norm`` of a channels_last input saves such a reshaped copy).
+def copy_of(saved: torch.Tensor, source: object, same_shape: bool = False, same_order: bool = False) -> bool:
     """``saved`` is a cast, clone or view of ``source`` an op made (``NOTE [ Copies an op saves ]``)."""
     if not isinstance(source, torch.Tensor) or saved.numel() != source.numel():
         return False
     if same_shape and saved.shape != source.shape:
         return False
+    if same_order:
+        target = source.grad_fn
+        return (saved.is_contiguous() and target is not None
+                and reaches(saved.grad_fn, lambda node: node is target, _RESHAPE_NODES, _MAX_STEPS))
     target = source.grad_fn
     if target is None:
         if saved.grad_fn is not None or source.requires_grad:

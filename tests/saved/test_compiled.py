@@ -314,3 +314,51 @@ def test_op_rules_do_not_break_a_compiled_graph():
     _grads(model, compiled, torch.randn(16, 32), ctx)
     assert counter.frame_count == 1, counter.frame_count
     assert ctx.stats.compiled_graphs == 1 and ctx.stats.compiled_quantized > 0, ctx.stats.summary()
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_channels_last_graphs_are_compressed_like_contiguous_ones(backend, dynamic):
+    # NOTE [ Permuted memory formats in compiled graphs ]: a channels_last CNN's activations were kept.
+    stats, x = {}, torch.randn(8, 3, 16, 16)
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        torch._dynamo.reset()
+        model = _cnn().to(memory_format=memory_format)
+        xf = x.contiguous(memory_format=memory_format)
+        exact = _grads(model, model, xf, None)
+        ctx = daftrain.compress(bits=8, min_numel=0)
+        got = _grads(model, torch.compile(model, backend=backend, dynamic=dynamic), xf, ctx)
+        assert _cos(got, exact) >= COSINE_8_BITS
+        assert not torch.equal(got, exact)
+        stats[memory_format] = ctx.stats
+    contiguous, channels_last = stats.values()
+    assert channels_last.compiled_quantized == contiguous.compiled_quantized >= 2, channels_last.summary()
+    assert channels_last.compiled_stored_bytes == contiguous.compiled_stored_bytes
+
+
+def test_channels_last_bool_masks_are_bit_packed_and_restored_with_their_strides():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 16, 3, padding=1).to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+
+    def f(x):
+        h = conv(x)
+        return torch.where(h > 0, h, 0.0) * torch.arange(16.0).view(1, 16, 1, 1)  # saves the mask h > 0
+
+    conv.zero_grad()
+    f(x).sum().backward()
+    plain = conv.weight.grad.clone()
+    ctx = daftrain.compress(bits=2)
+    conv.zero_grad()
+    with ctx:
+        out = torch.compile(f, backend="aot_eager")(x)
+    out.sum().backward()
+    assert ctx.stats.compiled_bool_packed == 1, ctx.stats.summary()
+    assert torch.equal(conv.weight.grad, plain)  # the mask is stored losslessly, in its own layout

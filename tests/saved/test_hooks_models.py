@@ -98,3 +98,23 @@ def test_gradient_snr(model_case, bits):
     snr = sqnr_db(ref, got)
     assert snr >= MODEL_SNR_FLOOR_DB[name][bits], f"{name} at {bits} bits: {snr:.1f} dB"
     assert torch.isfinite(got).all()
+
+
+def test_channels_last_resnet_stores_what_a_contiguous_one_does() -> None:
+    # A CNN trained in channels_last saves its activations permuted; every op rule stores them in memory
+    # order (NOTE [ Normalised records in memory order ]), so the same tensors are compressed to the same
+    # bytes, with the same gradient error (SNR floor as test_gradient_snr's at 2 bits).
+    model, loss_fn = _resnet()
+    ref = _grads(model, loss_fn, None)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        model.to(memory_format=memory_format)
+        ctx = daftrain.compress(bits=2, model=model, min_numel=1024, seed=2)
+        got = _grads(model, loss_fn, ctx)
+        model.load_state_dict(state)
+        assert sqnr_db(ref, got) >= MODEL_SNR_FLOOR_DB["resnet"][2]
+        stats.append(ctx.stats)
+    contiguous, channels_last = stats
+    assert channels_last.kept_reasons == contiguous.kept_reasons
+    assert channels_last.packed_bytes == contiguous.packed_bytes and contiguous.ratio > 8

@@ -172,17 +172,45 @@ def test_statistic_rule_leaves_other_divisions_and_whole_tensor_norms_alone() ->
     assert _statistic(torch.linalg.vector_norm, (torch.randn(2, 3, 4),), {"dim": (0, 2)}) is None  # not one block
 
 
-def test_normalization_input_not_contiguous_is_kept() -> None:
-    x = torch.randn(64, 64)
+def test_permuted_normalization_inputs_are_stored_normalised_in_memory_order() -> None:
+    # channels_last (a CNN trained in it) and a transposed tensor under a layer norm (a convolution's
+    # output turned to tokens): the rule's encoding in their memory order, not kept exact. The measures
+    # and bounds are test_batch_norm_input's and test_layer_norm_input_error_is_not_amplified's.
+    x = torch.randn(8, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    tiny = (torch.arange(16) // 2) % 2 == 0  # channels (and GroupNorm's pairs of them) of tiny spread
+    x[:, tiny] = 5.0 + 1e-3 * x[:, tiny]
+    norms = (torch.nn.BatchNorm2d(16).train(), torch.nn.GroupNorm(8, 16), torch.nn.InstanceNorm2d(16, affine=True))
+    for norm in norms:
+        def weight_grad(ctx: daftrain.compress | None, layout: torch.memory_format = torch.channels_last,
+                        norm: torch.nn.Module = norm) -> torch.Tensor:
+            norm.zero_grad(set_to_none=True)
+            _grads(lambda x: norm((x * 1.0).contiguous(memory_format=layout)), [x], ctx)
+            return torch.cat([norm.weight.grad, norm.bias.grad])
 
-    def fn(x: torch.Tensor) -> torch.Tensor:
+        ref, ctx, contiguous = weight_grad(None), _ctx(8), _ctx(8)
+        assert _cos(weight_grad(ctx), ref) >= 0.999
+        weight_grad(contiguous, torch.contiguous_format)  # what is kept: GroupNorm's mean and rstd
+        assert ctx.stats.kept_reasons == contiguous.stats.kept_reasons and ctx.stats.compressed == 1
+        assert _cos(weight_grad(_ctx(8, rules=False)), ref) < 0.9
+
+    def transposed(x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm((x * 1.0).t(), (64,))
 
+    rows = _mixed_rows().t().contiguous()
+    ref, ctx = _grads(transposed, [rows], None)[0], _ctx(8)
+    assert _cos(_grads(transposed, [rows], ctx)[0], ref) >= 0.999
+    assert ctx.stats.kept_reasons["op_rule"] == 0 and ctx.stats.compressed == 1
+    assert _cos(_grads(transposed, [rows], _ctx(8, rules=False))[0], ref) < 0.9
+
+
+def test_clip_masks_of_permuted_inputs_are_exact() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.relu6((x * 4.0).contiguous(memory_format=torch.channels_last))
+
+    x = torch.randn(8, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     ctx = _ctx(2)
-    ref = _grads(fn, [x], None)[0]
-    got = _grads(fn, [x], ctx)[0]
-    assert ctx.stats.kept_reasons["op_rule"] == 1
-    assert torch.equal(got, ref)
+    assert torch.equal(_grads(fn, [x], ctx)[0], _grads(fn, [x], None)[0])
+    assert ctx.stats.bool_packed == 1 and ctx.stats.kept == 0
 
 
 def test_sdpa_with_qk_norm_keeps_q_and_k_at_eight_bits() -> None:

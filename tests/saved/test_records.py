@@ -9,13 +9,15 @@ import torch
 from daftrain.saved.records import ExactRecord, Normalized, NormalizedRecord
 
 # (view, reduce): layer / RMS / group / instance norms normalise rows of the last dimension, batch norm
-# each channel over the first and last.
-_LAYOUTS = {"rows": ((96, 1, 512), (2,)), "channels": ((16, 24, 128), (0, 2))}
+# each channel over the first and last; vectors along the middle dimension are F.normalize's, and the
+# rows of a permuted tensor's norm in memory order.
+_LAYOUTS = {"rows": ((96, 1, 512), (2,)), "channels": ((16, 24, 128), (0, 2)), "vectors": ((4, 256, 48), (1,))}
 
 
 def _input(view: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(view, generator=gen) * torch.rand((*view[:2], 1), generator=gen).mul(4) + 3.0
+    spread = torch.rand((*view[:2], 1), generator=gen) * torch.rand((view[0], 1, view[2]), generator=gen)
+    x = torch.randn(view, generator=gen) * spread.mul(4) + 3.0
     return x.to(dtype).reshape(-1)
 
 
@@ -57,9 +59,12 @@ def test_constant_rows_are_restored_exactly(layout: str) -> None:
     if layout == "rows":
         x[::7] = 0.0
         x[3::7] = 0.3
-    else:
+    elif layout == "channels":
         x[:, ::7] = 0.0
         x[:, 3::7] = -1.7
+    else:
+        x[:, :, ::7] = 0.0
+        x[:, :, 3::7] = -1.7
     got = _round_trip(Normalized(view, reduce), x.reshape(-1), bits=2)
     constant = (x.amin(reduce, keepdim=True) == x.amax(reduce, keepdim=True)).expand_as(x)
     assert constant.any() and torch.equal(got[constant], x[constant])
@@ -71,3 +76,46 @@ def test_non_finite_input_is_kept_exact() -> None:
     flat[100] = float("nan")
     record = Normalized(view, reduce).encode(flat, 4, 256, seed=1)
     assert isinstance(record, ExactRecord) and record.reason == "nonfinite"
+
+
+def _permuted(shape: tuple[int, ...], order: tuple[int, ...]) -> torch.Tensor:
+    """A dense tensor of logical ``shape`` whose dims lie in memory in ``order`` (outermost first)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen).mul(4) + 1.0
+    return x.permute(order).contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
+
+
+# (logical shape, the encoding the rule builds for it, memory order, the encoding in memory order)
+_PERMUTED = {
+    "batch norm, channels_last": ((4, 6, 5, 3), Normalized((4, 6, 15), (0, 2)), (0, 2, 3, 1),
+                                  Normalized((60, 6, 1), (0, 2))),
+    "layer norm, transposed": ((4, 7, 6), Normalized((28, 1, 6), (2,)), (0, 2, 1), Normalized((4, 6, 7), (1,))),
+    "layer norm of channels, permuted to channels last": ((2, 5, 3, 8), Normalized((30, 1, 8), (2,)),
+                                                          (0, 3, 1, 2), Normalized((2, 8, 15), (1,))),
+    "instance norm, channels_last": ((4, 6, 5, 3), Normalized((4, 6, 15), (2,)), (0, 2, 3, 1),
+                                     Normalized((4, 15, 6), (1,))),
+    "group norm, channels_last": ((4, 6, 5, 3), Normalized((4, 2, 45), (2,)), (0, 2, 3, 1),
+                                  Normalized((4, 15, 2, 3), (1, 3))),
+    "instance norm, kept and reduced dims alternating twice": ((4, 6, 5, 3), Normalized((4, 6, 15), (2,)),
+                                                               (0, 2, 1, 3), Normalized((4, 5, 6, 3), (1, 3))),
+    "RMS over the last two dims, a size-1 dim between": ((3, 1, 4, 5), Normalized((3, 1, 20), (2,), center=False),
+                                                         (2, 0, 3, 1), Normalized((4, 3, 5), (0, 2), center=False)),
+}
+
+
+@pytest.mark.parametrize("case", _PERMUTED)
+def test_in_memory_order_normalises_the_values_the_logical_encoding_does(case: str) -> None:
+    shape, logical, order, expected = _PERMUTED[case]
+    t = _permuted(shape, order)
+    assert not t.is_contiguous()
+    found = logical.in_memory_order(t)
+    assert found == expected
+    # The same values share a mean and std: x_hat in memory order is the logical x_hat laid out like t.
+    x_hat = logical._normalize(t.contiguous().view(logical.view))[0].view(shape)
+    laid_out = torch.empty_like(t).copy_(x_hat).as_strided((t.numel(),), (1,))
+    got = found._normalize(t.as_strided((t.numel(),), (1,)).view(found.view))[0].reshape(-1)
+    torch.testing.assert_close(got, laid_out, rtol=1e-5, atol=1e-5)  # float32 reductions in other orders
+
+
+def test_in_memory_order_refuses_a_dim_that_straddles_view_dims_unevenly() -> None:
+    assert Normalized((4, 4, 15), (2,)).in_memory_order(_permuted((4, 6, 10), (0, 2, 1))) is None

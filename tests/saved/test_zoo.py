@@ -132,6 +132,21 @@ def test_every_torch_architecture_runs_and_exact_mode_is_bit_identical(name):
     assert torch.isfinite(grads).all() and _cos(grads, ref) > 0.5
 
 
+@pytest.mark.parametrize("name", [n for n in TORCH_ZOO if n.endswith(":channels_last")])
+def test_channels_last_architectures_store_what_their_contiguous_twins_do(name):
+    # NOTE [ Normalised records in memory order ]: a permuted layout changes the order of the stored
+    # values, not which are compressed or how many bytes they take
+    stats = []
+    for entry in (name, name.removesuffix(":channels_last")):
+        model, inputs = zoo_model(entry), zoo_inputs(entry)
+        ctx = daftrain.compress(bits=2, model=model)
+        ref, grads = _grads(model, inputs, None), _grads(model, inputs, ctx)
+        assert _cos(grads, ref) > 0.5
+        stats.append(ctx.stats)
+    assert stats[0].kept_reasons == stats[1].kept_reasons and stats[0].packed_bytes == stats[1].packed_bytes
+    assert stats[0].compressed == stats[1].compressed > 0
+
+
 @pytest.mark.parametrize("name", [
     "mlp_mixer", "transformer_seq2seq:bf16", "transformer_encoder_postnorm", "spectral_operator",
     *(pytest.param(n, marks=pytest.mark.slow) for n in TORCH_ZOO

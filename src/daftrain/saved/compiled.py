@@ -68,10 +68,12 @@ class CompileFallbackWarning(UserWarning):
 # NOTE [ What the traced pack decides ]
 # The traced pack sees a fake tensor and the saved node of the forward and backward graphs
 # (``_get_saved_tensor_hook_context``), not a grad_fn, so it decides from those:
-#   * kept: non-strided or non-contiguous tensors, fewer than ``min_numel`` values, integer and other
-#     dtypes, ``bits=None``, and the auxiliary outputs of multi-output ops (a ``getitem`` past index 0:
-#     LayerNorm's mean and rstd, BatchNorm's save_invstd, attention's logsumexp), which eager
-#     ``decide`` keeps as constants (``NOTE [ Constants are stored losslessly or kept ]``);
+#   * kept: non-strided tensors, non-contiguous ones other than those in a permuted memory format
+#     (``NOTE [ Permuted memory formats in compiled graphs ]``), fewer than ``min_numel`` values,
+#     integer and other dtypes, ``bits=None``, and the auxiliary outputs of multi-output ops (a
+#     ``getitem`` past index 0: LayerNorm's mean and rstd, BatchNorm's save_invstd, attention's
+#     logsumexp), which eager ``decide`` keeps as constants (``NOTE [ Constants are stored losslessly or
+#     kept ]``);
 #   * at least ``NONLINEAR_MIN_BITS``: the output of ``_log_softmax``, or any saved tensor whose
 #     backward applies ``exp`` to it, directly or after shifts and casts (a decomposed log_softmax, or
 #     the logits inductor saves to recompute it), see ``NOTE [ Nonlinear backward ]``;
@@ -139,9 +141,31 @@ def _needs_high_bits(node: Any, bw_graph: Any) -> bool:
     return False
 
 
+# NOTE [ Permuted memory formats in compiled graphs ]
+# A CNN trained in channels_last (with torch.compile, the usual recipe for speed) saves 4-D and 5-D
+# activations whose memory holds (N, H, W, C). The traced pack stores such a tensor as its memory, in
+# memory order (``x.permute`` to that order is contiguous and costs nothing), with the permutation back
+# as a constant of the graph; the unpack restores the same strides as a permuted view, as the eager path
+# does with any dense view (``NOTE [ One record per storage span ]`` in hooks.py). The permutation is
+# read from the memory format, which Dynamo guards on, not from sorting strides, which under dynamic
+# shapes would guard on every size. Other non-contiguous tensors are kept.
+_PERMUTED_FORMATS = ((torch.channels_last, (0, 2, 3, 1)), (torch.channels_last_3d, (0, 2, 3, 4, 1)))
+
+
+def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """``x``'s dims in memory order: ``()`` where ``x`` is contiguous, the permutation where it is in a
+    permuted memory format, ``None`` otherwise (``NOTE [ Permuted memory formats in compiled graphs ]``)."""
+    if x.is_contiguous():
+        return ()
+    for memory_format, order in _PERMUTED_FORMATS:
+        if x.dim() == len(order) and x.is_contiguous(memory_format=memory_format):
+            return order
+    return None
+
+
 def traced_treatment(x: torch.Tensor, bits: int | None, min_numel: int, pack_bool: bool) -> int:
     """``_KEEP``, ``_BOOL`` or the bits to quantize ``x`` at; see ``NOTE [ What the traced pack decides ]``."""
-    if x.layout != torch.strided or x.numel() == 0 or x.numel() < min_numel or not x.is_contiguous():
+    if x.layout != torch.strided or x.numel() == 0 or x.numel() < min_numel or memory_order(x) is None:
         return _KEEP
     if x.dtype == torch.bool:
         return _BOOL if pack_bool else _KEEP
@@ -176,19 +200,32 @@ def _carried_shape(carrier: torch.Tensor) -> tuple[tuple[Any, ...], Any]:
     return shape, numel
 
 
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=order.__getitem__))
+
+
 @torch.fx.wrap
 def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: int, pack_bool: bool) -> Any:
-    """The pack hook inside a compiled graph: ``x`` kept, ``(packed bits, shape carrier)`` for a bool
-    tensor, or ``(codes, lo, scale, shape carrier, dtype, bits, group_size)`` (``NOTE [ The shape travels
-    in an empty tensor ]``)."""
+    """The pack hook inside a compiled graph: ``x`` kept, ``(packed bits, shape carrier, back)`` for a
+    bool tensor, or ``(codes, lo, scale, shape carrier, back, dtype, bits, group_size)``: the carrier has
+    the shape of ``x`` in memory order, ``back`` permutes it to ``x``'s (``NOTE [ The shape travels in an
+    empty tensor ]``, ``NOTE [ Permuted memory formats in compiled graphs ]``)."""
     how = traced_treatment(x, bits, min_numel, pack_bool)
     if how == _KEEP:
         return x
+    order = memory_order(x) or ()  # not None: traced_treatment keeps those
+    values = x.permute(order) if order else x
+    back = _inverse(order) if order else ()
     if how == _BOOL:
-        return (torch.ops.daftrain.pack_bool(x.view(-1)), _shape_carrier(x))
+        return (torch.ops.daftrain.pack_bool(values.view(-1)), _shape_carrier(values), back)
     seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")  # NOTE [ A fresh seed per compiled call ]
-    codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(x.view(-1), how, group_size, seed)
-    return (codes, lo, scale, _shape_carrier(x), x.dtype, how, group_size)
+    codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(values.view(-1), how, group_size, seed)
+    return (codes, lo, scale, _shape_carrier(values), back, x.dtype, how, group_size)
+
+
+def _restored(flat: torch.Tensor, carrier: torch.Tensor, back: tuple[int, ...]) -> torch.Tensor:
+    values = flat.view(_carried_shape(carrier)[0])
+    return values.permute(back) if back else values
 
 
 @torch.fx.wrap
@@ -196,13 +233,13 @@ def unpack_traced(packed: Any) -> torch.Tensor:
     """The unpack hook inside a compiled graph: the inverse of ``pack_traced``."""
     if isinstance(packed, torch.Tensor):
         return packed
-    if len(packed) == 2:
-        data, carrier = packed
-        shape, numel = _carried_shape(carrier)
-        return torch.ops.daftrain.unpack_bool(data, numel).view(shape)
-    codes, lo, scale, carrier, dtype, bits, group_size = packed
-    shape, numel = _carried_shape(carrier)
-    return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype).view(shape)
+    if len(packed) == 3:
+        data, carrier, back = packed
+        return _restored(torch.ops.daftrain.unpack_bool(data, _carried_shape(carrier)[1]), carrier, back)
+    codes, lo, scale, carrier, back, dtype, bits, group_size = packed
+    numel = _carried_shape(carrier)[1]
+    return _restored(torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype),
+                     carrier, back)
 
 
 def _hint(n: Any) -> int:
@@ -231,9 +268,9 @@ def _describe(packed: Any, x: torch.Tensor, node: Any) -> SavedInGraph:
     name = getattr(node, "name", "?")
     if isinstance(packed, torch.Tensor):
         return SavedInGraph(name, "kept", 0, raw, raw)
-    if len(packed) == 2:
+    if len(packed) == 3:
         return SavedInGraph(name, "bool", 1, raw, bool_nbytes(_hint(x.numel())))
-    bits, group_size = packed[5], packed[6]
+    bits, group_size = packed[6], packed[7]
     return SavedInGraph(name, "quantized", bits, raw, PackedLayout(bits, group_size, _hint(x.numel())).nbytes)
 
 

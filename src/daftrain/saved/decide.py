@@ -11,7 +11,7 @@ from ..config import CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
 from .op_rules import OpMatch, keeps, match_saved
-from .records import ClipMask, Derivative, Encoding, stored_numel
+from .records import ClipMask, Encoding, Normalized, is_dense, is_expanded, stored_numel
 
 
 class Treatment(enum.Enum):
@@ -100,12 +100,18 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
 # without a residual path (data2vec-audio's positional convolution) got 4.6x fixed 4-bit's gradient
 # error at the same bytes.
 def _by_rule(t: torch.Tensor, match: OpMatch, config: CompressionConfig) -> Decision:
-    """A tensor an op rule treats; an encoding by rows needs its memory order to be its logical order
-    (``Derivative`` is elementwise)."""
-    if match.encoding is None:
+    """A tensor an op rule treats. ``ClipMask`` and ``Derivative`` are elementwise; a ``Normalized``
+    encoding, built for ``t``'s logical order, is put in its memory order where ``t`` is packed in it
+    (``NOTE [ Normalised records in memory order ]`` in ``records.py``)."""
+    encoding = match.encoding
+    if encoding is None:
         return Decision(Treatment.QUANTIZE, "", min_bits=match.rule.min_bits, rule=match.rule.name)
-    if not t.is_contiguous() and not isinstance(match.encoding, Derivative):
-        return Decision(Treatment.KEEP, "op_rule")
-    if isinstance(match.encoding, ClipMask):  # exact at any bits: packed like a bool mask, no bits to allocate
-        return Decision(Treatment.PACK_BOOL, "", encoding=match.encoding, rule=match.rule.name)
-    return Decision(Treatment.QUANTIZE, "", encoding=match.encoding, rule=match.rule.name)
+    if isinstance(encoding, ClipMask):  # exact at any bits: packed like a bool mask, no bits to allocate
+        return Decision(Treatment.PACK_BOOL, "", encoding=encoding, rule=match.rule.name)
+    if isinstance(encoding, Normalized) and not t.is_contiguous():
+        # an expanded view is packed as its compact form, whose shape the encoding was not built for;
+        # any other view that is not dense is packed from its contents, in logical order
+        encoding = None if is_expanded(t) else encoding.in_memory_order(t) if is_dense(t) else encoding
+        if encoding is None:
+            return Decision(Treatment.KEEP, "op_rule")
+    return Decision(Treatment.QUANTIZE, "", encoding=encoding, rule=match.rule.name)

@@ -44,23 +44,13 @@ from .records import (
     SavedHandle,
     compact_expanded,
     encode,
+    is_dense,
     is_expanded,
     on_fitted_grid,
 )
 from .stats import CompressionStats
 
 __all__ = ["compress"]
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """True when ``t`` covers exactly ``numel`` consecutive elements of its storage (any dim order)."""
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1),
-                               key=lambda p: p[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 # NOTE [ One record per storage span ]

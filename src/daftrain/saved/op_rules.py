@@ -147,13 +147,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _is_target(t: torch.Tensor, x: torch.Tensor) -> bool:
     """``t`` is the target ``x``, a contiguous reshape of it (``instance_norm`` hands ``batch_norm`` its
     input viewed as one sample of ``N * C`` channels: the same values in the same memory order, which is
-    all the encodings read), or a copy the op made of it (``NOTE [ Copies an op saves ]``)."""
+    all the encodings read; a copy in ``x``'s logical order where ``x`` is not contiguous), or a copy the
+    op made of it (``NOTE [ Copies an op saves ]``)."""
     if _same(t, x):
         return True
     if (t.data_ptr() == x.data_ptr() and t.numel() == x.numel() and t.dtype == x.dtype
             and t.is_contiguous() and x.is_contiguous()):
         return True
-    return copy_of(t, x, same_shape=True)
+    return copy_of(t, x, same_shape=True) or (t.shape != x.shape and copy_of(t, x, same_order=True))
 
 
 def keeps(match: OpMatch | None, t: torch.Tensor) -> bool:

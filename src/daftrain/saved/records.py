@@ -258,6 +258,17 @@ def compact_expanded(t: torch.Tensor) -> torch.Tensor:
     return t[index]
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers exactly ``numel`` consecutive elements of its storage (any dim order)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1),
+                               key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def is_expanded(t: torch.Tensor) -> bool:
     return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True))
 
@@ -330,9 +341,9 @@ _CONSTANT_ROW_RSTD = 1e18
 #      (``NOTE [ Activations stored as their derivative ]``).
 @dataclass(frozen=True)
 class Normalized:
-    """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact.
-    ``view`` is 3-D and ``reduce`` is ``(2,)`` (rows) or ``(0, 2)`` (channels), as the rule builds them,
-    or, without ``center`` (``std`` the root mean square), also ``(1,)`` (``F.normalize``'s vectors)."""
+    """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact;
+    without ``center`` ``std`` is the root mean square. The rules build 3-D views with ``reduce`` ``(2,)``
+    (rows), ``(0, 2)`` (channels) or ``(1,)`` (``F.normalize``'s vectors); ``in_memory_order`` any."""
 
     view: tuple[int, ...]
     reduce: tuple[int, ...]
@@ -346,6 +357,59 @@ class Normalized:
         if isinstance(inner, ExactRecord) or not finite:
             return ExactRecord(flat, "nonfinite")
         return NormalizedRecord(inner, mean, std, self.view, flat.dtype)
+
+    # NOTE [ Normalised records in memory order ]
+    # A dense tensor whose dims are permuted in memory (channels_last, a transpose) is packed as its
+    # memory span, in memory order (``NOTE [ One record per storage span ]`` in ``hooks.py``), while the
+    # rule builds ``view`` and ``reduce`` from its logical shape. The statistics only say which values
+    # share a mean and std, and that holds in any order: each logical dim is placed in the view dims that
+    # hold it (split where it spans two, as a group norm's channels span its groups and the channels in a
+    # group), each part tagged reduced or kept and given its stride; in memory order (strides descending)
+    # adjacent parts of the same tag merge, and the runs are the view, the reduced runs ``reduce``. A
+    # channels_last batch norm's (N, C, H, W), tagged R K R R, is R R R K in memory: ``(N*H*W, C, 1)``
+    # over ``(0, 2)``; a layer norm over the last dim of a transposed (B, C, T) tensor is K R K:
+    # ``(B, C, T)`` over ``(1,)``; a channels_last group norm's (N, G, C/G, H, W) is K R K R in memory:
+    # ``(N, H*W, G, C/G)`` over ``(1, 3)``. Only a logical dim that straddles view dims unevenly (never
+    # built by a rule) has no form.
+    def in_memory_order(self, t: torch.Tensor) -> Normalized | None:
+        """This encoding of ``t`` (built for its logical order) for ``t``'s memory order, ``t`` dense;
+        ``None`` where it has no form there (``NOTE [ Normalised records in memory order ]``)."""
+        if math.prod(self.view) != t.numel():
+            return None
+        parts: list[tuple[int, int, bool]] = []  # (stride, size, reduced)
+        place, left = 0, self.view[0]
+        for size, stride in zip(t.shape, t.stride(), strict=True):
+            split: list[tuple[int, int]] = []  # (view dim, size) of this dim's parts, outermost first
+            while size > 1:
+                while left == 1:
+                    place += 1
+                    left = self.view[place]
+                taken = math.gcd(size, left)
+                if taken == 1 or (taken != size and taken != left):
+                    return None
+                split.append((place, taken))
+                size, left = size // taken, left // taken
+            for view_dim, part in reversed(split):
+                parts.append((stride, part, view_dim in self.reduce))
+                stride *= part
+        runs: list[list[Any]] = []  # [reduced, size] of adjacent parts merged, outermost first
+        for _, size, reduced in sorted(parts, key=lambda p: -p[0]):
+            if runs and runs[-1][0] == reduced:
+                runs[-1][1] *= size
+            else:
+                runs.append([reduced, size])
+        pattern = tuple(reduced for reduced, _ in runs)
+        sizes = tuple(size for _, size in runs)
+        if True not in pattern:
+            return None
+        # the three-dim layouts PyTorch's fused norms take (NOTE [ Normalising with PyTorch's own kernels ])
+        if pattern == (True,):
+            return Normalized((1, 1, sizes[0]), (2,), self.center)
+        if pattern == (False, True):
+            return Normalized((sizes[0], 1, sizes[1]), (2,), self.center)
+        if pattern == (True, False):
+            return Normalized((sizes[0], sizes[1], 1), (0, 2), self.center)
+        return Normalized(sizes, tuple(i for i, reduced in enumerate(pattern) if reduced), self.center)
 
     # NOTE [ Normalising with PyTorch's own kernels ]
     # The views the normalization rule builds are 3-D with the statistics over the last dimension (layer,
@@ -363,12 +427,15 @@ class Normalized:
             std = torch.linalg.vector_norm(x, 2, self.reduce, keepdim=True).div_(math.sqrt(count))
             return x / torch.where(std > 0, std, 1.0), None, std  # x may be the saved tensor: not in place
         tiny = torch.finfo(torch.float32).tiny
-        if self.reduce == (2,):
+        if x.dim() == 3 and self.reduce == (2,):
             out, mean, rstd = torch.native_layer_norm(x.reshape(-1, x.shape[2]), (x.shape[2],), None, None, tiny)
-            stats_shape = (x.shape[0], x.shape[1], 1)
-        else:  # (0, 2): per channel of (N, C, L)
+        elif x.dim() == 3 and self.reduce == (0, 2):  # per channel of (N, C, L)
             out, mean, rstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, tiny)
-            stats_shape = (1, x.shape[1], 1)
+        else:  # a permuted tensor's statistics in memory order: no fused kernel takes them
+            var, mean = torch.var_mean(x, self.reduce, correction=0, keepdim=True)
+            rstd = var.add_(tiny).rsqrt_()
+            out = (x - mean).mul_(rstd)
+        stats_shape = tuple(1 if dim in self.reduce else size for dim, size in enumerate(x.shape))
         out, mean, rstd = out.view(x.shape), mean.reshape(stats_shape), rstd.reshape(stats_shape)
         constant = rstd >= _CONSTANT_ROW_RSTD
         if bool(constant.any()):

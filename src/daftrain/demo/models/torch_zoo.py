@@ -185,35 +185,46 @@ _ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tens
     "vocoder": (_Vocoder, lambda: torch.randn(8, 16, 32)),
 }
 
-TORCH_ZOO: tuple[str, ...] = tuple(n for name in _ARCHITECTURES for n in (name, f"{name}:bf16"))
-"""Every architecture, in float32 and under bfloat16 autocast."""
+_CONVOLUTIONAL = ("unet", "mobile_cnn")
+"""Trained in channels_last too (the ``:channels_last`` entries)."""
+
+TORCH_ZOO: tuple[str, ...] = tuple(
+    n for name in _ARCHITECTURES
+    for n in (name, f"{name}:bf16", *((f"{name}:channels_last",) if name in _CONVOLUTIONAL else ()))
+)
+"""Every architecture, in float32 and under bfloat16 autocast; the convolutional ones in channels_last too."""
 
 
 class _Dict(nn.Module):
-    """The architecture's output as ``{"logits": float32}``, its forward under autocast where asked."""
+    """The architecture's output as ``{"logits": float32}``, its forward under autocast or its input in
+    channels_last where asked."""
 
-    def __init__(self, inner: nn.Module, autocast: bool) -> None:
+    def __init__(self, inner: nn.Module, variant: str) -> None:
         super().__init__()
-        self.inner, self.autocast = inner, autocast
+        self.inner, self.variant = inner, variant
+        if variant == "channels_last":
+            self.inner.to(memory_format=torch.channels_last)
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        with torch.autocast("cpu", torch.bfloat16, enabled=self.autocast):
+        if self.variant == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast("cpu", torch.bfloat16, enabled=self.variant == "bf16"):
             y = self.inner(x)
         return {"logits": y.float()}
 
 
-def _split(name: str) -> tuple[str, bool]:
-    base, _, dtype = name.partition(":")
-    if base not in _ARCHITECTURES or dtype not in ("", "bf16"):
+def _split(name: str) -> tuple[str, str]:
+    base, _, variant = name.partition(":")
+    if name not in TORCH_ZOO:
         raise InvalidArgumentError(f"unknown torch zoo architecture {name!r}: use one of TORCH_ZOO")
-    return base, dtype == "bf16"
+    return base, variant
 
 
 def zoo_model(name: str) -> nn.Module:
     """The architecture ``name`` of ``TORCH_ZOO`` in train mode, initialised from seed 0."""
-    base, autocast = _split(name)
+    base, variant = _split(name)
     torch.manual_seed(0)
-    return _Dict(_ARCHITECTURES[base][0](), autocast).train()
+    return _Dict(_ARCHITECTURES[base][0](), variant).train()
 
 
 def zoo_inputs(name: str) -> dict[str, torch.Tensor]:
