@@ -94,11 +94,14 @@ def build(model_name: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
     from torch import nn
 
     torch.manual_seed(0)
-    if model_name == "resnet18":
+    if model_name in ("resnet18", "resnet18_channels_last"):
         from daftrain.demo.models import resnet18
 
         model = resnet18(num_classes=10, width=64)
         batch = (torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)))
+        if model_name == "resnet18_channels_last":  # the memory format CNNs are often trained in
+            model = model.to(memory_format=torch.channels_last)
+            batch = (batch[0].contiguous(memory_format=torch.channels_last), batch[1])
 
         def loss_fn(m, b):  # type: ignore[no-untyped-def]
             return nn.functional.cross_entropy(m(b[0]), b[1])
