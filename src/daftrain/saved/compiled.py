@@ -10,7 +10,9 @@ start of the compiled backward. See ``NOTE [ Hooks inside compiled graphs ]``.
 from __future__ import annotations
 
 import dataclasses
-import operator
+import itertools
+import math
+import struct
 import sys
 import threading
 import warnings
@@ -25,8 +27,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from ..config import CompressionConfig
 from ..errors import UnsupportedError
 from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
-from .decide import NONLINEAR_MIN_BITS
-from .records import KeptTensor
+from .graph_rules import GraphRule, graph_rule
+from .records import CONSTANT_ROW_RSTD, KeptTensor
 
 __all__ = ["CompileFallbackWarning", "CompiledHooks", "hooks_for", "pack_traced", "unpack_traced",
            "untraceable_reason"]
@@ -70,18 +72,13 @@ class CompileFallbackWarning(UserWarning):
 # (``_get_saved_tensor_hook_context``), not a grad_fn, so it decides from those:
 #   * kept: non-strided tensors, non-contiguous ones other than those in a permuted memory format
 #     (``NOTE [ Permuted memory formats in compiled graphs ]``), fewer than ``min_numel`` values,
-#     integer and other dtypes, ``bits=None``, and the auxiliary outputs of multi-output ops (a
-#     ``getitem`` past index 0: LayerNorm's mean and rstd, BatchNorm's save_invstd, attention's
-#     logsumexp), which eager ``decide`` keeps as constants (``NOTE [ Constants are stored losslessly or
-#     kept ]``);
-#   * at least ``NONLINEAR_MIN_BITS``: the output of ``_log_softmax``, or any saved tensor whose
-#     backward applies ``exp`` to it, directly or after shifts and casts (a decomposed log_softmax, or
-#     the logits inductor saves to recompute it), see ``NOTE [ Nonlinear backward ]``;
-#   * bool tensors bit-packed, float tensors quantized at the configured bits.
-# Decomposed graphs hide the op behind an intermediate (rstd as ``rsqrt``); such reductions are
-# usually under ``min_numel``. Constant tensors inside the graph (frozen weights cast under autocast)
-# cannot be told from activations here and are quantized.
-#
+#     integer and other dtypes, ``bits=None``;
+#   * bool tensors bit-packed;
+#   * float tensors as the graph's op rules say (``NOTE [ Op rules in compiled graphs ]`` in
+#     graph_rules.py: constants and auxiliary outputs kept, normalisation inputs normalised, clip
+#     inputs as the sides of their bounds, at least ``NONLINEAR_MIN_BITS`` where backward exponentiates),
+#     the rest quantized at the configured bits.
+
 # NOTE [ A fresh seed per compiled call ]
 # An ``int`` seed would be a constant of the compiled graph: every step would round with the same
 # noise, and the rounding errors of successive steps would add up instead of averaging out. The
@@ -90,7 +87,6 @@ class CompileFallbackWarning(UserWarning):
 # ``quantize_pack_seeded`` as a tensor.
 
 _SEED_HIGH = 1 << 32
-_KEEP, _BOOL = 0, -1  # never a bit-width
 
 
 def is_traced(value: Any) -> bool:
@@ -112,35 +108,6 @@ def _saved_node() -> tuple[Any, Any] | None:
     return state.get("_node"), state.get("_bw_graph")
 
 
-def _is_auxiliary(node: Any) -> bool:
-    return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int)
-            and node.args[1] > 0)
-
-
-_LOG_SOFTMAX = {"aten._log_softmax.default"}
-_EXP_OF_SAVED = {"aten.exp.default", "aten._log_softmax_backward_data.default"}
-# Ops that pass a saved tensor's rounding error on unchanged (up to a shift or a cast) on its way to an
-# ``exp``: a decomposed log_softmax backward computes ``exp(logits - amax - logsumexp)`` from saved logits.
-_SHIFTS = {"aten.sub.Tensor", "aten.sub.Scalar", "aten.add.Tensor", "aten.add.Scalar", "aten.neg.default",
-           "prims.convert_element_type.default", "aten.view.default", "aten._unsafe_view.default",
-           "aten.reshape.default", "aten.expand.default", "aten.clone.default"}
-_SHIFT_DEPTH = 4
-
-
-def _needs_high_bits(node: Any, bw_graph: Any) -> bool:
-    if str(node.target) in _LOG_SOFTMAX:
-        return True
-    if bw_graph is None:
-        return False
-    frontier = [p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name]
-    for _ in range(_SHIFT_DEPTH):
-        users = [u for n in frontier for u in n.users]
-        if any(str(u.target) in _EXP_OF_SAVED for u in users):
-            return True
-        frontier = [u for u in users if str(u.target) in _SHIFTS]
-    return False
-
-
 # NOTE [ Permuted memory formats in compiled graphs ]
 # A CNN trained in channels_last (with torch.compile, the usual recipe for speed) saves 4-D and 5-D
 # activations whose memory holds (N, H, W, C). The traced pack stores such a tensor as its memory, in
@@ -148,7 +115,9 @@ def _needs_high_bits(node: Any, bw_graph: Any) -> bool:
 # as a constant of the graph; the unpack restores the same strides as a permuted view, as the eager path
 # does with any dense view (``NOTE [ One record per storage span ]`` in hooks.py). The permutation is
 # read from the memory format, which Dynamo guards on, not from sorting strides, which under dynamic
-# shapes would guard on every size. Other non-contiguous tensors are kept.
+# shapes would guard on every size. Other non-contiguous tensors are kept: attention's q, k and v, (B,
+# H, T, D) views of (B, T, H, D) memory, among them (packed in memory order under inductor, BEiT's
+# gradient cosine fell to 0.81 at 8 bits, 1.0 with inductor's ``fallback_random``: not understood).
 _PERMUTED_FORMATS = ((torch.channels_last, (0, 2, 3, 1)), (torch.channels_last_3d, (0, 2, 3, 4, 1)))
 
 
@@ -163,8 +132,12 @@ def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
     return None
 
 
-def traced_treatment(x: torch.Tensor, bits: int | None, min_numel: int, pack_bool: bool) -> int:
-    """``_KEEP``, ``_BOOL`` or the bits to quantize ``x`` at; see ``NOTE [ What the traced pack decides ]``."""
+_KEEP = GraphRule("keep", "")
+_BOOL = GraphRule("bool", "")
+
+
+def traced_treatment(x: torch.Tensor, bits: int | None, min_numel: int, pack_bool: bool) -> GraphRule:
+    """How the traced pack stores ``x``; see ``NOTE [ What the traced pack decides ]``."""
     if x.layout != torch.strided or x.numel() == 0 or x.numel() < min_numel or memory_order(x) is None:
         return _KEEP
     if x.dtype == torch.bool:
@@ -172,12 +145,14 @@ def traced_treatment(x: torch.Tensor, bits: int | None, min_numel: int, pack_boo
     if bits is None or x.dtype not in QUANTIZABLE_DTYPES:
         return _KEEP
     saved = _saved_node()
-    node, bw_graph = saved if saved is not None else (None, None)
-    if node is not None and _is_auxiliary(node):
-        return _KEEP
-    if node is not None and _needs_high_bits(node, bw_graph):
-        return max(bits, NONLINEAR_MIN_BITS)
-    return bits
+    rule = graph_rule(saved[0], saved[1], bits) if saved is not None and saved[0] is not None else None
+    if rule is None:
+        return GraphRule("quantize", "", min_bits=bits)
+    if rule.kind == "thresholds" and _representatives(rule.thresholds, x.dtype) is None:
+        return GraphRule("quantize", "", min_bits=bits)
+    if rule.kind == "normalize" and rule.groups and memory_order(x) != ():
+        return GraphRule("quantize", "", min_bits=bits)  # a group norm's (N, G, -1) view of a permuted input
+    return dataclasses.replace(rule, min_bits=max(bits, rule.min_bits))
 
 
 # NOTE [ The shape travels in an empty tensor ]
@@ -204,23 +179,91 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(range(len(order)), key=order.__getitem__))
 
 
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (to nearest, ties to even), in Python: the traced pack runs under a
+    fake tensor mode, where a tensor's value cannot be read."""
+    if dtype == torch.float16:
+        try:
+            return float(struct.unpack("<e", struct.pack("<e", value))[0])
+        except OverflowError:
+            return math.copysign(math.inf, value)
+    try:
+        single = struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+    if dtype != torch.bfloat16 or not math.isfinite(single):
+        return float(single)
+    bits = struct.unpack("<I", struct.pack("<f", single))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]) if bits < 1 << 32 else math.inf
+
+
+def _representatives(thresholds: tuple[float, ...], dtype: torch.dtype) -> tuple[float, ...] | None:
+    """A value below each of the sorted ``thresholds`` and above the one before it, and one above them
+    all, that compare so in ``dtype``; ``None`` where ``dtype`` has none between two of them."""
+    below = [thresholds[0] - max(1.0, abs(thresholds[0]))]
+    below += [(a + b) / 2 for a, b in itertools.pairwise(thresholds)]
+    cast = [_in_dtype(v, dtype) for v in (*below, thresholds[-1] + max(1.0, abs(thresholds[-1])))]
+    edges = [_in_dtype(t, dtype) for t in thresholds]
+    if edges != list(thresholds):
+        return None  # a threshold the dtype cannot hold: the comparisons are not with it
+    edges = [-math.inf, *edges, math.inf]
+    if all(math.isfinite(c) and lo < c < hi for c, lo, hi in zip(cast, edges[:-1], edges[1:], strict=True)):
+        return tuple(cast)
+    return None
+
+
+# NOTE [ Normalised values in a compiled graph ]
+# ``_normalized`` is ``Normalized._normalize`` (records.py) without data-dependent branches, which a
+# traced graph cannot take: the statistics over ``dims`` of the value (or of its ``(N, groups, -1)``
+# view), x_hat computed elementwise from the value so that it keeps its memory format, and a constant
+# row (rstd of at least ``CONSTANT_ROW_RSTD``) restored exactly as its first value.
+def _normalized(x: torch.Tensor, rule: GraphRule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values = x.float()
+    if rule.groups:
+        values = values.reshape(values.shape[0], rule.groups, -1)
+    if not rule.center:
+        count = 1
+        for dim in rule.dims:
+            count = count * values.shape[dim]
+        std = torch.linalg.vector_norm(values, 2, rule.dims, keepdim=True) / (count ** 0.5)
+        return values / torch.where(std > 0, std, 1.0), torch.zeros_like(std), std
+    var, mean = torch.var_mean(values, rule.dims, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + torch.finfo(torch.float32).tiny)
+    constant = rstd >= CONSTANT_ROW_RSTD
+    first = values
+    for dim in rule.dims:
+        first = first.narrow(dim, 0, 1)
+    mean = torch.where(constant, first, mean)
+    x_hat = torch.where(constant, 0.0, (values - mean) * rstd)
+    return x_hat, mean, torch.where(constant, 0.0, var.sqrt())
+
+
 @torch.fx.wrap
 def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: int, pack_bool: bool) -> Any:
-    """The pack hook inside a compiled graph: ``x`` kept, ``(packed bits, shape carrier, back)`` for a
-    bool tensor, or ``(codes, lo, scale, shape carrier, back, dtype, bits, group_size)``: the carrier has
-    the shape of ``x`` in memory order, ``back`` permutes it to ``x``'s (``NOTE [ The shape travels in an
-    empty tensor ]``, ``NOTE [ Permuted memory formats in compiled graphs ]``)."""
-    how = traced_treatment(x, bits, min_numel, pack_bool)
-    if how == _KEEP:
+    """The pack hook inside a compiled graph: ``x`` kept, or a tuple whose first item says how it was
+    stored (``unpack_traced`` reads it): the stored tensors, a carrier of the stored values' shape in
+    memory order and ``back``, the permutation to ``x``'s (``NOTE [ The shape travels in an empty tensor
+    ]``, ``NOTE [ Permuted memory formats in compiled graphs ]``), and the constants to restore it."""
+    rule = traced_treatment(x, bits, min_numel, pack_bool)
+    if rule.kind == "keep":
         return x
-    order = memory_order(x) or ()  # not None: traced_treatment keeps those
-    values = x.permute(order) if order else x
+    values, extra = x, ()
+    if rule.kind == "normalize":
+        values, mean, std = _normalized(x, rule)
+        extra = (mean, std, tuple(x.shape))
+    order = memory_order(values) or ()  # not None: traced_treatment keeps those
+    values = values.permute(order) if order else values
     back = _inverse(order) if order else ()
-    if how == _BOOL:
-        return (torch.ops.daftrain.pack_bool(values.view(-1)), _shape_carrier(values), back)
+    if rule.kind == "bool":
+        return ("bool", torch.ops.daftrain.pack_bool(values.reshape(-1)), _shape_carrier(values), back)
+    if rule.kind == "thresholds":
+        masks = torch.stack([m for t in rule.thresholds for m in (values < t, values == t)])
+        return ("thresholds", torch.ops.daftrain.pack_bool(masks.view(-1)), _shape_carrier(values), back,
+                x.dtype, rule.thresholds, _representatives(rule.thresholds, x.dtype))
     seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")  # NOTE [ A fresh seed per compiled call ]
-    codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(values.view(-1), how, group_size, seed)
-    return (codes, lo, scale, _shape_carrier(values), back, x.dtype, how, group_size)
+    codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(values.reshape(-1), rule.min_bits, group_size, seed)
+    return (rule.kind, codes, lo, scale, _shape_carrier(values), back, x.dtype, rule.min_bits, group_size, *extra)
 
 
 def _restored(flat: torch.Tensor, carrier: torch.Tensor, back: tuple[int, ...]) -> torch.Tensor:
@@ -228,18 +271,38 @@ def _restored(flat: torch.Tensor, carrier: torch.Tensor, back: tuple[int, ...]) 
     return values.permute(back) if back else values
 
 
+def _between(masks: torch.Tensor, thresholds: tuple[float, ...], representatives: tuple[float, ...],
+             dtype: torch.dtype) -> torch.Tensor:
+    """Values that compare with each of ``thresholds`` as the masks (below, equal; per threshold) say."""
+    values = torch.full(masks.shape[1:], representatives[-1], dtype=dtype, device=masks.device)
+    for i in reversed(range(len(thresholds))):
+        values = torch.where(masks[2 * i + 1], thresholds[i], torch.where(masks[2 * i], representatives[i], values))
+    return values
+
+
 @torch.fx.wrap
 def unpack_traced(packed: Any) -> torch.Tensor:
     """The unpack hook inside a compiled graph: the inverse of ``pack_traced``."""
     if isinstance(packed, torch.Tensor):
         return packed
-    if len(packed) == 3:
-        data, carrier, back = packed
+    kind = packed[0]
+    if kind == "bool":
+        _, data, carrier, back = packed
         return _restored(torch.ops.daftrain.unpack_bool(data, _carried_shape(carrier)[1]), carrier, back)
-    codes, lo, scale, carrier, back, dtype, bits, group_size = packed
+    if kind == "thresholds":
+        _, data, carrier, back, dtype, thresholds, representatives = packed
+        numel = _carried_shape(carrier)[1]
+        masks = torch.ops.daftrain.unpack_bool(data, 2 * len(thresholds) * numel).view(2 * len(thresholds), -1)
+        return _restored(_between(masks, thresholds, representatives, dtype), carrier, back)
+    _, codes, lo, scale, carrier, back, dtype, bits, group_size, *extra = packed
     numel = _carried_shape(carrier)[1]
-    return _restored(torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype),
-                     carrier, back)
+    stored_dtype = torch.float32 if extra else dtype
+    values = _restored(torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, stored_dtype),
+                       carrier, back)
+    if not extra:
+        return values
+    mean, std, shape = extra
+    return (values * std + mean).reshape(shape).to(dtype)
 
 
 def _hint(n: Any) -> int:
@@ -268,10 +331,15 @@ def _describe(packed: Any, x: torch.Tensor, node: Any) -> SavedInGraph:
     name = getattr(node, "name", "?")
     if isinstance(packed, torch.Tensor):
         return SavedInGraph(name, "kept", 0, raw, raw)
-    if len(packed) == 3:
+    if packed[0] == "bool":
         return SavedInGraph(name, "bool", 1, raw, bool_nbytes(_hint(x.numel())))
-    bits, group_size = packed[6], packed[7]
-    return SavedInGraph(name, "quantized", bits, raw, PackedLayout(bits, group_size, _hint(x.numel())).nbytes)
+    if packed[0] == "thresholds":
+        return SavedInGraph(name, "bool", 1, raw, bool_nbytes(2 * len(packed[5]) * _hint(x.numel())))
+    bits, group_size = packed[7], packed[8]
+    stored = PackedLayout(bits, group_size, _hint(x.numel())).nbytes
+    if packed[0] == "normalize":
+        stored += sum(_hint(t.numel()) * t.element_size() for t in packed[9:11])
+    return SavedInGraph(name, "quantized", bits, raw, stored)
 
 
 class _Hook(torch.fx.GraphModule):

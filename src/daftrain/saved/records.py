@@ -315,7 +315,7 @@ class SavedHandle:
         return out if self.expand_to is None else out.expand(self.expand_to)
 
 
-_CONSTANT_ROW_RSTD = 1e18
+CONSTANT_ROW_RSTD = 1e18
 """1/std at or above which a row counts as constant (a variance below ~1e-36)."""
 
 
@@ -437,7 +437,7 @@ class Normalized:
             out = (x - mean).mul_(rstd)
         stats_shape = tuple(1 if dim in self.reduce else size for dim, size in enumerate(x.shape))
         out, mean, rstd = out.view(x.shape), mean.reshape(stats_shape), rstd.reshape(stats_shape)
-        constant = rstd >= _CONSTANT_ROW_RSTD
+        constant = rstd >= CONSTANT_ROW_RSTD
         if bool(constant.any()):
             first = x
             for dim in self.reduce:

@@ -1,0 +1,240 @@
+"""Op rules inside compiled graphs: how the traced pack stores one saved value, read from AOTAutograd's
+forward and backward graphs (``NOTE [ Op rules in compiled graphs ]``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+from .decide import NONLINEAR_MIN_BITS
+from .op_rules import ATTENTION_MIN_BITS
+
+__all__ = ["GraphRule", "graph_rule"]
+
+
+@dataclass(frozen=True)
+class GraphRule:
+    """How the traced pack stores one saved value: ``keep`` it, ``quantize`` it at ``min_bits`` or more,
+    ``normalize`` it over ``dims`` (of the value, or of its ``(N, groups, -1)`` view) and quantize the
+    normalised values, or store only which side of each of ``thresholds`` it lies on."""
+
+    kind: str
+    reason: str
+    min_bits: int = 1
+    dims: tuple[int, ...] = ()
+    center: bool = True
+    groups: int = 0
+    thresholds: tuple[float, ...] = ()
+
+
+# NOTE [ Op rules in compiled graphs ]
+# A compiled graph's saved values never reach the eager op rules (``NOTE [ Op rules ]`` in op_rules.py):
+# the traced pack sees a fake tensor and, through AOTAutograd's hook context, the forward graph, the
+# backward graph and the saved node. Without rules a compiled model lost what they protect: a DeiT's
+# gradient cosine was -0.06 at 8 bits (the LayerNorm input of class tokens of zeros, rstd 1e6), a
+# Qwen3's gradient was NaN at any bits (its additive attention mask, zeros and finfo.min, quantized:
+# a decoded 0 off by ~1e31) and a MobileNet V2's 0.98 at 8 bits (ReLU6 masks flipped). The rules read
+# the same facts the eager ones do, from the graphs:
+#   1. a value that depends on no input that receives a gradient (the backward graph returns None for
+#      the others) is a constant: an attention mask, a frozen weight's cast, a position table. Eager
+#      ``decide`` stores such tensors only losslessly; a traced pack cannot check that, so it keeps them;
+#   2. a value the forward feeds to a normalisation (a fused layer, batch or group norm, a ``var_mean``
+#      of it, or ``mean(x ** 2)``) is stored normalised with exact statistics, as the eager
+#      ``normalization`` rules store it, computed in the graph without data-dependent branches;
+#   3. a value the backward reads only through comparisons with constants (ReLU6 / hardtanh, threshold
+#      and leaky ReLU backward, or their decomposed ``le`` / ``gt`` / ``where``) is stored as which side
+#      of each constant it lies on, exactly, and restored as values that compare the same way;
+#   4. at least 8 bits where backward exponentiates the value (``NOTE [ Nonlinear backward ]``) and for
+#      the q and k of a fused attention backward (the eager ``attention_qk`` rule).
+# The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
+# attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
+def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
+    """The rule for the saved ``node`` of a forward graph (``None``: quantized at ``bits``)."""
+    if _is_auxiliary(node):
+        return GraphRule("keep", "auxiliary output")
+    if bw_graph is None:
+        return None
+    uses = _backward_uses(node, bw_graph)
+    if not _depends_on_trained_inputs(node, bw_graph):
+        return GraphRule("keep", "constant")
+    thresholds = _compared_only(uses)
+    if thresholds is not None:
+        return GraphRule("thresholds", "clip_mask", thresholds=thresholds)
+    normalized = _normalized(node)
+    if normalized is not None:
+        return normalized
+    if str(node.target) in _LOG_SOFTMAX or _exponentiated(uses):
+        return GraphRule("quantize", "nonlinear backward", min_bits=max(bits, NONLINEAR_MIN_BITS))
+    if any(str(u.target) in _ATTENTION_BACKWARD and _positions(u, p) & {1, 2} for p, u in uses):
+        return GraphRule("quantize", "attention_qk", min_bits=max(bits, ATTENTION_MIN_BITS))
+    return None
+
+
+def _is_auxiliary(node: Any) -> bool:
+    return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int)
+            and node.args[1] > 0)
+
+
+def _backward_uses(node: Any, bw_graph: Any) -> list[tuple[Any, Any]]:
+    """(placeholder, user) for each use of the saved ``node`` in the backward graph."""
+    return [(p, u) for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name for u in p.users]
+
+
+def _positions(user: Any, arg: Any) -> set[int]:
+    return {i for i, a in enumerate(user.args) if a is arg}
+
+
+def _depends_on_trained_inputs(node: Any, bw_graph: Any) -> bool:
+    """Whether ``node`` depends on a forward input that the backward returns a gradient for (rule 1);
+    ``True`` where the two graphs do not line up (every input is then taken to be trained)."""
+    inputs = node.graph.find_nodes(op="placeholder")
+    grads = bw_graph.find_nodes(op="output")[0].args[0]
+    if not isinstance(grads, (list, tuple)) or len(grads) != len(inputs):
+        return True
+    trained = {p for p, g in zip(inputs, grads, strict=True) if g is not None}
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in trained:
+            return True
+        for m in n.all_input_nodes:
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return False
+
+
+_COMPARISONS = {"aten.le.Scalar": 1, "aten.lt.Scalar": 1, "aten.ge.Scalar": 1, "aten.gt.Scalar": 1,
+                "aten.eq.Scalar": 1}
+"""Comparisons of the saved value (argument 0) with a constant (this argument)."""
+_CLIP_BACKWARDS = {"aten.hardtanh_backward.default": (2, 3), "aten.threshold_backward.default": (2,)}
+"""Backward ops that read the saved value (argument 1) only against these constant arguments."""
+
+
+def _compared_only(uses: list[tuple[Any, Any]]) -> tuple[float, ...] | None:
+    """The sorted constants the backward compares the saved value with, if that is all it reads (rule 3)."""
+    found: set[float] = set()
+    for placeholder, user in uses:
+        target = str(user.target)
+        if target in _COMPARISONS and _positions(user, placeholder) == {0}:
+            constants = [user.args[_COMPARISONS[target]]]
+        elif target in _CLIP_BACKWARDS and _positions(user, placeholder) == {1}:
+            constants = [user.args[i] for i in _CLIP_BACKWARDS[target]]
+        elif target == "aten.leaky_relu_backward.default" and _positions(user, placeholder) == {1}:
+            constants = [0.0]  # the sign picks 1 or the slope, on the input or on a non-negative slope's output
+        else:
+            return None
+        if not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in constants):
+            return None
+        found.update(float(c) for c in constants)
+    return tuple(sorted(found)) if uses and found else None
+
+
+_BATCH_NORMS = {"aten.native_batch_norm.default": 5, "aten._native_batch_norm_legit_functional.default": 5,
+                "aten._native_batch_norm_legit.default": 5, "aten._native_batch_norm_legit.no_stats": 3}
+"""Batch norms and the position of their ``training`` argument."""
+
+
+# Ops through which the forward may pass a saved value on to a normalisation: a position embedding
+# added to the patch tokens before the first LayerNorm, a layer scale and a residual sum before the
+# next (the partitioner then saves the parts and recomputes the norm's input from them in backward).
+# Normalised over the same rows, a part's error stays a fraction of its own rows' spread, as the eager
+# rule keeps the norm input's (where the parts nearly cancel the sum's spread is smaller than theirs).
+_PASS_ON = {"aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "prims.convert_element_type.default",
+            "aten.clone.default", "aten.alias.default", "aten.view.default", "aten._unsafe_view.default",
+            "aten.reshape.default"}
+_PASS_ON_DEPTH = 3
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    shape = getattr(node.meta.get("val"), "shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+def _normalized(node: Any) -> GraphRule | None:
+    """The normalisation the forward feeds ``node`` to, directly or through ``_PASS_ON`` ops, if its
+    statistics are over the same values of ``node`` (its shape's, or trailing dims of the same sizes'
+    product), if any (rule 2)."""
+    shape = _shape(node)
+    if shape is None:
+        return None
+    frontier, seen = [node], {node}
+    for _ in range(_PASS_ON_DEPTH + 1):
+        for value in frontier:
+            found = _shape(value)
+            rule = _normalizing_user(value, len(found)) if found is not None else None
+            if rule is not None and found is not None:
+                mapped = _same_rows(rule, found, shape)
+                if mapped is not None:
+                    return mapped
+        frontier = [u for v in frontier for u in v.users if str(u.target) in _PASS_ON and u not in seen]
+        seen.update(frontier)
+    return None
+
+
+def _same_rows(rule: GraphRule, found: tuple[int, ...], shape: tuple[int, ...]) -> GraphRule | None:
+    """``rule``, made for a value of shape ``found``, for the saved value of ``shape`` it passed on from."""
+    if found == shape:
+        return rule
+    rank = len(found)
+    if rule.groups or rule.dims != tuple(range(rank - len(rule.dims), rank)):
+        return None
+    size, count = 1, 0
+    for dim in rule.dims:
+        size *= found[dim]
+    product = 1
+    while product < size and count < len(shape):
+        count += 1
+        product *= shape[-count]
+    if product != size:
+        return None
+    return dataclasses.replace(rule, dims=tuple(range(len(shape) - count, len(shape))))
+
+
+def _normalizing_user(node: Any, rank: int) -> GraphRule | None:
+    for user in node.users:
+        if _positions(user, node) != {0}:
+            continue
+        target, args = str(user.target), user.args
+        if target == "aten.native_layer_norm.default":
+            return GraphRule("normalize", "normalization", dims=tuple(range(rank - len(args[1]), rank)))
+        if target in _BATCH_NORMS and len(args) > _BATCH_NORMS[target] and args[_BATCH_NORMS[target]] is True:
+            return GraphRule("normalize", "normalization", dims=(0, *range(2, rank)))
+        if target == "aten.native_group_norm.default" and isinstance(args[6], int):
+            return GraphRule("normalize", "normalization", dims=(2,), groups=args[6])
+        if target == "aten.var_mean.correction" and user.kwargs.get("correction", 1) == 0:
+            dims = args[1] if len(args) > 1 else None
+            if isinstance(dims, (list, tuple)) and dims:
+                return GraphRule("normalize", "normalization", dims=tuple(sorted(d % rank for d in dims)))
+        if target == "aten.pow.Tensor_Scalar" and args[1] == 2:
+            for mean in user.users:
+                if (str(mean.target) == "aten.mean.dim" and mean.args[0] is user and len(mean.args) > 2
+                        and mean.args[2] is True):
+                    dims = tuple(sorted(d % rank for d in mean.args[1]))
+                    return GraphRule("normalize", "decomposed_rms_norm", dims=dims, center=False)
+    return None
+
+
+_LOG_SOFTMAX = {"aten._log_softmax.default"}
+_EXP_OF_SAVED = {"aten.exp.default", "aten._log_softmax_backward_data.default"}
+# Ops that pass a saved tensor's rounding error on unchanged (up to a shift or a cast) on its way to an
+# ``exp``: a decomposed log_softmax backward computes ``exp(logits - amax - logsumexp)`` from saved logits.
+_SHIFTS = {"aten.sub.Tensor", "aten.sub.Scalar", "aten.add.Tensor", "aten.add.Scalar", "aten.neg.default",
+           "prims.convert_element_type.default", "aten.view.default", "aten._unsafe_view.default",
+           "aten.reshape.default", "aten.expand.default", "aten.clone.default"}
+_SHIFT_DEPTH = 4
+_ATTENTION_BACKWARD = {"aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+                       "aten._scaled_dot_product_flash_attention_backward.default",
+                       "aten._scaled_dot_product_efficient_attention_backward.default",
+                       "aten._scaled_dot_product_cudnn_attention_backward.default"}
+
+
+def _exponentiated(uses: list[tuple[Any, Any]]) -> bool:
+    users = [u for _, u in uses]
+    for _ in range(_SHIFT_DEPTH):
+        if any(str(u.target) in _EXP_OF_SAVED for u in users):
+            return True
+        users = [v for u in users if str(u.target) in _SHIFTS for v in u.users]
+    return False

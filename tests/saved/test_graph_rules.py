@@ -1,0 +1,165 @@
+"""The op rules inside compiled graphs (saved/graph_rules.py) and the traced encodings they choose
+(saved/compiled.py), each against the compiled model without compression."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import daftrain
+from daftrain.saved import graph_rules
+from daftrain.saved.compiled import GraphRule, _normalized, _representatives
+from daftrain.saved.records import Normalized
+
+# Cosine between a compressed gradient and the exact one at 8 bits: the suite's bound for 8-bit
+# activations (tests/saved/test_compiled.py).
+COSINE_8_BITS = 0.999
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _without_rules(monkeypatch) -> None:
+    """The traced pack as it was before the rules: every float value quantized at the configured bits."""
+    monkeypatch.setattr("daftrain.saved.compiled.graph_rule", lambda node, bw_graph, bits: (
+        graph_rules.GraphRule("keep", "") if graph_rules._is_auxiliary(node) else None))
+
+
+def _grads(module: nn.Module, fn, x: torch.Tensor, ctx, backend: str) -> torch.Tensor:
+    torch._dynamo.reset()
+    module.zero_grad(set_to_none=True)
+    compiled = torch.compile(fn, backend=backend)
+    if ctx is None:
+        out = compiled(x)
+    else:
+        with ctx:
+            out = compiled(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * w).sum().backward()
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None])
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+def _masked(lin: nn.Linear):
+    def fn(x):
+        # an additive attention mask of zeros and finfo.min built from the input, as a causal and padding
+        # mask is; SDPA's backward reads it
+        keep = (x[..., :32] > -1.0) | torch.eye(32, dtype=torch.bool)
+        mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None]
+        h = lin(x).view(4, 32, 4, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+
+    return fn
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_constants_are_kept(backend, monkeypatch):
+    # Quantized, the mask's decoded zeros were off by up to ~1e36 and the gradient not finite, or wrong
+    # (NOTE [ Op rules in compiled graphs ], 1.).
+    lin, x = nn.Linear(64, 64), torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))
+    plain = _grads(lin, _masked(lin), x, None, backend)
+    ctx = daftrain.compress(bits=8, min_numel=0)
+    got = _grads(lin, _masked(lin), x, ctx, backend)
+    assert torch.isfinite(plain).all() and torch.isfinite(got).all()
+    assert _cos(got, plain) >= COSINE_8_BITS, ctx.stats.summary()
+    saved = [(s.how, s.raw_bytes) for g in ctx._hooks.graphs() for s in g]
+    assert ("kept", 4 * 32 * 32 * 4) in saved, saved  # the mask, [4, 1, 32, 32] float32
+    _without_rules(monkeypatch)
+    got = _grads(lin, _masked(lin), x, daftrain.compress(bits=8, min_numel=0), backend)
+    assert not torch.allclose(got, plain, rtol=1e-3, atol=1e-3)
+
+
+def _class_token_rows() -> torch.Tensor:
+    """Token rows of unit spread after rows of zeros (a ViT's class tokens at initialisation)."""
+    x = torch.randn(8, 33, 64, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = 0.0
+    return x
+
+
+class _PreNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(33, 64))
+        self.norm = nn.LayerNorm(64, eps=1e-12)
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.norm(x * 1.0 + self.pos))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_normalisation_inputs_are_stored_normalised(backend, monkeypatch):
+    # LayerNorm backward re-normalises its input with the exact rstd (1e6 for the rows of zeros): their
+    # rounding error was multiplied by it (NOTE [ Op rules in compiled graphs ], 2.). Under inductor
+    # the partitioner saves x * 1.0 and recomputes the sum with the position embedding in backward.
+    model, x = _PreNorm(), _class_token_rows()
+    plain = _grads(model, model, x, None, backend)
+    ctx = daftrain.compress(bits=8, min_numel=0)
+    assert _cos(_grads(model, model, x, ctx, backend), plain) >= COSINE_8_BITS
+    if backend == "aot_eager":  # inductor's partitioner saves this one's normalised output instead
+        _without_rules(monkeypatch)
+        assert _cos(_grads(model, model, x, daftrain.compress(bits=8, min_numel=0), backend), plain) < 0.9
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_clip_masks_are_exact(backend, monkeypatch):
+    # ReLU6's backward reads its input only against 0 and 6; values crowd both bounds, where rounding
+    # would flip the mask (NOTE [ Op rules in compiled graphs ], 3.).
+    lin = nn.Linear(64, 64)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        lin.weight.mul_(0.01)
+        lin.bias.copy_(torch.cat([torch.zeros(32), torch.full((32,), 6.0)]))
+
+    def fn(x):
+        return F.relu6(lin(x))
+
+    x = torch.randn(128, 64, generator=gen)
+    plain = _grads(lin, fn, x, None, backend)
+    ctx = daftrain.compress(bits=2, min_numel=0)
+    assert torch.equal(_grads(lin, fn, x, ctx, backend), plain)
+    assert ctx.stats.compiled_bool_packed >= 1, ctx.stats.summary()
+    if backend == "aot_eager":  # inductor's partitioner saves the comparisons' bool masks instead
+        _without_rules(monkeypatch)
+        assert not torch.equal(_grads(lin, fn, x, daftrain.compress(bits=2, min_numel=0), backend), plain)
+
+
+def test_representatives_compare_as_the_intervals_they_stand_for():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        thresholds = (-1.0, 0.0, 6.0)
+        reps = _representatives(thresholds, dtype)
+        assert reps is not None and len(reps) == 4
+        edges = (float("-inf"), *thresholds, float("inf"))
+        assert all(lo < r < hi for r, lo, hi in zip(reps, edges[:-1], edges[1:], strict=True))
+    # bfloat16 has no value strictly between two neighbours: such thresholds keep plain quantization
+    assert _representatives((1.0, 1.0078125), torch.bfloat16) is None
+
+
+@pytest.mark.parametrize(("shape", "dims", "center"), [
+    ((8, 33, 64), (2,), True), ((8, 16, 6, 6), (0, 2, 3), True), ((8, 33, 64), (2,), False),
+])
+def test_traced_normalisation_matches_the_eager_encoding(shape, dims, center):
+    # NOTE [ Normalised values in a compiled graph ]: the branch-free statistics are the eager
+    # encoding's, constant rows included (x_hat 0, std 0, the mean their value).
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    x.select(dims[-1] - 1 if len(dims) > 1 else 1, 0).fill_(0.25)  # constant rows or channels
+    x_hat, mean, std = _normalized(x, GraphRule("normalize", "", dims=dims, center=center))
+    eager_dims = (0, 2) if len(dims) > 1 else (2,)
+    view = (shape[0], shape[1], -1) if len(dims) > 1 else (-1, 1, shape[-1])
+    enc = Normalized(tuple(x.reshape(view).shape), eager_dims, center)
+    want_hat, want_mean, want_std = enc._normalize(x.reshape(view))
+    torch.testing.assert_close(x_hat.reshape(-1), want_hat.reshape(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(std.reshape(-1), want_std.reshape(-1), rtol=1e-5, atol=1e-6)
+    if center:
+        torch.testing.assert_close(mean.reshape(-1), want_mean.reshape(-1), rtol=1e-6, atol=1e-6)
+    restored = x_hat * std + mean
+    torch.testing.assert_close(restored, x, rtol=1e-5, atol=1e-5)
