@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ZOOS, build_zoo_model, write_json, zoo_entries
+from common import ZOOS, build_zoo_model, recorded, write_json, zoo_entries
 
 import daftrain
 from daftrain.demo.models.transformers_zoo import zoo_gradient
@@ -132,8 +130,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
     """One model's row; ``settings`` go to every compressed context (``--column-groups``)."""
     settings = settings or {}
     row: dict[str, Any] = {"model": model_type, "kind": kind}
-    t0 = time.perf_counter()
-    try:
+    with recorded(row):
         model, inputs = build_zoo_model(model_type, kind, overrides)
         ref, _ = _step(model, inputs, None)
         again, _ = _step(model, inputs, None)
@@ -163,10 +160,6 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
         if errors:
             worst = max(errors, key=errors.__getitem__)
         row.update(class_error2=errors, largest_error=worst)
-        row["status"] = "ok"
-    except Exception as exc:  # a crash is a row, and a target miss
-        row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc()[-800:])
-    row["seconds"] = time.perf_counter() - t0
     return row
 
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ZOOS, build_zoo_model, write_json, zoo_entries
+from common import ZOOS, build_zoo_model, recorded, write_json, zoo_entries
 
 import daftrain
 from daftrain.demo.models.transformers_zoo import zoo_gradient
@@ -49,8 +47,7 @@ def _error(grad: torch.Tensor, ref: torch.Tensor) -> float:
 
 def run_model(model_type: str, kind: str, overrides: dict[str, Any], widths: list[int], draws: int) -> dict:
     row: dict[str, Any] = {"model": model_type, "kind": kind}
-    t0 = time.perf_counter()
-    try:
+    with recorded(row):
         model, inputs = build_zoo_model(model_type, kind, overrides)
         ref = zoo_gradient(model, inputs)
         for b in widths:
@@ -68,10 +65,6 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], widths: lis
             row[f"bits{b}"] = {"fixed_error": f, "auto_error": a, "auto_over_fixed": a / f if f > 0 else None,
                                "fixed_errors": fixed, "auto_errors": auto,
                                "fixed_bytes": fixed_bytes, "auto_bytes": auto_bytes}
-        row["status"] = "ok"
-    except Exception as exc:
-        row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc()[-800:])
-    row["seconds"] = time.perf_counter() - t0
     return row
 
 

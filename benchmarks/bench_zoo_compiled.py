@@ -19,8 +19,6 @@ import argparse
 import contextlib
 import statistics
 import sys
-import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_zoo_model, write_json, zoo_entries
+from common import build_zoo_model, recorded, write_json, zoo_entries
 
 import daftrain
 
@@ -58,8 +56,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_model(name: str, kind: str, overrides: dict[str, Any], widths: list[int], backend: str) -> dict:
     row: dict[str, Any] = {"model": name}
-    t0 = time.perf_counter()
-    try:
+    with recorded(row):
         model, inputs = build_zoo_model(name, kind, overrides)
         for module in model.modules():
             if "Dropout" in type(module).__name__ and isinstance(getattr(module, "p", None), float):
@@ -82,10 +79,6 @@ def run_model(name: str, kind: str, overrides: dict[str, Any], widths: list[int]
                 "finite": bool(torch.isfinite(compiled_b).all()), "graphs": s.compiled_graphs,
                 "saved": s.compiled_saved, "quantized": s.compiled_quantized, "bool_packed": s.compiled_bool_packed,
                 "ratio": s.compiled_raw_bytes / max(1, s.compiled_stored_bytes)}
-        row["status"] = "ok"
-    except Exception as exc:
-        row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc()[-800:])
-    row["seconds"] = time.perf_counter() - t0
     return row
 
 

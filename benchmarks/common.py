@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +74,16 @@ def build_zoo_model(model_type: str, kind: str, overrides: dict[str, Any]) -> tu
 
     model = tiny_model(model_type, overrides)
     return model, tiny_inputs(model, kind)
+
+
+@contextlib.contextmanager
+def recorded(row: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Measure one zoo model into ``row``: ``status`` "ok", or "error" with the exception's message and
+    trace (a crash is a row of the table, and a target miss, not the end of the run); ``seconds``."""
+    t0 = time.perf_counter()
+    try:
+        yield row
+        row["status"] = "ok"
+    except Exception as exc:
+        row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc()[-800:])
+    row["seconds"] = time.perf_counter() - t0
