@@ -115,9 +115,8 @@ def _saved_node() -> tuple[Any, Any] | None:
 # as a constant of the graph; the unpack restores the same strides as a permuted view, as the eager path
 # does with any dense view (``NOTE [ One record per storage span ]`` in hooks.py). The permutation is
 # read from the memory format, which Dynamo guards on, not from sorting strides, which under dynamic
-# shapes would guard on every size. Other non-contiguous tensors are kept: attention's q, k and v, (B,
-# H, T, D) views of (B, T, H, D) memory, among them (packed in memory order under inductor, BEiT's
-# gradient cosine fell to 0.81 at 8 bits, 1.0 with inductor's ``fallback_random``: not understood).
+# shapes would guard on every size. Other non-contiguous tensors are kept, attention's q, k and v
+# ((B, H, T, D) views of (B, T, H, D) memory) among them (docs/zoo.md, "Under torch.compile").
 _PERMUTED_FORMATS = ((torch.channels_last, (0, 2, 3, 1)), (torch.channels_last_3d, (0, 2, 3, 4, 1)))
 
 

@@ -32,11 +32,11 @@ class GraphRule:
 # NOTE [ Op rules in compiled graphs ]
 # A compiled graph's saved values never reach the eager op rules (``NOTE [ Op rules ]`` in op_rules.py):
 # the traced pack sees a fake tensor and, through AOTAutograd's hook context, the forward graph, the
-# backward graph and the saved node. Without rules a compiled model lost what they protect: a DeiT's
-# gradient cosine was -0.06 at 8 bits (the LayerNorm input of class tokens of zeros, rstd 1e6), a
-# Qwen3's gradient was NaN at any bits (its additive attention mask, zeros and finfo.min, quantized:
-# a decoded 0 off by ~1e31) and a MobileNet V2's 0.98 at 8 bits (ReLU6 masks flipped). The rules read
-# the same facts the eager ones do, from the graphs:
+# backward graph and the saved node. Without rules a compiled model lost what they protect: a ViT's
+# rows of class tokens under LayerNorm had their rounding error multiplied by the exact rstd, a
+# decoder's additive attention mask (zeros and finfo.min) decoded its zeros far from 0 and made the
+# gradient NaN, ReLU6 masks flipped (docs/zoo.md, "Under torch.compile"). The rules read the same
+# facts the eager ones do, from the graphs:
 #   1. a value that depends on no input that receives a gradient (the backward graph returns None for
 #      the others) is a constant: an attention mask, a frozen weight's cast, a position table. Eager
 #      ``decide`` stores such tensors only losslessly; a traced pack cannot check that, so it keeps them;
@@ -44,8 +44,9 @@ class GraphRule:
 #      of it, or ``mean(x ** 2)``) is stored normalised with exact statistics, as the eager
 #      ``normalization`` rules store it, computed in the graph without data-dependent branches;
 #   3. a value the backward reads only through comparisons with constants (ReLU6 / hardtanh, threshold
-#      and leaky ReLU backward, or their decomposed ``le`` / ``gt`` / ``where``) is stored as which side
-#      of each constant it lies on, exactly, and restored as values that compare the same way;
+#      and leaky ReLU backward, or the ``le`` / ``lt`` / ``ge`` / ``gt`` / ``eq`` they decompose to) is
+#      stored as which side of each constant it lies on, exactly, and restored as values that compare
+#      the same way;
 #   4. at least 8 bits where backward exponentiates the value (``NOTE [ Nonlinear backward ]``) and for
 #      the q and k of a fused attention backward (the eager ``attention_qk`` rule).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
