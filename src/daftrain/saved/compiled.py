@@ -28,7 +28,7 @@ from ..config import CompressionConfig
 from ..errors import UnsupportedError
 from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
 from .graph_rules import GraphRule, graph_rule
-from .records import CONSTANT_ROW_RSTD, KeptTensor
+from .records import KeptTensor, normalized_over
 
 __all__ = ["CompileFallbackWarning", "CompiledHooks", "hooks_for", "pack_traced", "unpack_traced",
            "untraceable_reason"]
@@ -213,29 +213,16 @@ def _representatives(thresholds: tuple[float, ...], dtype: torch.dtype) -> tuple
 
 
 # NOTE [ Normalised values in a compiled graph ]
-# ``_normalized`` is ``Normalized._normalize`` (records.py) without data-dependent branches, which a
-# traced graph cannot take: the statistics over ``dims`` of the value (or of its ``(N, groups, -1)``
-# view), x_hat computed elementwise from the value so that it keeps its memory format, and a constant
-# row (rstd of at least ``CONSTANT_ROW_RSTD``) restored exactly as its first value.
+# The traced pack normalises with the eager encoding's ``normalized_over`` (records.py), without its one
+# data-dependent branch, which a traced graph cannot take (the constant rows are handled whether or not
+# there are any), over the value's own dims (or its ``(N, groups, -1)`` view): x_hat keeps the value's
+# memory format where the statistics come from ``var_mean``.
 def _normalized(x: torch.Tensor, rule: GraphRule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     values = x.float()
     if rule.groups:
         values = values.reshape(values.shape[0], rule.groups, -1)
-    if not rule.center:
-        count = 1
-        for dim in rule.dims:
-            count = count * values.shape[dim]
-        std = torch.linalg.vector_norm(values, 2, rule.dims, keepdim=True) / (count ** 0.5)
-        return values / torch.where(std > 0, std, 1.0), torch.zeros_like(std), std
-    var, mean = torch.var_mean(values, rule.dims, correction=0, keepdim=True)
-    rstd = torch.rsqrt(var + torch.finfo(torch.float32).tiny)
-    constant = rstd >= CONSTANT_ROW_RSTD
-    first = values
-    for dim in rule.dims:
-        first = first.narrow(dim, 0, 1)
-    mean = torch.where(constant, first, mean)
-    x_hat = torch.where(constant, 0.0, (values - mean) * rstd)
-    return x_hat, mean, torch.where(constant, 0.0, var.sqrt())
+    x_hat, mean, std = normalized_over(values, rule.dims, rule.center, branch_free=True)
+    return x_hat, torch.zeros_like(std) if mean is None else mean, std
 
 
 @torch.fx.wrap

@@ -315,7 +315,7 @@ class SavedHandle:
         return out if self.expand_to is None else out.expand(self.expand_to)
 
 
-CONSTANT_ROW_RSTD = 1e18
+_CONSTANT_ROW_RSTD = 1e18
 """1/std at or above which a row counts as constant (a variance below ~1e-36)."""
 
 
@@ -422,29 +422,37 @@ class Normalized:
     # rstd 1e6 in backward) must restore exactly: its mean is set to one of its values, its std to 0 and
     # its x_hat to 0, whatever rounding the kernel's mean had.
     def _normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        if not self.center:  # an RMS norm: the norm in one pass
-            count = math.prod(x.shape[dim] for dim in self.reduce)
-            std = torch.linalg.vector_norm(x, 2, self.reduce, keepdim=True).div_(math.sqrt(count))
-            return x / torch.where(std > 0, std, 1.0), None, std  # x may be the saved tensor: not in place
-        tiny = torch.finfo(torch.float32).tiny
-        if x.dim() == 3 and self.reduce == (2,):
-            out, mean, rstd = torch.native_layer_norm(x.reshape(-1, x.shape[2]), (x.shape[2],), None, None, tiny)
-        elif x.dim() == 3 and self.reduce == (0, 2):  # per channel of (N, C, L)
-            out, mean, rstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, tiny)
-        else:  # a permuted tensor's statistics in memory order: no fused kernel takes them
-            var, mean = torch.var_mean(x, self.reduce, correction=0, keepdim=True)
-            rstd = var.add_(tiny).rsqrt_()
-            out = (x - mean).mul_(rstd)
-        stats_shape = tuple(1 if dim in self.reduce else size for dim, size in enumerate(x.shape))
-        out, mean, rstd = out.view(x.shape), mean.reshape(stats_shape), rstd.reshape(stats_shape)
-        constant = rstd >= CONSTANT_ROW_RSTD
-        if bool(constant.any()):
-            first = x
-            for dim in self.reduce:
-                first = first.narrow(dim, 0, 1)
-            mean = torch.where(constant, first, mean)
-            out.masked_fill_(constant, 0.0)
-        return out, mean, torch.where(constant, 0.0, rstd.reciprocal())
+        return normalized_over(x, self.reduce, self.center)
+
+
+def normalized_over(x: torch.Tensor, dims: tuple[int, ...], center: bool, *,
+                    branch_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(x_hat, mean, std)`` of ``x`` over ``dims`` (``mean`` ``None`` without ``center``, ``std`` then the
+    root mean square; ``NOTE [ Normalising with PyTorch's own kernels ]``). With ``branch_free`` no value
+    is read back, as inside a traced graph (``NOTE [ Normalised values in a compiled graph ]``)."""
+    if not center:  # an RMS norm: the norm in one pass
+        count = math.prod(x.shape[dim] for dim in dims)
+        std = torch.linalg.vector_norm(x, 2, dims, keepdim=True).div_(torch.sym_sqrt(count))
+        return x / torch.where(std > 0, std, 1.0), None, std  # x may be the saved tensor: not in place
+    tiny = torch.finfo(torch.float32).tiny
+    if x.dim() == 3 and dims == (2,):
+        out, mean, rstd = torch.native_layer_norm(x.reshape(-1, x.shape[2]), (x.shape[2],), None, None, tiny)
+    elif x.dim() == 3 and dims == (0, 2):  # per channel of (N, C, L)
+        out, mean, rstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, tiny)
+    else:  # a permuted tensor's statistics in memory order: no fused kernel takes them
+        var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+        rstd = var.add_(tiny).rsqrt_()
+        out = (x - mean).mul_(rstd)
+    stats_shape = tuple(1 if dim in dims else size for dim, size in enumerate(x.shape))
+    out, mean, rstd = out.view(x.shape), mean.reshape(stats_shape), rstd.reshape(stats_shape)
+    constant = rstd >= _CONSTANT_ROW_RSTD
+    if branch_free or bool(constant.any()):
+        first = x
+        for dim in dims:
+            first = first.narrow(dim, 0, 1)
+        mean = torch.where(constant, first, mean)
+        out.masked_fill_(constant, 0.0)
+    return out, mean, torch.where(constant, 0.0, rstd.reciprocal())
 
 
 class NormalizedRecord:
