@@ -60,11 +60,10 @@ def copy_of(saved: torch.Tensor, source: object, same_shape: bool = False, same_
         return False
     if same_shape and saved.shape != source.shape:
         return False
+    target = source.grad_fn
     if same_order:
-        target = source.grad_fn
         return (saved.is_contiguous() and target is not None
                 and reaches(saved.grad_fn, lambda node: node is target, _RESHAPE_NODES, _MAX_STEPS))
-    target = source.grad_fn
     if target is None:
         if saved.grad_fn is not None or source.requires_grad:
             return False

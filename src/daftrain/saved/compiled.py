@@ -145,12 +145,10 @@ def traced_treatment(x: torch.Tensor, bits: int | None, min_numel: int, pack_boo
         return _KEEP
     saved = _saved_node()
     rule = graph_rule(saved[0], saved[1], bits) if saved is not None and saved[0] is not None else None
-    if rule is None:
+    if (rule is None
+            or (rule.kind == "thresholds" and _representatives(rule.thresholds, x.dtype) is None)
+            or (rule.kind == "normalize" and rule.groups and memory_order(x) != ())):  # (N, G, -1) of a permuted x
         return GraphRule("quantize", "", min_bits=bits)
-    if rule.kind == "thresholds" and _representatives(rule.thresholds, x.dtype) is None:
-        return GraphRule("quantize", "", min_bits=bits)
-    if rule.kind == "normalize" and rule.groups and memory_order(x) != ():
-        return GraphRule("quantize", "", min_bits=bits)  # a group norm's (N, G, -1) view of a permuted input
     return dataclasses.replace(rule, min_bits=max(bits, rule.min_bits))
 
 
@@ -193,8 +191,8 @@ def _in_dtype(value: float, dtype: torch.dtype) -> float:
     if dtype != torch.bfloat16 or not math.isfinite(single):
         return float(single)
     bits = struct.unpack("<I", struct.pack("<f", single))[0]
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return float(struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]) if bits < 1 << 32 else math.inf
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # at most 0xFF800000 (-inf): stays 32 bits
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
 def _representatives(thresholds: tuple[float, ...], dtype: torch.dtype) -> tuple[float, ...] | None:
