@@ -16,7 +16,6 @@ the saved tensors each compiled graph stored quantized / bit-packed / kept, and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import warnings
@@ -29,25 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_zoo_model, recorded, write_json, zoo_entries
 
 import daftrain
+from daftrain.demo.models.transformers_zoo import zoo_gradient
 
 SAMPLE = ("gpt2", "llama", "qwen3", "gemma3_text", "bert", "t5", "deit", "beit", "convnext", "mobilenet_v2",
           "wav2vec2", "mamba", "mobile_cnn:channels_last", "unet:channels_last")
-
-
-def _gradient(model: torch.nn.Module, forward: Any, inputs: dict[str, torch.Tensor], ctx: Any) -> torch.Tensor:
-    """Every parameter's gradient of a fixed random projection of the model's logits (or first output)."""
-    import numpy as np
-
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    np.random.seed(1234)  # the speech models draw their SpecAugment masks from numpy's generator
-    with ctx if ctx is not None else contextlib.nullcontext():
-        out = forward(**inputs)
-    y = out["logits"] if "logits" in out else out[0]
-    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
-    (y * proj).sum().backward()
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double()
-                      for p in model.parameters()])
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,15 +48,15 @@ def run_model(name: str, kind: str, overrides: dict[str, Any], widths: list[int]
             for attribute, value in vars(module).items():  # rates passed to F.dropout (T5's attention)
                 if "dropout" in attribute and isinstance(value, float):
                     setattr(module, attribute, 0.0)
-        eager = _gradient(model, model, inputs, None)
+        eager = zoo_gradient(model, inputs)
         torch._dynamo.reset()
-        compiled = _gradient(model, torch.compile(model, backend=backend), inputs, None)
+        compiled = zoo_gradient(model, inputs, forward=torch.compile(model, backend=backend))
         for b in widths:
             ctx = daftrain.compress(bits=b, model=model)
-            eager_b = _gradient(model, model, inputs, ctx)
+            eager_b = zoo_gradient(model, inputs, ctx)
             torch._dynamo.reset()
             ctx = daftrain.compress(bits=b, model=model)
-            compiled_b = _gradient(model, torch.compile(model, backend=backend), inputs, ctx)
+            compiled_b = zoo_gradient(model, inputs, ctx, forward=torch.compile(model, backend=backend))
             s = ctx.stats
             row[f"bits{b}"] = {
                 "eager_cos": _cos(eager_b, eager), "compiled_cos": _cos(compiled_b, compiled),
