@@ -46,7 +46,11 @@ class GraphRule:
 #   3. a value the backward reads only through comparisons with constants (ReLU6 / hardtanh, threshold
 #      and leaky ReLU backward, or the ``le`` / ``lt`` / ``ge`` / ``gt`` / ``eq`` they decompose to) is
 #      stored as which side of each constant it lies on, exactly, and restored as values that compare
-#      the same way;
+#      the same way. A value from which the backward first recomputes what it compares (the
+#      partitioner saves a convolution's output and recomputes BatchNorm and the ReLU6 mask from it) is
+#      kept: the recomputed value's bounds, in the saved value's units, depend on the norm's statistics
+#      and weights, which the pack does not see, and a rounded value near them flips the mask that eager
+#      code stores exactly;
 #   4. at least 8 bits where backward exponentiates the value (``NOTE [ Nonlinear backward ]``) and for
 #      the q and k of a fused attention backward (the eager ``attention_qk`` rule).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
@@ -63,6 +67,8 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
     thresholds = _compared_only(uses)
     if thresholds is not None:
         return GraphRule("thresholds", "clip_mask", thresholds=thresholds)
+    if _compared_after_recomputing(uses):
+        return GraphRule("keep", "recomputed clip mask")
     normalized = _normalized(node)
     if normalized is not None:
         return normalized
@@ -131,6 +137,58 @@ def _compared_only(uses: list[tuple[Any, Any]]) -> tuple[float, ...] | None:
             return None
         found.update(float(c) for c in constants)
     return tuple(sorted(found)) if uses and found else None
+
+
+# Elementwise ops through which the backward recomputes a forward value from a saved one, with operands
+# that do not depend on the incoming gradients (a norm's statistics, its weight and bias, constants).
+_RECOMPUTE = {"aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.add.Scalar",
+              "aten.sub.Scalar", "aten.mul.Scalar", "aten.div.Scalar", "aten.neg.default",
+              "prims.convert_element_type.default", "aten.clone.default", "aten.view.default",
+              "aten._unsafe_view.default", "aten.reshape.default", "aten.unsqueeze.default",
+              "aten.expand.default", "aten.permute.default"}
+_RECOMPUTE_DEPTH = 6
+
+
+def _compared_after_recomputing(uses: list[tuple[Any, Any]]) -> bool:
+    """Whether the backward compares with a constant a value it recomputes from the saved one and other
+    values of the graph (rule 3). Through Python scalars alone (softplus's ``beta * x > threshold``) the
+    bound is a constant in the saved value's own units, as in eager code, and does not count."""
+    from_gradients: dict[Any, bool] = {}
+    frontier = [(p, u, False) for p, u in uses if str(u.target) in _RECOMPUTE]
+    seen = {u for _, u, _ in frontier}
+    for _ in range(_RECOMPUTE_DEPTH):
+        recomputed = []
+        for value, user, mixed in frontier:
+            others = [a for a in user.all_input_nodes if a is not value]
+            if not any(_from_gradients(a, from_gradients) for a in others):
+                recomputed.append((user, mixed or bool(others)))
+        if any(mixed and _compared_only([(r, u)]) is not None for r, mixed in recomputed for u in r.users):
+            return True
+        frontier = [(r, u, mixed) for r, mixed in recomputed for u in r.users
+                    if str(u.target) in _RECOMPUTE and u not in seen]
+        seen.update(u for _, u, _ in frontier)
+    return False
+
+
+def _from_gradients(node: Any, memo: dict[Any, bool]) -> bool:
+    """Whether ``node`` of a backward graph depends on one of its incoming gradients (``tangents_*``)."""
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        if n.op == "placeholder":
+            memo[n] = n.name.startswith("tangents")
+            stack.pop()
+            continue
+        pending = [m for m in n.all_input_nodes if m not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[n] = any(memo[m] for m in n.all_input_nodes)
+        stack.pop()
+    return memo[node]
 
 
 _BATCH_NORMS = {"aten.native_batch_norm.default": 5, "aten._native_batch_norm_legit_functional.default": 5,
