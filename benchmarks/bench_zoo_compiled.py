@@ -2,9 +2,9 @@
 
 For each architecture of ``--models`` (a sample of the zoo by default: decoders with and without QK-norm,
 encoders, ViTs with class tokens, CNNs with BatchNorm and ReLU6, a speech encoder, a state-space model;
-the ``torch.nn`` ones by their ``TORCH_ZOO`` names), with every dropout module and dropout rate at 0 (a
-compiled graph draws its dropout masks from other random streams than eager code, and compressing adds
-draws of its own): the gradient of ``bench_zoo.py``'s loss of the model compiled alone (``--backend``,
+the ``torch.nn`` ones by their ``TORCH_ZOO`` names), with every dropout module, dropout rate and
+stochastic depth (drop path) rate at 0 (a compiled graph draws its masks from other random streams than
+eager code, and compressing adds draws of its own): the gradient of ``bench_zoo.py``'s loss of the model compiled alone (``--backend``,
 inductor by default) and compiled under ``compress(bits=b)`` for each ``b`` of ``--bits``, and the eager
 ``compress(bits=b)`` against eager plain PyTorch beside it. Reported per model and width: both cosines,
 the saved tensors each compiled graph stored quantized / bit-packed / kept, and its saved-bytes ratio
@@ -45,8 +45,8 @@ def run_model(name: str, kind: str, overrides: dict[str, Any], widths: list[int]
         for module in model.modules():
             if "Dropout" in type(module).__name__ and isinstance(getattr(module, "p", None), float):
                 module.p = 0.0  # nn.Dropout, Dropout1d/2d/3d, AlphaDropout
-            for attribute, value in vars(module).items():  # rates passed to F.dropout (T5's attention)
-                if "dropout" in attribute and isinstance(value, float):
+            for attribute, value in vars(module).items():  # rates passed to F.dropout (T5's attention), drop paths
+                if ("dropout" in attribute or "drop_prob" in attribute) and isinstance(value, float):
                     setattr(module, attribute, 0.0)
         eager = zoo_gradient(model, inputs)
         torch._dynamo.reset()

@@ -70,7 +70,7 @@ class CompileFallbackWarning(UserWarning):
 # NOTE [ What the traced pack decides ]
 # The traced pack sees a fake tensor and the saved node of the forward and backward graphs
 # (``_get_saved_tensor_hook_context``), not a grad_fn, so it decides from those:
-#   * kept: non-strided tensors, non-contiguous ones other than those in a permuted memory format
+#   * kept: non-strided tensors, non-contiguous ones other than permutations of a contiguous one
 #     (``NOTE [ Permuted memory formats in compiled graphs ]``), fewer than ``min_numel`` values,
 #     integer and other dtypes, ``bits=None``;
 #   * bool tensors bit-packed;
@@ -110,25 +110,31 @@ def _saved_node() -> tuple[Any, Any] | None:
 
 # NOTE [ Permuted memory formats in compiled graphs ]
 # A CNN trained in channels_last (with torch.compile, the usual recipe for speed) saves 4-D and 5-D
-# activations whose memory holds (N, H, W, C). The traced pack stores such a tensor as its memory, in
-# memory order (``x.permute`` to that order is contiguous and costs nothing), with the permutation back
-# as a constant of the graph; the unpack restores the same strides as a permuted view, as the eager path
-# does with any dense view (``NOTE [ One record per storage span ]`` in hooks.py). The permutation is
-# read from the memory format, which Dynamo guards on, not from sorting strides, which under dynamic
-# shapes would guard on every size. Other non-contiguous tensors are kept, attention's q, k and v
-# ((B, H, T, D) views of (B, T, H, D) memory) among them (docs/zoo.md, "Under torch.compile").
+# activations whose memory holds (N, H, W, C); attention saves q, k and v as (B, H, T, D) views of
+# (B, T, H, D) memory, and a linear layer the transpose of its input for the weight gradient. The traced
+# pack stores such a tensor as its memory, in memory order (``x.permute`` to that order is contiguous
+# and costs nothing), with the permutation back as a constant of the graph; the unpack restores the
+# same strides as a permuted view, as the eager path does with any dense view (``NOTE [ One record per
+# storage span ]`` in hooks.py). Kept, such a view also kept alive the storage of its base, which the
+# graph may save (and quantize) as well. The permutation of a permuted memory format is read from the
+# format, which Dynamo guards on; any other from sorting the strides, where the sizes and strides are
+# static: under dynamic shapes sorting them would guard on every size, so such tensors are kept there.
 _PERMUTED_FORMATS = ((torch.channels_last, (0, 2, 3, 1)), (torch.channels_last_3d, (0, 2, 3, 4, 1)))
 
 
 def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
-    """``x``'s dims in memory order: ``()`` where ``x`` is contiguous, the permutation where it is in a
-    permuted memory format, ``None`` otherwise (``NOTE [ Permuted memory formats in compiled graphs ]``)."""
+    """``x``'s dims in memory order: ``()`` where ``x`` is contiguous, the permutation where it is a
+    permutation of a contiguous tensor, ``None`` otherwise (``NOTE [ Permuted memory formats in compiled
+    graphs ]``)."""
     if x.is_contiguous():
         return ()
     for memory_format, order in _PERMUTED_FORMATS:
         if x.dim() == len(order) and x.is_contiguous(memory_format=memory_format):
             return order
-    return None
+    if any(isinstance(n, torch.SymInt) for n in (*x.shape, *x.stride())):
+        return None
+    order = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), d)))
+    return order if x.permute(order).is_contiguous() else None
 
 
 _KEEP = GraphRule("keep", "")
