@@ -17,6 +17,14 @@ huge pages for what it maps), ``+thp`` with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch 
 2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``. ``bits2+columns`` is
 ``compress(bits=2, column_groups=True)``: groups down a tensor's columns where they pay; ``+uniform`` is
 ``compress(fitted_grids=False)``: evenly spaced levels everywhere (``NOTE [ Fitted grids ]``).
+``compile`` runs the model under ``torch.compile`` (inductor), ``compile+bits2`` / ``+bits4`` under
+``compress`` too (the packing inlined into the compiled graphs): their first step compiles, so next to
+the peak over every step each row has ``steady_peak_mb``, the peak over the steps after the first two
+(those step times are medians over, too; a Hugging Face model sets its ``config.problem_type`` in its
+first forward, on which Dynamo guards, so its second step compiles again). ``compile+bits2+decodes_first``
+leaves out the pass that decodes each saved tensor at its first use in the compiled backward
+(``NOTE [ Decodes at their first use ]``): every record is decoded where AOTAutograd inlines the unpack
+hooks, before the first gradient.
 
 ``--device cuda`` runs on the GPU: the baseline is ``torch.cuda.memory_allocated`` once model, optimizer
 and batch are on the device, each phase's peak is ``torch.cuda.max_memory_allocated`` above it (reset
@@ -38,6 +46,9 @@ micro-batches: the forward phase is the largest forward, the backward phase the 
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18 \
         --configs plain,plain+mmap64k,plain+mmap1m --micro-batch 2 --steps 5 --repeats 3 \
         --out benchmarks/results/allocator_micro_batches.json
+    flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_peak_memory.py --models resnet18,minilm_lora \
+        --configs plain,compile,compile+bits2,compile+bits2+decodes_first,bits2 --steps 7 --repeats 3 \
+        --out benchmarks/results/peak_memory_compile.json
 """
 
 from __future__ import annotations
@@ -60,6 +71,10 @@ CONFIGS = {
     "bits2+columns": {"bits": 2, "compress": {"column_groups": True}},
     "bits2+uniform": {"bits": 2, "compress": {"fitted_grids": False}},
     "bits4+uniform": {"bits": 4, "compress": {"fitted_grids": False}},
+    "compile": {"compile": True},
+    "compile+bits2": {"bits": 2, "compile": True},
+    "compile+bits4": {"bits": 4, "compile": True},
+    "compile+bits2+decodes_first": {"bits": 2, "compile": True, "decodes_first": True},
 }
 _HUGETLB = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 _TORCH_THP = {"THP_MEM_ALLOC_ENABLE": "1"}
@@ -301,6 +316,13 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
                              **cfg.get("compress", {}))
            if "bits" in cfg else contextlib.nullcontext())
     segments = find_segments(model) if cfg.get("checkpoint") else {}
+    if cfg.get("compile") and (segments or micro):
+        raise SystemExit(f"{config_name}: compiled configurations run whole batches without checkpointing")
+    forward = torch.compile(model) if cfg.get("compile") else model
+    if cfg.get("decodes_first"):  # the backward decodes where AOTAutograd inlines them: the pass not installed
+        import daftrain.saved.compiled
+
+        daftrain.saved.compiled.install_decode_order = lambda: None
     if micro and segments:
         raise SystemExit(f"{config_name}: --micro-batch runs without checkpointing; pick a configuration without it")
     hook_times = instrument() if breakdown and "bits" in cfg else None
@@ -326,7 +348,7 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
         else:
             recompute = ctx if "bits" in cfg else None  # the recomputation stored compressed too
             with checkpointing(segments, list(segments), recompute) if segments else contextlib.nullcontext(), ctx:
-                loss = loss_fn(model, batch)
+                loss = loss_fn(forward, batch)
             if trim is not None:
                 trim(0)
             fwd = meter.peak()
@@ -350,7 +372,9 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
     peak = max(max(p.values()) for p in phases)
     out = {"model": model_name, "config": config_name, "micro_batch": micro or None, "device": device,
            "baseline_mb": meter.baseline / 1e6, "peak_mb": peak / 1e6,
+           "steady_peak_mb": max(max(p.values()) for p in phases[2:]) / 1e6 if len(phases) > 2 else peak / 1e6,
            "phases_mb": {k: max(p[k] for p in phases) / 1e6 for k in phases[0]},
+           "steady_phases_mb": {k: max(p[k] for p in phases[2:] or phases) / 1e6 for k in phases[0]},
            "first_step_s": times[0], "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
            "step_cpu_s": statistics.median(cpu_times[2:]) if len(times) > 2 else cpu_times[-1],
            "step_sys_s": statistics.median(sys_times[2:]) if len(times) > 2 else sys_times[-1],
@@ -374,6 +398,8 @@ def worker(model_name: str, config_name: str, steps: int, breakdown: bool = Fals
     if hasattr(ctx, "stats"):
         s = ctx.stats
         out["saved_mb"] = {"raw": s.raw_bytes / 1e6, "stored": (s.packed_bytes + s.kept_bytes) / 1e6}
+        if s.compiled_graphs:  # per call of every compiled graph
+            out["compiled_saved_mb"] = {"raw": s.compiled_raw_bytes / 1e6, "stored": s.compiled_stored_bytes / 1e6}
     return out
 
 
@@ -429,7 +455,10 @@ def main() -> None:
             return statistics.median(r[key] for r in rows if r["model"] == m and r["config"] == config)
         plain_peak, plain_time = med("plain", "peak_mb"), med("plain", "step_s")
         plain_cpu = med("plain", "step_cpu_s")
+        plain_steady = med("plain", "steady_peak_mb")
         summary[model] = {c: {"peak_mb": med(c, "peak_mb"), "peak_reduction_x": plain_peak / med(c, "peak_mb"),
+                              "steady_peak_mb": med(c, "steady_peak_mb"),
+                              "steady_reduction_x": plain_steady / med(c, "steady_peak_mb"),
                               **({"peak_reserved_mb": med(c, "peak_reserved_mb"),
                                   "reserved_reduction_x":
                                       med("plain", "peak_reserved_mb") / med(c, "peak_reserved_mb")}
@@ -456,7 +485,8 @@ def main() -> None:
             if c in ("floor_mb", "largest_saved_mb", "decode_bound_mb"):
                 continue
             reserved = (f" ({v['reserved_reduction_x']:.2f}x less reserved)" if "reserved_reduction_x" in v else "")
-            print(f"{model:>12} {c:>11}: {v['peak_reduction_x']:.2f}x less peak than plain{reserved}, "
+            print(f"{model:>12} {c:>11}: {v['peak_reduction_x']:.2f}x less peak than plain{reserved} "
+                  f"({v['steady_reduction_x']:.2f}x after the first step), "
                   f"{v['time_ratio']:.2f}x plain's step time ({v['cpu_time_ratio']:.2f}x its CPU time), "
                   f"{v['minor_faults']:.0f} faults and {v['step_sys_s']:.2f} s in the kernel a step, "
                   f"first step {v['first_over_steady']:.1f}x steady")

@@ -27,6 +27,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from ..config import CompressionConfig
 from ..errors import UnsupportedError
 from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
+from .graph_order import install_decode_order
 from .graph_rules import GraphRule, graph_rule
 from .records import KeptTensor, normalized_over
 
@@ -394,8 +395,11 @@ class CompiledHooks:
     def activate(self, ctx: Any) -> None:
         self._stack().append(ctx)
         self._last = weakref.ref(ctx)
-        if not self._dynamo_skips and "torch._dynamo" in sys.modules:
-            self._skip_dynamo()
+        if "torch._dynamo" in sys.modules:
+            if not self._dynamo_skips:
+                self._skip_dynamo()
+            if self._constants[0] is not None or self._constants[3]:  # it decodes something
+                install_decode_order()  # before a compile starts: inductor keeps its config for the backward
 
     def _skip_dynamo(self) -> None:
         """NOTE [ Eager hooks are not compiled ]
