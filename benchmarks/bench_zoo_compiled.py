@@ -4,9 +4,10 @@ For each architecture of ``--models`` (a sample of the zoo by default: decoders 
 encoders, ViTs with class tokens, CNNs with BatchNorm and ReLU6, a speech encoder, a state-space model;
 the ``torch.nn`` ones by their ``TORCH_ZOO`` names), with every dropout module, dropout rate and
 stochastic depth (drop path) rate at 0 (a compiled graph draws its masks from other random streams than
-eager code, and compressing adds draws of its own): the gradient of ``bench_zoo.py``'s loss of the model compiled alone (``--backend``,
-inductor by default) and compiled under ``compress(bits=b)`` for each ``b`` of ``--bits``, and the eager
-``compress(bits=b)`` against eager plain PyTorch beside it. Reported per model and width: both cosines,
+eager code, and compressing adds draws of its own): the gradient of ``bench_zoo.py``'s loss of the model
+compiled alone (``--backend``, inductor by default) and compiled under ``compress(bits=b)`` for each ``b``
+of ``--bits``, and the eager ``compress(bits=b)`` against eager plain PyTorch beside it. Reported per
+model and width: both cosines,
 the saved tensors each compiled graph stored quantized / bit-packed / kept, and its saved-bytes ratio
 (``ctx.stats.compiled_*``). The rules the traced pack applies are ``NOTE [ Op rules in compiled graphs ]``.
 

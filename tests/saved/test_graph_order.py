@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -89,4 +91,4 @@ def test_compiled_backward_decodes_each_record_when_it_is_needed():
     assert len(decodes) == 8, calls  # each Linear's input and each GELU's input
     matmuls = [i for i, c in enumerate(calls) if "extern_kernels.mm" in c]
     # between any two decodes there is a matmul: each record is decoded for the layer being differentiated
-    assert all(any(a < m < b for m in matmuls) for a, b in zip(decodes, decodes[1:])), calls
+    assert all(any(a < m < b for m in matmuls) for a, b in itertools.pairwise(decodes)), calls
