@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .. import kernels  # noqa: F401  (registers the daftrain ops the pass looks for)
+from .graph_rules import is_incoming_gradient
 
 __all__ = ["install_decode_order", "sink_decodes"]
 
@@ -21,13 +22,15 @@ __all__ = ["install_decode_order", "sink_decodes"]
 # the first gradient was computed, and the backward held all of them at once: a compiled MiniLM + LoRA
 # at 2 bits peaked higher in backward than it did in forward (docs/memory.md, "Under torch.compile").
 # ``sink_decodes`` moves each decode (daftrain's unpack ops, and what the unpack graph computes from them
-# and the graph's inputs alone: a view, a permutation, the statistics of a normalised record) to just
+# and the saved inputs alone: a view, a permutation, the statistics of a normalised record) to just
 # before its first use; inductor then frees each decoded tensor after its last use, and the backward holds
 # the decoded tensors of the ops it runs, as eager code does. It runs as an inductor post-grad pass,
 # added to ``torch._inductor.config.post_grad_custom_post_pass`` (beside any pass already there) when a
-# graph is first compiled under a ``compress`` context; in a graph without daftrain's decodes it moves
-# nothing. Other backends (``aot_eager``) keep AOTAutograd's order. Compiled forwards need no pass:
-# inductor's reordering already packs each saved value as soon as it exists, since packing frees it.
+# context that decodes (fixed bits) is entered with Dynamo loaded: inductor takes its config when a
+# compile starts and compiles the backward with it, so a pass added while the forward is traced would not
+# act. In a graph without daftrain's decodes it moves nothing; other backends (``aot_eager``) keep
+# AOTAutograd's order. The forward needs no pass in the graphs read so far: inductor's reordering packs
+# each saved value just after it exists, since packing frees it.
 
 
 def _decode_ops() -> frozenset[Any]:
@@ -61,8 +64,8 @@ def sink_decodes(graph: torch.fx.Graph) -> int:
 
 
 def _saved_input(node: torch.fx.Node) -> bool:
-    """An input of a backward graph other than an incoming gradient (AOTAutograd's ``tangents_*``)."""
-    return node.op == "get_attr" or (node.op == "placeholder" and not node.name.startswith("tangents"))
+    """An input of a backward graph other than an incoming gradient."""
+    return node.op == "get_attr" or (node.op == "placeholder" and not is_incoming_gradient(node))
 
 
 @functools.cache

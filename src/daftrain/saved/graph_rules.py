@@ -11,7 +11,7 @@ from typing import Any
 from .decide import NONLINEAR_MIN_BITS
 from .op_rules import ATTENTION_MIN_BITS
 
-__all__ = ["GraphRule", "graph_rule"]
+__all__ = ["GraphRule", "graph_rule", "is_incoming_gradient"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,12 @@ def _compared_after_recomputing(uses: list[tuple[Any, Any]]) -> bool:
     return False
 
 
+def is_incoming_gradient(node: Any) -> bool:
+    """Whether ``node`` is an input of a backward graph that carries an output's gradient
+    (AOTAutograd names them ``tangents_*``)."""
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
 def _from_gradients(node: Any, memo: dict[Any, bool]) -> bool:
     """Whether ``node`` of a backward graph depends on one of its incoming gradients (``tangents_*``)."""
     stack = [node]
@@ -179,7 +185,7 @@ def _from_gradients(node: Any, memo: dict[Any, bool]) -> bool:
             stack.pop()
             continue
         if n.op == "placeholder":
-            memo[n] = n.name.startswith("tangents")
+            memo[n] = is_incoming_gradient(n)
             stack.pop()
             continue
         pending = [m for m in n.all_input_nodes if m not in memo]
