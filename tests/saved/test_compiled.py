@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import daftrain
 from daftrain import CompileFallbackWarning, PagePool, PoolConfig
+from daftrain.allocator import HeapTrimmer
 
 # Cosine between a compressed gradient and the exact one at 8 bits: the suite's bound for 8-bit
 # activations (a step of range/255 per value, rounding noise far below the gradient's own size).
@@ -378,6 +379,23 @@ def test_permuted_views_are_stored_in_memory_order(backend):
         kept = [s for s in permuted if s.how == "kept"]
         assert len(permuted) >= 4, saved
         assert len(kept) >= 3 if dynamic else not kept, saved  # q, k and v at least
+
+
+@pytest.mark.parametrize("tune_allocator", [True, False])
+def test_compiled_backward_counts_its_decodes_for_heap_trims(tune_allocator, monkeypatch):
+    # NOTE [ Heap trims in a compiled backward ]: the eager hooks count every decoded byte towards the next
+    # heap trim; a compiled backward runs without them and never trimmed.
+    noted: list[int] = []
+    monkeypatch.setattr(HeapTrimmer, "note", lambda self, nbytes: noted.append(nbytes))
+    model, x = _mlp(), torch.randn(64, 64)
+    ctx = daftrain.compress(bits=2, tune_allocator=tune_allocator)
+    with ctx:
+        out = torch.compile(model)(x)
+    noted.clear()  # the forward's packs are counted by the context's entry and exit trims
+    out.pow(2).sum().backward()
+    quantized = [s for g in ctx._hooks.graphs() for s in g if s.how == "quantized"]
+    assert len(quantized) == 3, ctx.stats.summary()
+    assert sum(noted) == (sum(s.raw_bytes for s in quantized) if tune_allocator else 0), noted
 
 
 def test_channels_last_bool_masks_are_bit_packed_and_restored_with_their_strides():

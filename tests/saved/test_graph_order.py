@@ -86,8 +86,8 @@ def test_compiled_backward_decodes_each_record_when_it_is_needed():
     _, codes = run_and_get_code(step)
     backward = next(c for c in codes if "tangents" in c)
     calls = [line.strip() for line in backward.splitlines()
-             if "unpack_dequantize.default(" in line or "extern_kernels.mm(" in line]
-    decodes = [i for i, c in enumerate(calls) if "unpack_dequantize" in c]
+             if "decode_in_graph.default(" in line or "extern_kernels.mm(" in line]
+    decodes = [i for i, c in enumerate(calls) if "decode_in_graph" in c]
     assert len(decodes) == 8, calls  # each Linear's input and each GELU's input
     matmuls = [i for i, c in enumerate(calls) if "extern_kernels.mm" in c]
     # between any two decodes there is a matmul: each record is decoded for the layer being differentiated

@@ -10,6 +10,7 @@ start of the compiled backward. See ``NOTE [ Hooks inside compiled graphs ]``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import struct
@@ -272,8 +273,9 @@ def _between(masks: torch.Tensor, thresholds: tuple[float, ...], representatives
 
 
 @torch.fx.wrap
-def unpack_traced(packed: Any) -> torch.Tensor:
-    """The unpack hook inside a compiled graph: the inverse of ``pack_traced``."""
+def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
+    """The unpack hook inside a compiled graph: the inverse of ``pack_traced``; ``hooks_id`` names the hook
+    pair whose context counts the decoded bytes (``NOTE [ Heap trims in a compiled backward ]``)."""
     if isinstance(packed, torch.Tensor):
         return packed
     kind = packed[0]
@@ -288,12 +290,40 @@ def unpack_traced(packed: Any) -> torch.Tensor:
     _, codes, lo, scale, carrier, back, dtype, bits, group_size, *extra = packed
     numel = _carried_shape(carrier)[1]
     stored_dtype = torch.float32 if extra else dtype
-    values = _restored(torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, stored_dtype),
-                       carrier, back)
+    values = _restored(torch.ops.daftrain.decode_in_graph(codes, lo, scale, bits, group_size, numel, stored_dtype,
+                                                          hooks_id), carrier, back)
     if not extra:
         return values
     mean, std, shape = extra
     return (values * std + mean).reshape(shape).to(dtype)
+
+
+# NOTE [ Heap trims in a compiled backward ]
+# Eager ``compress`` returns glibc's free heap to the OS every ``DEFAULT_TRIM_BYTES`` that pass through its
+# hooks (``NOTE [ Freed memory goes back to the OS ]`` in allocator.py); a compiled graph runs with the
+# hooks disabled, so its backward never trimmed, and what glibc kept of the decoded tensors freed layer
+# by layer stayed resident (a compiled ResNet-18 at 2 bits: docs/memory.md, "Under torch.compile"). The
+# traced unpack decodes through ``daftrain::decode_in_graph``, which decodes as ``unpack_dequantize`` does
+# and counts the bytes on the context its hook pair last ran (``CompiledHooks.noted``), whose trimmer
+# trims as the eager hooks' does; nothing where that context does not tune the allocator (CUDA,
+# ``tune_allocator=False``) or is gone. With decodes at their first use (``NOTE [ Decodes at their first
+# use ]``) a trim comes after the previous layers' decoded tensors were freed.
+@torch.library.custom_op("daftrain::decode_in_graph", mutates_args=())
+def decode_in_graph(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+                    numel: int, dtype: torch.dtype, hooks_id: int) -> torch.Tensor:
+    """``unpack_dequantize`` whose bytes the hook pair ``hooks_id`` notes (``NOTE [ Heap trims in a compiled
+    backward ]``)."""
+    values = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype)
+    hooks = _HOOKS_BY_ID.get(hooks_id)
+    if hooks is not None:
+        hooks.noted(values.numel() * values.element_size())
+    return values
+
+
+@decode_in_graph.register_fake
+def _(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
+      dtype: torch.dtype, hooks_id: int) -> torch.Tensor:
+    return codes.new_empty(numel, dtype=dtype)
 
 
 def _hint(n: Any) -> int:
@@ -375,8 +405,11 @@ class CompiledHooks:
 
     def __init__(self, bits: int | None, group_size: int, min_numel: int, pack_bool: bool) -> None:
         self._constants = (bits, group_size, min_numel, pack_bool)
+        self.id = len(_HOOKS_BY_ID)
+        _HOOKS_BY_ID[self.id] = self
         self.pack = _Hook(pack_traced, self._constants, self._eager_pack, self._traced_pack)
-        self.unpack = _Hook(unpack_traced, (), _eager_unpack, unpack_traced)
+        self.unpack = _Hook(unpack_traced, (self.id,), _eager_unpack,
+                            functools.partial(unpack_traced, hooks_id=self.id))
         self._local = threading.local()
         self._last: weakref.ReferenceType[Any] | None = None
         self._lock = threading.Lock()
@@ -432,6 +465,14 @@ class CompiledHooks:
                 "entered; pack only inside its `with` block"
             )
         return ctx
+
+    def noted(self, nbytes: int) -> None:
+        """Count ``nbytes`` decoded in a compiled graph on the context entered last, if it trims the heap
+        (``NOTE [ Heap trims in a compiled backward ]``)."""
+        ctx = self._last() if self._last is not None else None
+        trimmer = getattr(ctx, "_trimmer", None)
+        if trimmer is not None:
+            trimmer.note(nbytes)
 
     def _active_or_none(self) -> Any:
         stack = self._stack()
@@ -524,6 +565,7 @@ def untraceable_reason(config: CompressionConfig, pool: Any) -> str | None:
 
 
 _HOOKS: dict[tuple[Any, ...], CompiledHooks] = {}
+_HOOKS_BY_ID: dict[int, CompiledHooks] = {}  # what ``decode_in_graph``'s constant names
 _HOOKS_LOCK = threading.Lock()
 
 

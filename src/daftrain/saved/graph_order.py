@@ -34,7 +34,8 @@ __all__ = ["install_decode_order", "sink_decodes"]
 
 
 def _decode_ops() -> frozenset[Any]:
-    return frozenset({torch.ops.daftrain.unpack_dequantize.default, torch.ops.daftrain.unpack_bool.default})
+    return frozenset({torch.ops.daftrain.unpack_dequantize.default, torch.ops.daftrain.unpack_bool.default,
+                      torch.ops.daftrain.decode_in_graph.default})
 
 
 def sink_decodes(graph: torch.fx.Graph) -> int:
