@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ZOOS, build_zoo_model, recorded, write_json, zoo_entries
+from common import ZOOS, build_zoo_model, measured, recorded, write_json, zoo_entries
 
 import daftrain
 from daftrain.demo.models.transformers_zoo import zoo_gradient
@@ -69,8 +69,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], widths: lis
 
 
 def summarize(rows: list[dict], widths: list[int]) -> dict:
-    ok = [r for r in rows if r["status"] == "ok"]
-    out: dict[str, Any] = {"models": len(rows), "errors": [r["model"] for r in rows if r["status"] != "ok"]}
+    ok, out = measured(rows)
     for b in widths:
         key = f"bits{b}"
         ratios = [r[key]["auto_over_fixed"] for r in ok if r[key]["auto_over_fixed"] is not None]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_zoo_model, recorded, write_json, zoo_entries
+from common import build_zoo_model, measured, recorded, write_json, zoo_entries
 
 import daftrain
 from daftrain.demo.models.transformers_zoo import zoo_gradient
@@ -68,8 +68,7 @@ def run_model(name: str, kind: str, overrides: dict[str, Any], widths: list[int]
 
 
 def summarize(rows: list[dict], widths: list[int]) -> dict:
-    ok = [r for r in rows if r["status"] == "ok"]
-    out: dict[str, Any] = {"models": len(rows), "errors": [r["model"] for r in rows if r["status"] != "ok"]}
+    ok, out = measured(rows)
     for b in widths:
         key = f"bits{b}"
         out[key] = {

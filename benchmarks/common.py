@@ -87,3 +87,10 @@ def recorded(row: dict[str, Any]) -> Iterator[dict[str, Any]]:
     except Exception as exc:
         row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc()[-800:])
     row["seconds"] = time.perf_counter() - t0
+
+
+def measured(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows ``recorded`` measured without an error, and a summary's head: how many models ran and
+    which raised."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    return ok, {"models": len(rows), "errors": [r["model"] for r in rows if r["status"] != "ok"]}
