@@ -27,8 +27,8 @@ def _decoding_graph() -> tuple[torch.fx.Graph, torch.fx.Node, torch.fx.Node]:
     records = [[graph.placeholder(f"{name}{i}") for name in ("codes", "lo", "scale")] for i in range(2)]
     decoded = []
     for codes, lo, scale in records:
-        flat = graph.call_function(torch.ops.daftrain.unpack_dequantize.default,
-                                   (codes, lo, scale, 2, 256, 1024, torch.float32))
+        flat = graph.call_function(torch.ops.daftrain.decode_in_graph.default,
+                                   (codes, lo, scale, 2, 256, 1024, torch.float32, -1))
         decoded.append(graph.call_function(torch.ops.aten.view.default, (flat, [32, 32])))
     first = graph.call_function(torch.ops.aten.mm.default, (grad, decoded[1]))
     second = graph.call_function(torch.ops.aten.mm.default, (first, decoded[0]))
@@ -42,8 +42,8 @@ def test_each_decode_moves_to_just_before_its_first_use():
     graph.lint()  # still topologically sorted
     order = [n for n in graph.nodes if n.op == "call_function"]
     names = [str(n.target) for n in order]
-    assert names == ["daftrain.unpack_dequantize.default", "aten.view.default", "aten.mm.default",
-                     "daftrain.unpack_dequantize.default", "aten.view.default", "aten.mm.default"], names
+    assert names == ["daftrain.decode_in_graph.default", "aten.view.default", "aten.mm.default",
+                     "daftrain.decode_in_graph.default", "aten.view.default", "aten.mm.default"], names
     assert order[2] is first and order[5] is second
     assert sink_decodes(graph) == 4 and [str(n.target) for n in graph.nodes if n.op == "call_function"] == names
 

@@ -34,8 +34,9 @@ __all__ = ["install_decode_order", "sink_decodes"]
 
 
 def _decode_ops() -> frozenset[Any]:
-    return frozenset({torch.ops.daftrain.unpack_dequantize.default, torch.ops.daftrain.unpack_bool.default,
-                      torch.ops.daftrain.decode_in_graph.default})
+    """What the traced unpack decodes with (``unpack_traced`` in compiled.py, which registers
+    ``decode_in_graph``)."""
+    return frozenset({torch.ops.daftrain.decode_in_graph.default, torch.ops.daftrain.unpack_bool.default})
 
 
 def sink_decodes(graph: torch.fx.Graph) -> int:
