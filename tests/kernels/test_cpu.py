@@ -336,6 +336,11 @@ def test_opcheck() -> None:
     torch.library.opcheck(torch.ops.daftrain.unpack_dequantize.default,
                           (codes, lo, scale, 2, 32, 300, torch.float32, grid))
     torch.library.opcheck(torch.ops.daftrain.unpack_dequantize_into.default, (out, codes, lo, scale, 2, 32, grid))
+    y = torch.randn(64, 10)
+    torch.library.opcheck(torch.ops.daftrain.quantize_pack_columns.default, (y, 10, 2, 32, 7, grid))
+    codes, lo, scale = torch.ops.daftrain.quantize_pack_columns(y, 10, 2, 32, 7, grid)
+    torch.library.opcheck(torch.ops.daftrain.unpack_dequantize_columns_into.default,
+                          (torch.empty(640), codes, lo, scale, 10, 2, 32, grid))
     b = x > 0
     torch.library.opcheck(torch.ops.daftrain.pack_bool.default, (b,))
     torch.library.opcheck(torch.ops.daftrain.unpack_bool.default, (torch.ops.daftrain.pack_bool(b), 300))
@@ -467,6 +472,56 @@ def test_streaming_decode(offset: int) -> None:
         torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, 256)
         assert_same(out, reference.unpack_dequantize(codes, lo, scale, bits, 256, n, torch.float32),
                     f"streaming decode (bits={bits}, offset={offset})")
+
+
+def column_inputs(group_size: int, cols: int) -> dict[str, torch.Tensor]:
+    """``[2 * group_size, cols]`` inputs for the column kernels: every special input wrapped over the rows (so its
+    special values land in some columns' groups), and whole columns that are zero, ReLU-like, NaN or infinite."""
+    n = 2 * group_size * cols
+    cases = {name: x.repeat(-(-n // x.numel()))[:n].view(-1, cols) for name, x in special_inputs(group_size).items()}
+    x = torch.randn(2 * group_size, cols, generator=torch.Generator().manual_seed(5)) * 3
+    x[:, 0] = 0
+    x[:, 1 % cols] = x[:, 1 % cols].relu()
+    x[: group_size, 2 % cols] = NAN
+    x[group_size:, cols - 1] = INF
+    cases["column_modes"] = x
+    return cases
+
+
+def check_columns(x: torch.Tensor, bits: int, group_size: int, seed: int, grid: torch.Tensor | None,
+                  name: str = "") -> None:
+    """Fast quantize_pack_columns / unpack_dequantize_columns_into against the reference's reordering around
+    the pure row reference, byte for byte."""
+    cols = x.shape[1]
+    ref = reference.quantize_pack(reference.columns_first(x, cols, group_size), bits, group_size, seed, grid)
+    got = torch.ops.daftrain.quantize_pack_columns(x.reshape(-1), cols, bits, group_size, seed, grid)
+    what = f"{name} bits={bits}, G={group_size}, cols={cols}, {x.dtype}, grid={grid is not None}"
+    for name, a, b in zip(("codes", "lo", "scale"), got, ref, strict=True):
+        assert_same(a, b, f"{name} by columns ({what})")
+    for dtype in DTYPES:
+        decoded = reference.unpack_dequantize(*ref, bits, group_size, x.numel(), dtype, grid)
+        want = decoded.view(-1, cols, group_size).transpose(1, 2).reshape(-1)
+        into = torch.full((x.numel(),), NAN, dtype=dtype)  # every value must be overwritten
+        torch.ops.daftrain.unpack_dequantize_columns_into(into, *ref, cols, bits, group_size, grid)
+        assert_same(into, want, f"decoded by columns into {dtype} ({what})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size, cols", [(32, 1), (32, 7), (96, 40), (256, 64), (256, 100)])
+def test_column_kernels(dtype: torch.dtype, group_size: int, cols: int) -> None:
+    for k, (name, x) in enumerate(column_inputs(group_size, cols).items()):
+        for bits in BITS:
+            check_columns(x.to(dtype), bits, group_size, 3 + k, None, name)
+        for bits in (2, 4):
+            check_columns(x.to(dtype), bits, group_size, 3 + k, fitted_grid(bits, k), name)
+
+
+def test_column_kernels_on_a_large_tensor_use_every_thread() -> None:
+    x = torch.randn(4096, 384, generator=torch.Generator().manual_seed(2))
+    x[:, 5] *= 40
+    for bits in BITS:
+        check_columns(x, bits, 256, 9, None)
+    check_columns(x, 4, 256, 9, fitted_grid(4, 1))
 
 
 def fitted_grid(bits: int, seed: int) -> torch.Tensor:

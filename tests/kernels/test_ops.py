@@ -160,6 +160,13 @@ def test_bad_arguments_are_rejected():
         Q.unpack_dequantize(codes, lo, scale.float(), 2, 256, 100, torch.float32)
     with pytest.raises(RuntimeError, match="pack_bool takes a bool"):
         Q.pack_bool(x)
+    y = torch.randn(512 * 6)
+    for cols in (0, 7, 24):  # no columns; 3072 values are not rows of 7; 128 rows of 24 make no group of 256 rows
+        with pytest.raises(RuntimeError, match="cols must divide"):
+            Q.quantize_pack_columns(y, cols, 2, 256, 0)
+    codes, lo, scale = Q.quantize_pack_columns(y, 6, 2, 256, 0)
+    with pytest.raises(RuntimeError, match="cols must divide"):
+        Q.unpack_dequantize_columns_into(torch.empty(512 * 6), codes, lo, scale, 7, 2, 256)
 
 
 def test_opcheck():
@@ -169,6 +176,10 @@ def test_opcheck():
     opcheck(Q.quantize_pack_seeded.default, (x, 2, 256, torch.tensor(5)))
     codes, lo, scale = Q.quantize_pack(x, 2, 256, 5)
     opcheck(Q.unpack_dequantize.default, (codes, lo, scale, 2, 256, 1000, torch.float32))
+    y = torch.randn(512 * 3)
+    opcheck(Q.quantize_pack_columns.default, (y, 3, 2, 256, 5))
+    opcheck(Q.unpack_dequantize_columns_into.default, (torch.empty(512 * 3), *Q.quantize_pack_columns(y, 3, 2, 256, 5),
+                                                       3, 2, 256))
     opcheck(Q.unpack_dequantize_into.default, (torch.empty(1000), codes, lo, scale, 2, 256))
     m = x > 0
     opcheck(Q.pack_bool.default, (m,))
@@ -221,7 +232,8 @@ def test_the_op_table_is_what_every_backend_registers():
     from daftrain.kernels.reduction import ReductionSelector
 
     assert set(ops.OPS) == {"group_minmax", "quantize_pack", "quantize_pack_seeded", "unpack_dequantize",
-                            "unpack_dequantize_into", "pack_bool", "unpack_bool"}
+                            "unpack_dequantize_into", "quantize_pack_columns", "unpack_dequantize_columns_into",
+                            "pack_bool", "unpack_bool"}
     assert registry.load_fast_kernels().cpu == "numba"
     assert set(cpu.make_kernels(ReductionSelector("cpu", cpu.STRATEGIES))) == set(ops.OPS)
     for name, op in ops.OPS.items():

@@ -114,7 +114,7 @@ class CalibrationPass:
             return out
         if first:
             self.noise[index] = squared_distance([noisy], [values])
-        return quantity.restored(noisy).to(flat.dtype)  # restored() overwrites noisy
+        return quantity.restored(noisy, flat.dtype)  # restored() overwrites noisy
 
     def _quantize_again(self, index: int, flat: torch.Tensor,
                         requantize: Callable[[torch.Tensor, int, int], torch.Tensor],

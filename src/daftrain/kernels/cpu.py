@@ -69,11 +69,13 @@ __all__ = [
     "minmax_per_group",
     "minmax_two_level",
     "pack_bool",
+    "quantize_pack_columns",
     "quantize_pack_with",
     "streams",
     "threads",
     "unpack_bool",
     "unpack_dequantize",
+    "unpack_dequantize_columns_into",
     "unpack_dequantize_into",
     "warmup",
 ]
@@ -1241,6 +1243,259 @@ def _load_madvise() -> Callable[[int, int, int], int] | None:
 _madvise = _load_madvise()
 
 
+# ---------------------------------------------------------------------------------------------
+# Groups down the columns
+# ---------------------------------------------------------------------------------------------
+
+
+# NOTE [ Column kernels ]
+# ``quantize_pack_columns`` stores a ``[rows, cols]`` tensor in groups that each hold one column of a
+# block of ``group_size`` rows (``reference.columns_first``): the bytes of ``quantize_pack`` of that order,
+# without making it. A task is one block of rows, read row after row: first the block's per-column min,
+# max and min positive, accumulated in ``cols``-long arrays (one value of each column per row, so the
+# loop over columns is contiguous and vectorises), then byte ``k`` of every column's codes from rows
+# ``k * 8 / bits`` onwards, again a loop over columns with each column's ``lo``, ``1 / step`` and mode in
+# arrays. A value's noise index is its position in the stored order, as the reference's. Every lane does
+# the reference's arithmetic, operation for operation, with each group's mode as a select: zero-exact
+# groups (``top = L - 1``, code 0 for exact zeros), groups on the fitted grid (the level below and its
+# width picked by compares and selects over a tuple of the grid's levels, ``NOTE [ Grid kernels without
+# gathers ]``) and non-finite groups (NaN codes clamp to 0, as the scalar path's). The decode is the same
+# walk backwards: byte ``k`` of every column's codes, gathered into a contiguous array, gives rows
+# ``k * 8 / bits`` onwards; groups with a non-finite ``lo`` or step are then decoded again value by value
+# with ``_decode_special``. Helpers taking the row or byte loop are inlined, and the loops keep their
+# stores unconditional (a value computed and selected, then stored): a conditional store or a call in
+# the loop kept LLVM from vectorising it. The block of ``group_size`` rows is read twice (stats, then
+# codes), the second time from cache; docs/kernels.md has the timings.
+@njit(inline="always", **_JIT)
+def _column_stats(xb, base, cols, group_size, kmin, kmax, pmin):  # type: ignore[no-untyped-def]
+    """Per column of rows ``base / cols ..`` (``group_size`` of them): min key, max key, min positive bits."""
+    for c in range(cols):
+        kmin[_U(c)] = np.int32(0x7FFFFFFF)
+        kmax[_U(c)] = np.int32(-0x80000000)
+        pmin[_U(c)] = np.int32(_INF)
+    for r in range(group_size):
+        row = base + r * cols
+        for c in range(cols):
+            v = _load_bits(xb[_U(row + c)])
+            k = v ^ ((v >> 31) & 0x7FFFFFFF)
+            kmin[_U(c)] = min(k, kmin[_U(c)])
+            kmax[_U(c)] = max(k, kmax[_U(c)])
+            p = v if np.uint32(v - 1) < np.uint32(_INF) else np.int32(_INF)
+            pmin[_U(c)] = min(p, pmin[_U(c)])
+
+
+def _make_column_bytes(bits: int, inner: int):  # type: ignore[no-untyped-def]
+    """Byte ``k`` of the codes of every column of a block at ``bits`` bits; with ``inner`` (2 or 14: the
+    grid's inner levels), groups flagged ``on_grid`` round onto the fitted grid (``NOTE [ Column kernels ]``)."""
+    per_byte = 8 // bits
+
+    @njit(inline="always", **_JIT)
+    def levels_of(grid, widths):  # type: ignore[no-untyped-def]
+        if inner == 2:
+            return (grid[0], grid[1], grid[2], grid[3]), (widths[0], widths[1], widths[2], widths[3])
+        return ((grid[0], grid[1], grid[2], grid[3], grid[4], grid[5], grid[6], grid[7], grid[8], grid[9],
+                 grid[10], grid[11], grid[12], grid[13], grid[14], grid[15]),
+                (widths[0], widths[1], widths[2], widths[3], widths[4], widths[5], widths[6], widths[7], widths[8],
+                 widths[9], widths[10], widths[11], widths[12], widths[13], widths[14], widths[15]))
+
+    @njit(inline="always", **_JIT)
+    def column_bytes(xb, row, cols, i0, group_size, seed, lo, inv, top, zero_exact, on_grid, grid, widths,  # type: ignore[no-untyped-def]
+                     out):
+        if inner:
+            gv, wv = levels_of(grid, widths)
+        for c in range(cols):
+            lo_c = lo[_U(c)]
+            inv_c = inv[_U(c)]
+            top_c = top[_U(c)]
+            z = zero_exact[_U(c)]
+            grid_c = on_grid[_U(c)]
+            byte = np.int32(0)
+            for s in range(per_byte):
+                x = bits_f32(_load_bits(xb[_U(row + s * cols + c)]))
+                t = (x - lo_c) * inv_c
+                if inner:  # k + (t - g[k]) * w[k] (``_grid_position``), by selects
+                    k = np.float32(0.0)
+                    below = gv[0]
+                    width = wv[0]
+                    for j in range(1, inner + 1):
+                        above = t >= gv[j]
+                        k = np.float32(j) if above else k
+                        below = gv[j] if above else below
+                        width = wv[j] if above else width
+                    on = k + (t - below) * width
+                    t = on if grid_c else t
+                r = np.floor(t + _noise(i0 + c * group_size + s, seed))
+                code = top_c if top_c < r else r  # clamp; NaN stays NaN here ...
+                code = code if code > 0 else np.float32(0.0)  # ... and becomes 0 here
+                special = (z != 0) & ((x == 0) | (r != r))
+                byte |= (np.int32(0) if special else np.int32(code) + z) << (bits * s)
+            out[_U(c)] = np.uint8(byte)
+
+    return column_bytes
+
+
+_COLUMN_BYTES = {b: _make_column_bytes(b, 0) for b in (1, 2, 4, 8)}
+_COLUMN_BYTES_1, _COLUMN_BYTES_2, _COLUMN_BYTES_4, _COLUMN_BYTES_8 = (_COLUMN_BYTES[b] for b in (1, 2, 4, 8))
+_COLUMN_BYTES_2G, _COLUMN_BYTES_4G = _make_column_bytes(2, 2), _make_column_bytes(4, 14)
+
+
+@njit(**_JIT)
+def _quantize_column_block(  # type: ignore[no-untyped-def]
+    xb, cols, group_size, bits, seed, grid, widths, codes, lo_out, scale_out, block
+):
+    """Stats, params and codes of the ``cols`` groups of rows ``block * group_size ..``."""
+    nbytes = group_size * bits // 8
+    per_byte = 8 // bits
+    levels = np.float32((1 << bits) - 1)
+    has_grid = grid.shape[0] > 0
+    kmin = np.empty(cols, np.int32)
+    kmax = np.empty(cols, np.int32)
+    pmin = np.empty(cols, np.int32)
+    base = block * group_size * cols
+    _column_stats(xb, base, cols, group_size, kmin, kmax, pmin)
+    lo = np.empty(cols, np.float32)
+    inv = np.empty(cols, np.float32)
+    top = np.empty(cols, np.float32)
+    zero_exact = np.empty(cols, np.int32)
+    on_grid = np.empty(cols, np.bool_)
+    g0 = block * cols
+    for c in range(cols):
+        mn, mx, mp = _keys_to_stats(np.int32(kmin[c]), np.int32(kmax[c]), np.int32(pmin[c]))
+        lo_b, sb = _params(mn, mx, mp, bits)
+        lo_out[g0 + c] = lo_b
+        scale_out[g0 + c] = sb
+        lo[c] = bits_f32(lo_b)
+        step, z = _scale_step(sb)
+        inv[c] = np.float32(1.0) / step if step > 0 else np.float32(0.0)
+        zero_exact[c] = 1 if z else 0
+        top[c] = levels - np.float32(1.0) if z else levels
+        on_grid[c] = has_grid and not z and np.isfinite(lo[c]) and np.isfinite(step)
+    out = np.empty(cols, np.uint8)
+    for k in range(nbytes):
+        row = base + k * per_byte * cols
+        i0 = g0 * group_size + k * per_byte
+        if has_grid and bits == 2:
+            _COLUMN_BYTES_2G(xb, row, cols, i0, group_size, seed, lo, inv, top, zero_exact, on_grid, grid, widths, out)
+        elif has_grid:
+            _COLUMN_BYTES_4G(xb, row, cols, i0, group_size, seed, lo, inv, top, zero_exact, on_grid, grid, widths, out)
+        elif bits == 1:
+            _COLUMN_BYTES_1(xb, row, cols, i0, group_size, seed, lo, inv, top, zero_exact, on_grid, grid, widths, out)
+        elif bits == 2:
+            _COLUMN_BYTES_2(xb, row, cols, i0, group_size, seed, lo, inv, top, zero_exact, on_grid, grid, widths, out)
+        elif bits == 4:
+            _COLUMN_BYTES_4(xb, row, cols, i0, group_size, seed, lo, inv, top, zero_exact, on_grid, grid, widths, out)
+        else:
+            _COLUMN_BYTES_8(xb, row, cols, i0, group_size, seed, lo, inv, top, zero_exact, on_grid, grid, widths, out)
+        o0 = g0 * nbytes + k
+        for c in range(cols):
+            codes[_U(o0 + c * nbytes)] = out[_U(c)]
+
+
+@njit(**_PJIT)
+def _quantize_columns(  # type: ignore[no-untyped-def]
+    xb, rows, cols, group_size, bits, seed, grid, widths, codes, lo_out, scale_out
+):
+    """``quantize_pack_columns``: one task per block of ``group_size`` rows (``NOTE [ Column kernels ]``)."""
+    for block in prange(rows // group_size):
+        _quantize_column_block(xb, cols, group_size, bits, seed, grid, widths, codes, lo_out, scale_out, block)
+
+
+def _make_column_decode(bits: int, from_table: bool):  # type: ignore[no-untyped-def]
+    """Rows ``k * 8 / bits ..`` of a block from byte ``k`` of every column's codes (``NOTE [ Column kernels ]``);
+    ``from_table``: each value's bits looked up in ``table`` (``2**bits`` per column)."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+
+    @njit(inline="always", **_JIT)
+    def column_decode(byte_of, cols, lo, step, zero_exact, table, out, row):  # type: ignore[no-untyped-def]
+        for s in range(per_byte):
+            for c in range(cols):
+                code = np.int32((np.int32(byte_of[_U(c)]) >> (bits * s)) & mask)
+                if from_table:
+                    b = table[_U(c * (mask + 1) + code)]
+                else:
+                    z = zero_exact[_U(c)]
+                    b = f32_bits(lo[_U(c)] + np.float32(np.int32(code - z)) * step[_U(c)])
+                    b = np.int32(0) if (z != 0) & (code == 0) else b
+                if _is_f32(out):
+                    out[_U(row + s * cols + c)] = b
+                else:
+                    _store_bits(out, _U(row + s * cols + c), b)
+
+    return column_decode
+
+
+_COLUMN_DECODE_1, _COLUMN_DECODE_2, _COLUMN_DECODE_4, _COLUMN_DECODE_8 = (
+    _make_column_decode(b, False) for b in (1, 2, 4, 8))
+_COLUMN_DECODE_2G, _COLUMN_DECODE_4G = _make_column_decode(2, True), _make_column_decode(4, True)
+
+
+@njit(**_JIT)
+def _decode_column_block(codes, lo_b, scale_b, cols, group_size, bits, grid, out, block):  # type: ignore[no-untyped-def]
+    """Decode the ``cols`` groups of rows ``block * group_size ..`` into their places in ``out``."""
+    nbytes = group_size * bits // 8
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    has_grid = grid.shape[0] > 0
+    g0 = block * cols
+    lo = np.empty(cols, np.float32)
+    step = np.empty(cols, np.float32)
+    zero_exact = np.empty(cols, np.int32)
+    on_grid = np.empty(cols, np.bool_)
+    finite = True
+    for c in range(cols):
+        lo[c] = bits_f32(lo_b[g0 + c])
+        st, z = _scale_step(scale_b[g0 + c])
+        step[c] = st
+        zero_exact[c] = 1 if z else 0
+        ok = np.isfinite(lo[c]) and np.isfinite(st)
+        on_grid[c] = has_grid and ok and not z
+        finite = finite and ok
+    base = block * group_size * cols
+    levels = 1 << bits
+    table = np.empty(cols * levels if has_grid else 0, np.int32)
+    if has_grid:  # each column's value of each code (the decode rules of ``_decode_group`` and the grid's)
+        for c in range(cols):
+            z = zero_exact[c]
+            for code in range(levels):
+                k = grid[code] if on_grid[c] else np.float32(code - z)
+                b = f32_bits(lo[c] + k * step[c])
+                table[c * levels + code] = np.int32(0) if (z != 0) and code == 0 else b
+    byte_of = np.empty(cols, np.uint8)
+    for k in range(nbytes):
+        o0 = g0 * nbytes + k
+        for c in range(cols):
+            byte_of[_U(c)] = codes[_U(o0 + c * nbytes)]
+        row = base + k * per_byte * cols
+        if has_grid and bits == 2:
+            _COLUMN_DECODE_2G(byte_of, cols, lo, step, zero_exact, table, out, row)
+        elif has_grid:
+            _COLUMN_DECODE_4G(byte_of, cols, lo, step, zero_exact, table, out, row)
+        elif bits == 1:
+            _COLUMN_DECODE_1(byte_of, cols, lo, step, zero_exact, table, out, row)
+        elif bits == 2:
+            _COLUMN_DECODE_2(byte_of, cols, lo, step, zero_exact, table, out, row)
+        elif bits == 4:
+            _COLUMN_DECODE_4(byte_of, cols, lo, step, zero_exact, table, out, row)
+        else:
+            _COLUMN_DECODE_8(byte_of, cols, lo, step, zero_exact, table, out, row)
+    if not finite:  # groups with a non-finite lo or step: the reference's NaN rules, value by value
+        for c in range(cols):
+            if np.isfinite(lo[c]) and np.isfinite(step[c]):
+                continue
+            o0 = (g0 + c) * nbytes
+            for r in range(group_size):
+                code = np.int32((codes[_U(o0 + r // per_byte)] >> ((r % per_byte) * bits)) & mask)
+                _store_bits(out, _U(base + r * cols + c), _decode_special(code, lo[c], step[c], zero_exact[c] != 0))
+
+
+@njit(**_PJIT)
+def _dequantize_columns(codes, lo_b, scale_b, rows, cols, group_size, bits, grid, out):  # type: ignore[no-untyped-def]
+    """``unpack_dequantize_columns_into``: one task per block of ``group_size`` rows."""
+    for block in prange(rows // group_size):
+        _decode_column_block(codes, lo_b, scale_b, cols, group_size, bits, grid, out, block)
+
+
 def _empty(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty`` whose pages (when large) are hinted as transparent huge pages before first touch.
 
@@ -1364,7 +1619,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         return codes, lo, scale
 
     return {fn.__name__: fn for fn in (group_minmax, quantize_pack, reference.seeded(quantize_pack), unpack_dequantize,
-                                       unpack_dequantize_into, pack_bool, unpack_bool)}
+                                       unpack_dequantize_into, quantize_pack_columns, unpack_dequantize_columns_into,
+                                       pack_bool, unpack_bool)}
 
 
 def unpack_dequantize_into(
@@ -1388,6 +1644,42 @@ def unpack_dequantize_into(
 
 
 unpack_dequantize = reference.allocating(unpack_dequantize_into, lambda numel, dtype, device: _empty(numel, dtype))
+
+
+def quantize_pack_columns(
+    x: torch.Tensor, cols: int, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_pack`` of ``x`` in groups down its columns (``NOTE [ Column kernels ]``)."""
+    flat = _flat(x)
+    n = flat.numel()
+    ng = n // group_size
+    codes = _empty((ng, group_size * bits // 8), torch.uint8)
+    lo = torch.empty(ng, dtype=torch.float32)
+    scale = torch.empty(ng, dtype=torch.bfloat16)
+    if ng == 0:
+        return codes, lo, scale
+    grid_np, widths_np = (_NO_GRID, _NO_GRID) if grid is None else (grid.numpy(), reference.grid_widths(grid).numpy())
+    with _Guard(n):
+        _quantize_columns(_raw(flat), n // cols, cols, group_size, bits, np.uint32(seed & 0xFFFFFFFF), grid_np,
+                          widths_np, codes.view(-1).numpy(), lo.view(torch.int32).numpy(),
+                          scale.view(torch.int16).numpy())
+    return codes, lo, scale
+
+
+def unpack_dequantize_columns_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, cols: int, bits: int,
+    group_size: int, grid: torch.Tensor | None = None,
+) -> None:
+    """Decode what ``quantize_pack_columns`` wrote into the contiguous 1-D ``out`` (rows first)."""
+    numel = out.numel()
+    if numel == 0:
+        return
+    codes_np = codes.detach().contiguous().view(-1).numpy()
+    lo_np = lo.detach().contiguous().view(torch.int32).numpy()
+    sc_np = scale.detach().contiguous().view(torch.int16).numpy()
+    with _Guard(numel):
+        _dequantize_columns(codes_np, lo_np, sc_np, numel // cols, cols, group_size, bits,
+                            _NO_GRID if grid is None else grid.numpy(), _raw(out))
 
 
 def pack_bool(x: torch.Tensor) -> torch.Tensor:

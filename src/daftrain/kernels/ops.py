@@ -23,7 +23,8 @@ from . import reference
 
 __all__ = [
     "OPS", "KernelArgumentError", "KernelDtypeError", "Op", "group_minmax", "pack_bool", "quantize_pack",
-    "quantize_pack_seeded", "unpack_bool", "unpack_dequantize", "unpack_dequantize_into",
+    "quantize_pack_columns", "quantize_pack_seeded", "unpack_bool", "unpack_dequantize",
+    "unpack_dequantize_columns_into", "unpack_dequantize_into",
 ]
 
 
@@ -162,6 +163,26 @@ def _check_unpack_into(
     _check_unpack(codes, lo, scale, bits, group_size, out.numel(), out.dtype, grid)
 
 
+def _check_columns(numel: int, cols: int, group_size: int) -> None:
+    _require(cols >= 1 and numel % cols == 0 and (numel // cols) % group_size == 0,
+             lambda: f"cols must divide the {numel} values into rows whose count is a multiple of group_size "
+             f"({group_size}), got cols={cols}: groups down the columns hold group_size rows of one column")
+
+
+def _check_quantize_pack_columns(x: torch.Tensor, cols: int, bits: int, group_size: int, seed: int,
+                                 grid: torch.Tensor | None = None) -> None:
+    _check_quantize_pack(x, bits, group_size, seed, grid)
+    _check_columns(x.numel(), cols, group_size)
+
+
+def _check_unpack_columns_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, cols: int, bits: int,
+    group_size: int, grid: torch.Tensor | None = None,
+) -> None:
+    _check_unpack_into(out, codes, lo, scale, bits, group_size, grid)
+    _check_columns(out.numel(), cols, group_size)
+
+
 def _check_pack_bool(x: torch.Tensor) -> None:
     _require(x.dtype == torch.bool, lambda: f"pack_bool takes a bool tensor: x is {x.dtype}", KernelDtypeError)
 
@@ -200,6 +221,16 @@ def _fake_unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, gr
 
 
 def _fake_unpack_dequantize_into(out, codes, lo, scale, bits, group_size, grid=None):  # type: ignore[no-untyped-def]
+    return None
+
+
+def _fake_quantize_pack_columns(
+    x: torch.Tensor, cols: int, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fake_quantize_pack(x, bits, group_size, 0)
+
+
+def _fake_unpack_dequantize_columns_into(out, codes, lo, scale, cols, bits, group_size, grid=None):  # type: ignore[no-untyped-def]
     return None
 
 
@@ -250,6 +281,23 @@ unpack_dequantize_into = Op(
 )
 """``unpack_dequantize`` into the preallocated contiguous 1-D ``out`` (its numel and dtype say what to
 decode): backward reuses its decode buffers instead of faulting in fresh memory every time."""
+
+quantize_pack_columns = Op(
+    "quantize_pack_columns(Tensor x, int cols, int bits, int group_size, int seed, Tensor? grid=None) "
+    "-> (Tensor, Tensor, Tensor)",
+    check=_check_quantize_pack_columns, fake=_fake_quantize_pack_columns, reference=reference.quantize_pack_columns,
+)
+"""``quantize_pack`` of flat ``x`` viewed as ``[rows, cols]`` (``rows`` a multiple of ``group_size``) in groups
+that each hold one column of ``group_size`` rows: the bytes of ``quantize_pack(reference.columns_first(x, cols,
+group_size), ...)`` (``NOTE [ The stored order of groups down the columns ]`` in ``reference.py``)."""
+
+unpack_dequantize_columns_into = Op(
+    "unpack_dequantize_columns_into(Tensor(a!) out, Tensor codes, Tensor lo, Tensor scale, int cols, int bits, "
+    "int group_size, Tensor? grid=None) -> ()",
+    check=_check_unpack_columns_into, fake=_fake_unpack_dequantize_columns_into,
+    reference=reference.unpack_dequantize_columns_into,
+)
+"""Decode what ``quantize_pack_columns`` wrote into the preallocated contiguous 1-D ``out``, row after row."""
 
 pack_bool = Op(
     "pack_bool(Tensor x) -> Tensor",

@@ -239,6 +239,35 @@ def allocating(
 unpack_dequantize = allocating(unpack_dequantize_into)
 
 
+# NOTE [ The stored order of groups down the columns ]
+# ``quantize_pack_columns`` quantizes a ``[rows, cols]`` tensor (``rows`` a multiple of ``group_size``) in
+# groups that each hold one column of a block of ``group_size`` rows: its bytes are ``quantize_pack``'s of
+# the values in ``columns_first`` order (block after block, and in a block column after column), so the
+# layout, the noise index of each value and every decode rule are the row layout's (``layout.py``), and
+# a paged record's demotion re-quantizes the stored order group by group like any other. The reference
+# composes the reordering with the dispatched row ops (the fast kernels of each device, byte-identical to
+# their own references); the CPU kernels fuse the two (``NOTE [ Column kernels ]`` in ``cpu.py``).
+def columns_first(x: torch.Tensor, cols: int, group_size: int) -> torch.Tensor:
+    """Flat ``x`` viewed as ``[rows, cols]`` in the stored order of ``quantize_pack_columns`` (a copy)."""
+    return x.reshape(-1, group_size, cols).transpose(1, 2).reshape(-1)
+
+
+def quantize_pack_columns(
+    x: torch.Tensor, cols: int, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_pack`` of ``x`` (``[rows, cols]`` row after row) in groups down its columns."""
+    return torch.ops.daftrain.quantize_pack(columns_first(x, cols, group_size), bits, group_size, seed, grid)
+
+
+def unpack_dequantize_columns_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, cols: int, bits: int,
+    group_size: int, grid: torch.Tensor | None = None,
+) -> None:
+    """Decode what ``quantize_pack_columns`` wrote into the flat ``out``, row after row."""
+    stored = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, out.numel(), out.dtype, grid)
+    out.view(-1, group_size, cols).copy_(stored.view(-1, cols, group_size).transpose(1, 2))
+
+
 def pack_bool(x: torch.Tensor) -> torch.Tensor:
     """Flat bool -> uint8 [ceil(n/8)], value i at bit i % 8 of byte i // 8."""
     x = x.reshape(-1)

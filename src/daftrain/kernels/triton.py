@@ -512,8 +512,11 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
             )
         return codes, lo, scale
 
+    # groups down the columns: the reference's reordering around the row kernels above (``NOTE [ The stored
+    # order of groups down the columns ]`` in ``reference.py``)
     return {fn.__name__: fn for fn in (group_minmax, quantize_pack, reference.seeded(quantize_pack), unpack_dequantize,
-                                       unpack_dequantize_into, pack_bool, unpack_bool)}
+                                       unpack_dequantize_into, reference.quantize_pack_columns,
+                                       reference.unpack_dequantize_columns_into, pack_bool, unpack_bool)}
 
 
 def unpack_dequantize_into(

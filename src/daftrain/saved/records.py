@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from ..errors import InPlaceModificationError
+from ..kernels.reference import columns_first
 from ..layout import GRID_BITS, PackedLayout
 
 if TYPE_CHECKING:
@@ -27,17 +28,24 @@ some bits."""
 
 
 def _dequantize(payload: tuple[torch.Tensor, ...], grid: torch.Tensor | None, group_size: int, numel: int,
-                dtype: torch.dtype, buffers: DecodeBuffers | None) -> torch.Tensor:
+                dtype: torch.dtype, buffers: DecodeBuffers | None, cols: int = 0) -> torch.Tensor:
     """Decode ``(codes, lo, scale)`` (on ``grid`` where it is for the codes' bits, see ``PackedRecord``) into a
-    buffer from ``buffers`` (CPU; see ``NOTE [ Decode buffers ]``), else into fresh memory."""
+    buffer from ``buffers`` (CPU; see ``NOTE [ Decode buffers ]``), else into fresh memory; with ``cols``, codes
+    in groups down the columns of a ``[-1, cols]`` tensor (``ByColumns``), restored row after row."""
     codes, lo, scale = payload
     bits = bits_of(codes, group_size)
     if grid is not None and grid.numel() != 1 << bits:
         grid = None
-    if buffers is None or codes.device.type != "cpu":
+    if not cols and (buffers is None or codes.device.type != "cpu"):
         return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, grid)
-    out = buffers.take(numel, dtype)
-    torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, group_size, grid)
+    if buffers is None or codes.device.type != "cpu":
+        out = torch.empty(numel, dtype=dtype, device=codes.device)
+    else:
+        out = buffers.take(numel, dtype)
+    if cols:
+        torch.ops.daftrain.unpack_dequantize_columns_into(out, codes, lo, scale, cols, bits, group_size, grid)
+    else:
+        torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, group_size, grid)
     return out
 
 
@@ -190,13 +198,20 @@ def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
             return ExactRecord(flat, "constant")
         bits = 1
     grid = grids(flat, bits) if grids is not None and kind == "quantize" and bits in GRID_BITS else None
-    codes, lo, scale = torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed, grid)
+    return quantized(torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed, grid), flat, flat, bits,
+                     group_size, grid)
+
+
+def quantized(payload: tuple[torch.Tensor, torch.Tensor, torch.Tensor], values: torch.Tensor, flat: torch.Tensor,
+              bits: int, group_size: int, grid: torch.Tensor | None) -> PackedRecord | ExactRecord:
+    """The record of ``payload`` (``values`` quantized; ``flat``: the region they encode), or ``flat`` kept."""
+    codes, lo, scale = payload
     # NOTE [ Non-finite activations ]: a NaN or Inf anywhere in a group shows in that group's lo or
     # scale. Such a tensor is kept exact, so backward sees exactly what plain PyTorch would: values
     # are never silently replaced. The check reads num_groups values, not the tensor.
     if not bool(torch.isfinite(lo).all() and torch.isfinite(scale).all()):
         return ExactRecord(flat, "nonfinite")
-    return PackedRecord.quantized(codes, lo, scale, PackedLayout(bits, group_size, flat.numel()), flat.dtype, grid)
+    return PackedRecord.quantized(codes, lo, scale, PackedLayout(bits, group_size, values.numel()), values.dtype, grid)
 
 
 class PendingRecord:
@@ -533,8 +548,7 @@ class _EncodedRecord:
         return type(self)(self.inner.to_pool(pool, importance, seed), self.encoding, self.dtype)
 
 
-def _wrapped(inner: Record, flat: torch.Tensor, record: type[_EncodedRecord],
-             encoding: Derivative | ByColumns) -> Any:
+def _wrapped(inner: Record, flat: torch.Tensor, record: type[_EncodedRecord], encoding: Derivative) -> Any:
     """``inner`` (what ``encoding`` stored of ``flat``) as ``record``; ``flat`` kept exact where ``inner`` is
     (a non-finite value: NOTE [ Non-finite activations ])."""
     if isinstance(inner, ExactRecord):
@@ -610,11 +624,13 @@ class Derivative:
         with torch.no_grad():
             return _derivative_of(self.kind, x.detach().float())
 
-    def restored(self, d: torch.Tensor) -> torch.Tensor:
-        """An input whose derivative is ``d`` (float32, overwritten: table positions are made in place)."""
+    def restored(self, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An input of ``dtype`` whose derivative is ``d`` (float32, overwritten: table positions are made in
+        place)."""
         table, d_min, d_max = _inverse_table(self.kind, d.device)
         pos = d.sub_(d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
-        return table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
+        x = table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
+        return x if dtype == torch.float32 else x.to(dtype)
 
     def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
                grids: Grids | None = None) -> ExactRecord | DerivativeRecord:
@@ -630,33 +646,35 @@ class DerivativeRecord(_EncodedRecord):
     encoding: Derivative
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        x = self.encoding.restored(self.inner.decode(buffers))  # a fresh decode: reused in place
-        return x if self.dtype == torch.float32 else x.to(self.dtype)
+        return self.encoding.restored(self.inner.decode(buffers), self.dtype)  # a fresh decode: reused in place
 
 
 @dataclass(frozen=True)
 class ByColumns:
-    """Store a ``[rows, cols]`` tensor column after column, so that each quantization group holds
-    ``group_size`` rows of one column (``NOTE [ Groups down the columns ]`` in ``grouping.py``); with
+    """Store a ``[rows, cols]`` tensor in groups that each hold ``group_size`` rows of one column (``NOTE [ Groups
+    down the columns ]`` in ``grouping.py``; the order: ``kernels/reference.py``'s ``columns_first``); with
     ``values``, an elementwise encoding, store what it stores (an activation's derivative) that way."""
 
     rows: int
     cols: int
+    group_size: int
     values: Derivative | None = None
-
-    def by_columns(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` (row after row) column after column (a copy)."""
-        return flat.view(self.rows, self.cols).t().contiguous().view(-1)
 
     def stored(self, flat: torch.Tensor) -> torch.Tensor:
         """What the record quantizes, in the order it stores it (a copy)."""
-        return self.by_columns(flat if self.values is None else self.values.stored(flat))
+        values = flat if self.values is None else self.values.stored(flat)
+        return columns_first(values, self.cols, self.group_size)
 
     def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
                grids: Grids | None = None) -> ExactRecord | ByColumnsRecord:
         with torch.no_grad():
-            inner = encode(self.by_columns(flat), "quantize", bits, group_size, seed, self.values, grids)
-        return _wrapped(inner, flat, ByColumnsRecord, self)
+            values = flat if self.values is None else self.values.stored(flat)
+            # the grid is fitted on the stored order's groups: a view, copied only when a grid is fitted
+            in_groups = values.view(-1, group_size, self.cols).transpose(1, 2)
+            grid = grids(in_groups, bits) if grids is not None and bits in GRID_BITS else None
+            payload = torch.ops.daftrain.quantize_pack_columns(values, self.cols, bits, group_size, seed, grid)
+        inner = quantized(payload, values, flat, bits, group_size, grid)
+        return inner if isinstance(inner, ExactRecord) else ByColumnsRecord(inner, self, flat.dtype)
 
 
 class ByColumnsRecord(_EncodedRecord):
@@ -665,16 +683,13 @@ class ByColumnsRecord(_EncodedRecord):
     __slots__ = ()
     is_bool = False
     encoding: ByColumns
+    inner: PackedRecord
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
-        by_columns = self.inner.decode(buffers)
-        enc = self.encoding
-        if buffers is None or by_columns.device.type != "cpu":
-            out = torch.empty_like(by_columns)
-        else:
-            out = buffers.take(by_columns.numel(), by_columns.dtype)
-        out.view(enc.rows, enc.cols).copy_(by_columns.view(enc.cols, enc.rows).t())
-        return out
+        inner, enc = self.inner, self.encoding
+        with inner.storage.borrow() as parts:
+            values = _dequantize(parts, inner.grid, inner.group_size, inner.numel, inner.dtype, buffers, enc.cols)
+        return values if enc.values is None else enc.values.restored(values, self.dtype)
 
 
 def on_fitted_grid(record: Record) -> bool:
