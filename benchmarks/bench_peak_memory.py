@@ -14,8 +14,9 @@ defaults and calls ``malloc_trim(0)`` when each forward ends and each step start
 ``+trim64m``, ``+trim256m`` also whenever that many more bytes went through the pack and unpack hooks;
 ``+hugetlb`` starts the process with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc advises transparent
 huge pages for what it maps), ``+thp`` with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch does, for its tensors of
-2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``. ``bits2+columns`` is
-``compress(bits=2, column_groups=True)``: groups down a tensor's columns where they pay; ``+uniform`` is
+2 MiB and more); ``+untuned`` is ``compress(tune_allocator=False)``. ``bits2+rows`` is
+``compress(bits=2, column_groups=False)``: groups in memory order only (by default they run down a tensor's
+columns where that pays; result files before that default name the opt-in ``+columns``); ``+uniform`` is
 ``compress(fitted_grids=False)``: evenly spaced levels everywhere (``NOTE [ Fitted grids ]``).
 ``compile`` runs the model under ``torch.compile`` (inductor), ``compile+bits2`` / ``+bits4`` under
 ``compress`` too (the packing inlined into the compiled graphs): their first step compiles, so next to
@@ -68,7 +69,8 @@ CONFIGS = {
     "bits4": {"bits": 4},
     "bits2+ckpt": {"bits": 2, "checkpoint": True},
     "plain+ckpt": {"checkpoint": True},
-    "bits2+columns": {"bits": 2, "compress": {"column_groups": True}},
+    "bits2+rows": {"bits": 2, "compress": {"column_groups": False}},
+    "bits4+rows": {"bits": 4, "compress": {"column_groups": False}},
     "bits2+uniform": {"bits": 2, "compress": {"fitted_grids": False}},
     "bits4+uniform": {"bits": 4, "compress": {"fitted_grids": False}},
     "compile": {"compile": True},

@@ -127,7 +127,7 @@ def share_gradient(model: torch.nn.Module, inputs: dict[str, torch.Tensor], shar
 
 def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: float,
               settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One model's row; ``settings`` go to every compressed context (``--column-groups``)."""
+    """One model's row; ``settings`` go to every compressed context (``--memory-order``, ``--uniform-grids``)."""
     settings = settings or {}
     row: dict[str, Any] = {"model": model_type, "kind": kind}
     with recorded(row):
@@ -228,12 +228,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8, help="tensors listed per model by --attribute")
     parser.add_argument("--error-share", type=float, default=0.01,
                         help="the bound of the bits='auto', error_share=... column")
-    parser.add_argument("--column-groups", action="store_true",
-                        help="compress(column_groups=True) in every compressed run (NOTE [ Groups down the columns ])")
+    parser.add_argument("--memory-order", action="store_true",
+                        help="compress(column_groups=False) in every compressed run: groups along the rows only "
+                        "(NOTE [ Groups down the columns ])")
     parser.add_argument("--uniform-grids", action="store_true",
                         help="compress(fitted_grids=False) in every compressed run (NOTE [ Fitted grids ])")
     args = parser.parse_args()
-    settings = {**({"column_groups": True} if args.column_groups else {}),
+    settings = {**({"column_groups": False} if args.memory_order else {}),
                 **({"fitted_grids": False} if args.uniform_grids else {})}
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

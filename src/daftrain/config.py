@@ -37,11 +37,11 @@ class CompressionConfig:
     """Values that share one (min, scale) pair. A multiple of 32, so each group's codes fill whole
     32-bit words at every bit-width (see ``layout.py``)."""
 
-    column_groups: bool = False
+    column_groups: bool = True
     """Let a ``[rows, cols]`` tensor's groups run down its columns where that estimates clearly less
     rounding variance than along its rows, at the same bytes (``NOTE [ Groups down the columns ]`` in
-    ``saved/grouping.py``): a smaller gradient error on most transformers at 2 bits, for a transposed copy
-    at each pack and decode of the tensors it picks (docs/saved.md). ``False`` keeps memory order."""
+    ``saved/grouping.py``): a smaller gradient error on most transformers, for about twice the kernel time
+    on the tensors it picks (docs/saved.md). ``False`` keeps memory order."""
 
     fitted_grids: bool = True
     """At 2 and 4 bits, round each saved tensor onto levels fitted to its values (closer together where its

@@ -11,7 +11,7 @@ __all__ = ["COLUMN_GAIN", "ColumnChoice", "by_columns_if_better"]
 
 COLUMN_GAIN = 0.9
 """Groups run down the columns only where that estimates at most this share of the rounding variance of
-groups along the rows: a transposed copy at each pack and decode must buy a clear gain."""
+groups along the rows: the column kernels' extra time must buy a clear gain."""
 
 
 # NOTE [ Groups down the columns ]
@@ -26,9 +26,10 @@ groups along the rows: a transposed copy at each pack and decode must buy a clea
 # a reduction over blocks of ``group_size`` rows, once per forward position (``ColumnChoice``). The
 # column order is taken where it estimates at most ``COLUMN_GAIN`` of the rows' variance; the bytes are
 # the same (the same number of groups of the same size: only tensors whose row count is a multiple of
-# ``group_size`` are considered, so no group crosses a column). Both orders round stochastically, so the
-# restored tensor is unbiased either way. An activation stored as its derivative (an elementwise
-# encoding) is stored down the columns the same way, chosen on its input's ranges.
+# ``group_size`` are considered, so no group crosses a column), stored block by block of ``group_size``
+# rows (``NOTE [ The stored order of groups down the columns ]`` in ``kernels/reference.py``). Both orders
+# round stochastically, so the restored tensor is unbiased either way. An activation stored as its
+# derivative (an elementwise encoding) is stored down the columns the same way, chosen on its input's ranges.
 def by_columns_if_better(flat: torch.Tensor, source: torch.Tensor, group_size: int,
                          values: Derivative | None = None) -> ByColumns | None:
     """``ByColumns`` for ``flat`` (``source``'s values in memory order; what is stored of them: ``values``)
