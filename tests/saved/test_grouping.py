@@ -11,10 +11,19 @@ from torch import nn
 
 import daftrain
 from daftrain.kernels import reference
+from daftrain.kernels.grids import fit_grid
 from daftrain.pool import PagePool, PoolConfig
 from daftrain.saved import grouping, per_position
 from daftrain.saved.grouping import by_columns_if_better
-from daftrain.saved.records import ByColumns, ByColumnsRecord, Derivative, ExactRecord
+from daftrain.saved.records import (
+    ByColumns,
+    ByColumnsRecord,
+    Derivative,
+    ExactRecord,
+    InMemory,
+    PackedRecord,
+    demote_payload,
+)
 
 G = 256
 
@@ -54,6 +63,22 @@ def test_the_record_restores_row_order_and_matches_the_reference_on_the_stored_o
     expected = decoded.view(2, 64, G).transpose(1, 2).reshape(512, 64)
     assert torch.equal(record.decode().view(512, 64), expected)  # the same bytes, back in row order
     assert record.nbytes == codes.nbytes + lo.nbytes + scale.nbytes
+
+
+def test_a_demoted_column_record_restores_its_demoted_codes_in_row_order() -> None:
+    """A pool demotes a record by re-quantizing its payload in the stored order (``demote_payload``): the codes of
+    a column record stay groups down the columns, now at half the bits on the uniform grid."""
+    x = outlier_features()
+    record = ByColumns(512, 64, G).encode(x.view(-1), 4, G, seed=7, grids=lambda v, bits: fit_grid(v, bits, G))
+    inner = record.inner
+    assert inner.grid is not None  # the 4-bit grid must be dropped once the codes have 2 bits
+    with inner.storage.borrow() as parts:
+        demoted = demote_payload(parts, group_size=G, numel=inner.numel, seed=3, grid=inner.grid)
+    paged = PackedRecord(InMemory(demoted), is_bool=False, numel=inner.numel, dtype=inner.dtype, group_size=G,
+                         grid=inner.grid)
+    stored = reference.unpack_dequantize(*demoted, 2, G, x.numel(), torch.float32)
+    expected = stored.view(2, 64, G).transpose(1, 2).reshape(512, 64)
+    assert torch.equal(ByColumnsRecord(paged, record.encoding, record.dtype).decode().view(512, 64), expected)
 
 
 def test_non_finite_values_keep_the_tensor_exact() -> None:

@@ -1313,16 +1313,8 @@ def _make_column_bytes(bits: int, inner: int):  # type: ignore[no-untyped-def]
             for s in range(per_byte):
                 x = bits_f32(_load_bits(xb[_U(row + s * cols + c)]))
                 t = (x - lo_c) * inv_c
-                if inner:  # k + (t - g[k]) * w[k] (``_grid_position``), by selects
-                    k = np.float32(0.0)
-                    below = gv[0]
-                    width = wv[0]
-                    for j in range(1, inner + 1):
-                        above = t >= gv[j]
-                        k = np.float32(j) if above else k
-                        below = gv[j] if above else below
-                        width = wv[j] if above else width
-                    on = k + (t - below) * width
+                if inner:  # the grid's levels as a tuple: the selects unroll over registers
+                    on = _grid_position(t, gv, wv, inner)
                     t = on if grid_c else t
                 r = np.floor(t + _noise(i0 + c * group_size + s, seed))
                 code = top_c if top_c < r else r  # clamp; NaN stays NaN here ...
@@ -1623,6 +1615,12 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
                                        pack_bool, unpack_bool)}
 
 
+def _payload(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(codes, lo, scale)`` as the flat numpy arrays of raw bits the decode kernels take."""
+    return (codes.detach().contiguous().view(-1).numpy(), lo.detach().contiguous().view(torch.int32).numpy(),
+            scale.detach().contiguous().view(torch.int16).numpy())
+
+
 def unpack_dequantize_into(
     out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
     grid: torch.Tensor | None = None,
@@ -1631,9 +1629,7 @@ def unpack_dequantize_into(
     numel = out.numel()
     if numel == 0:
         return
-    codes_np = codes.detach().contiguous().view(-1).numpy()
-    lo_np = lo.detach().contiguous().view(torch.int32).numpy()
-    sc_np = scale.detach().contiguous().view(torch.int16).numpy()
+    codes_np, lo_np, sc_np = _payload(codes, lo, scale)
     out_np = _raw(out)
     with _Guard(numel) as nt:
         if grid is not None:
@@ -1674,9 +1670,7 @@ def unpack_dequantize_columns_into(
     numel = out.numel()
     if numel == 0:
         return
-    codes_np = codes.detach().contiguous().view(-1).numpy()
-    lo_np = lo.detach().contiguous().view(torch.int32).numpy()
-    sc_np = scale.detach().contiguous().view(torch.int16).numpy()
+    codes_np, lo_np, sc_np = _payload(codes, lo, scale)
     with _Guard(numel):
         _dequantize_columns(codes_np, lo_np, sc_np, numel // cols, cols, group_size, bits,
                             _NO_GRID if grid is None else grid.numpy(), _raw(out))

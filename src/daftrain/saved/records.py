@@ -36,12 +36,12 @@ def _dequantize(payload: tuple[torch.Tensor, ...], grid: torch.Tensor | None, gr
     bits = bits_of(codes, group_size)
     if grid is not None and grid.numel() != 1 << bits:
         grid = None
-    if not cols and (buffers is None or codes.device.type != "cpu"):
-        return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, grid)
-    if buffers is None or codes.device.type != "cpu":
+    if buffers is not None and codes.device.type == "cpu":
+        out = buffers.take(numel, dtype)
+    elif cols:
         out = torch.empty(numel, dtype=dtype, device=codes.device)
     else:
-        out = buffers.take(numel, dtype)
+        return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, grid)
     if cols:
         torch.ops.daftrain.unpack_dequantize_columns_into(out, codes, lo, scale, cols, bits, group_size, grid)
     else:
