@@ -1,5 +1,7 @@
 """The ``BitPolicy`` API: one ``assign`` per record, for fixed bits and for ``bits="auto"``."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -100,11 +102,16 @@ def test_auto_bits_do_no_worse_than_uniform_bits_at_the_same_bytes_on_a_recurren
         assert sum(allocated) / 3 >= sum(fixed) / 3 - spread, (bits, allocated, fixed)
 
 
-def test_an_allocation_barely_better_than_uniform_bits_by_its_estimate_gives_way_to_them():
+def test_an_allocation_barely_better_than_uniform_bits_by_its_estimate_gives_way_to_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [ Uniform unless clearly better ]: under ``avg_bits=2`` the solver's answer is taken only where it
-    promises at least ``UNIFORM_MARGIN`` less variance than every tensor at 2 bits."""
+    promises at least ``UNIFORM_MARGIN`` less variance than every tensor at 2 bits (here with a trade it would
+    pass on its own: the variances below are the promised total's, not the picks')."""
+    from daftrain.auto import policy as policy_module
     from daftrain.auto.allocation import Choice, Solution
     from daftrain.auto.policy import UNIFORM_MARGIN
+
+    monkeypatch.setattr(policy_module, "TRADE_FACTOR", 0.0)
 
     def slot(v2: float) -> tuple[Choice, ...]:  # 1, 2 and 4 bits of a 1000-value tensor, then exact
         return (Choice(1, 125, 4 * v2), Choice(2, 250, v2), Choice(4, 500, v2 / 17), Choice(None, 4000, 0.0))
@@ -122,3 +129,26 @@ def test_an_allocation_barely_better_than_uniform_bits_by_its_estimate_gives_way
     between = AutoBits(CompressionConfig(bits="auto", avg_bits=2.5))
     solved = Solution((0, 2, 1), 875, 0.99 * uniform, 875, 0.0)
     assert between._unless_clearly_better(solved, items, 875) is solved
+
+
+def test_a_trade_that_saves_little_more_than_it_adds_gives_way_to_uniform_bits():
+    """NOTE [ Uniform unless clearly better ]: a tensor lowered below 2 bits must pay for at least
+    ``TRADE_FACTOR`` times the variance it adds, whatever the total saves."""
+    from daftrain.auto.allocation import Choice, Solution
+    from daftrain.auto.policy import TRADE_FACTOR
+
+    def slot(v1: float, v2: float, v4: float) -> tuple[Choice, ...]:  # a 1000-value tensor at 1, 2, 4 bits, exact
+        return (Choice(1, 125, v1), Choice(2, 250, v2), Choice(4, 500, v4), Choice(None, 4000, 0.0))
+
+    policy = AutoBits(CompressionConfig(bits="auto", avg_bits=2.0))
+    for saved_over_added in (TRADE_FACTOR * 0.9, TRADE_FACTOR * 1.1):
+        # the first tensor at 1 bit adds 1.0; the second at 4 bits saves saved_over_added; ten more at 2 bits
+        # hold the total, so both trades save more than the margin of it
+        items = [slot(2.0, 1.0, 0.5), slot(4.0, 0.1 + saved_over_added, 0.1)] + [slot(0.01, 0.001, 0.0)] * 10
+        uniform = math.fsum(c[1].variance for c in items)
+        picks = (0, 2) + (1,) * 10
+        variance = math.fsum(c[p].variance for c, p in zip(items, picks, strict=True))
+        assert variance < 0.97 * uniform
+        solved = Solution(picks, 3125, variance, 3000, 0.0)
+        got = policy._unless_clearly_better(solved, items, 3125)
+        assert (got is solved) == (saved_over_added >= TRADE_FACTOR), saved_over_added
