@@ -1725,4 +1725,8 @@ def warmup() -> None:
     grid = torch.tensor([0.0, 1.0, 2.0, 3.0])
     c, lo, s = quantize_pack_with(PER_GROUP, x, 2, 32, 0, grid)
     unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32, grid)
+    rows = torch.linspace(-1, 1, 64)
+    for g in (None, grid):
+        c, lo, s = quantize_pack_columns(rows, 2, 2, 32, 0, g)
+        unpack_dequantize_columns_into(torch.empty(64), c, lo, s, 2, 2, 32, g)
     unpack_bool(pack_bool(x > 0), 100)
