@@ -404,12 +404,24 @@ def test_compressed_plan_runs(auto):
         0.5 * (step.profile.outside[None] + sum(s.saved[None] for s in step.profile.segments))
 
 
+class Scaled(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 def layered(seed: int = 0) -> nn.Module:
-    """Layers of different widths: their saved tensors differ in how much of the gradient they carry."""
+    """Layers of different widths, the first two blocks' output scaled down (as a residual branch's scale or
+    a gate can be): their saved tensors carry very different shares of the gradient, a trade that
+    ``bits="auto"`` takes clearly (``NOTE [ Uniform unless clearly better ]``)."""
     torch.manual_seed(seed)
     sizes = [256, 256, 512, 128, 512, 256]
-    return nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in itertools.pairwise(sizes)],
-                         nn.Linear(sizes[-1], 10))
+    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in itertools.pairwise(sizes)]
+    blocks.insert(2, Scaled(0.1))
+    return nn.Sequential(*blocks, nn.Linear(sizes[-1], 10))
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:
