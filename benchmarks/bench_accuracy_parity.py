@@ -71,7 +71,8 @@ def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int, seed: int
     (``auto2``), and ``auto<b>cal``, which also calls ``ctx.calibrate`` (``--calibrate-every``); ``share<p>``
     for ``bits="auto", error_share=p/100`` (its saved bytes are read on step 2, the first after the
     context's own calibration). Suffix
-    ``_g<G>`` for group size G (``fixed2_g64``); ``seed`` seeds the stochastic rounding."""
+    ``_g<G>`` for group size G (``fixed2_g64``), ``_rows`` for groups in memory order only (``column_groups=False``);
+    ``seed`` seeds the stochastic rounding."""
     if config == "fp32":
         return None
     name, *options = config.split("_")
@@ -79,6 +80,8 @@ def make_ctx(config: str, model: torch.nn.Module, adapt_interval: int, seed: int
     for option in options:
         if option.startswith("g") and option[1:].isdigit():
             extra["group_size"] = int(option[1:])
+        elif option == "rows":
+            extra["column_groups"] = False
         else:
             raise ValueError(f"unknown configuration option {option!r} in {config!r}")
     if name.startswith("fixed"):
