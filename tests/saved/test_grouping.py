@@ -39,7 +39,7 @@ def outlier_features(rows: int = 512, cols: int = 64, seed: int = 0) -> torch.Te
 
 def test_outlier_features_are_grouped_down_the_columns_and_outlier_rows_are_not() -> None:
     x = outlier_features()
-    assert by_columns_if_better(x.view(-1), x, G) == ByColumns(512, 64, G)
+    assert by_columns_if_better(x.view(-1), x, G) == ByColumns(64, G)
     rows = torch.randn(512, 64, generator=torch.Generator().manual_seed(1))
     rows[::4] *= 30  # every fourth token large: down a column every group holds some
     assert by_columns_if_better(rows.view(-1), rows, G) is None
@@ -55,7 +55,7 @@ def test_only_whole_column_groups_of_a_contiguous_tensor_are_considered(shape) -
 
 def test_the_record_restores_row_order_and_matches_the_reference_on_the_stored_order() -> None:
     x = outlier_features()
-    record = ByColumns(512, 64, G).encode(x.view(-1), 4, G, seed=7)
+    record = ByColumns(64, G).encode(x.view(-1), 4, G, seed=7)
     assert isinstance(record, ByColumnsRecord)
     stored = x.view(2, G, 64).transpose(1, 2).reshape(-1)  # each block of G rows column after column
     codes, lo, scale = reference.quantize_pack(stored, 4, G, 7)
@@ -69,7 +69,7 @@ def test_a_demoted_column_record_restores_its_demoted_codes_in_row_order() -> No
     """A pool demotes a record by re-quantizing its payload in the stored order (``demote_payload``): the codes of
     a column record stay groups down the columns, now at half the bits on the uniform grid."""
     x = outlier_features()
-    record = ByColumns(512, 64, G).encode(x.view(-1), 4, G, seed=7, grids=lambda v, bits: fit_grid(v, bits, G))
+    record = ByColumns(64, G).encode(x.view(-1), 4, G, seed=7, grids=lambda v, bits: fit_grid(v, bits, G))
     inner = record.inner
     assert inner.grid is not None  # the 4-bit grid must be dropped once the codes have 2 bits
     with inner.storage.borrow() as parts:
@@ -84,14 +84,14 @@ def test_a_demoted_column_record_restores_its_demoted_codes_in_row_order() -> No
 def test_non_finite_values_keep_the_tensor_exact() -> None:
     x = outlier_features()
     x[7, 9] = float("nan")
-    record = ByColumns(512, 64, G).encode(x.view(-1), 2, G, seed=1)
+    record = ByColumns(64, G).encode(x.view(-1), 2, G, seed=1)
     assert isinstance(record, ExactRecord)
     assert torch.allclose(record.decode(), x.view(-1), rtol=0, atol=0, equal_nan=True)  # the values as saved
 
 
 def test_column_groups_are_unbiased() -> None:
     x = outlier_features(seed=3).view(-1)
-    enc = ByColumns(512, 64, G)
+    enc = ByColumns(64, G)
     draws = torch.stack([enc.encode(x, 2, G, seed=s).decode() for s in range(400)])
     single = (draws[0] - x).norm()
     # an unbiased rounding's mean error shrinks like 1/sqrt(draws) (20x here); a bias would stay near single
@@ -137,7 +137,7 @@ def test_pooled_column_records_give_the_unpooled_gradients_and_return_their_page
 
 def test_an_activation_stored_as_its_derivative_is_grouped_down_the_columns_too() -> None:
     x = outlier_features().view(-1)
-    enc = ByColumns(512, 64, G, Derivative("gelu"))
+    enc = ByColumns(64, G, Derivative("gelu"))
     record = enc.encode(x, 8, G, seed=2)
     assert isinstance(record, ByColumnsRecord)
     restored = record.decode()
@@ -172,11 +172,11 @@ def test_a_positions_choice_is_measured_once_then_again_when_its_tensor_changes_
     monkeypatch.setattr(grouping, "by_columns_if_better", lambda *a: calls.append(a[1].shape) or real(*a))
     choice, x = grouping.ColumnChoice(G), outlier_features()
     for step in range(3):
-        assert choice.layout(step, 0, x.view(-1), x, None) == ByColumns(512, 64, G)
+        assert choice.layout(step, 0, x.view(-1), x, None) == ByColumns(64, G)
     assert len(calls) == 1
     y = outlier_features(rows=256)
-    assert choice.layout(3, 0, y.view(-1), y, None) == ByColumns(256, 64, G)  # a new shape at that position
-    assert choice.layout(3 + per_position.REESTIMATE_STEPS, 0, y.view(-1), y, None) == ByColumns(256, 64, G)
+    assert choice.layout(3, 0, y.view(-1), y, None) == ByColumns(64, G)  # a new shape at that position
+    assert choice.layout(3 + per_position.REESTIMATE_STEPS, 0, y.view(-1), y, None) == ByColumns(64, G)
     assert len(calls) == 3
 
 
@@ -202,6 +202,6 @@ def test_a_variance_target_calibrates_column_records_of_derivatives() -> None:
     ctx = daftrain.compress(bits="auto", error_share=0.01, min_numel=0, column_groups=True)
     for _ in range(3):  # adaptation, calibration, the allocation in force
         got = grads(ctx)
-    assert ByColumns(512, 128, G, Derivative("gelu")) in encodings
+    assert ByColumns(128, G, Derivative("gelu")) in encodings
     assert torch.nn.functional.cosine_similarity(got, ref, dim=0) >= 0.99
     ctx.close()

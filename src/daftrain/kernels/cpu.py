@@ -1326,8 +1326,7 @@ def _make_column_bytes(bits: int, inner: int):  # type: ignore[no-untyped-def]
     return column_bytes
 
 
-_COLUMN_BYTES = {b: _make_column_bytes(b, 0) for b in (1, 2, 4, 8)}
-_COLUMN_BYTES_1, _COLUMN_BYTES_2, _COLUMN_BYTES_4, _COLUMN_BYTES_8 = (_COLUMN_BYTES[b] for b in (1, 2, 4, 8))
+_COLUMN_BYTES_1, _COLUMN_BYTES_2, _COLUMN_BYTES_4, _COLUMN_BYTES_8 = (_make_column_bytes(b, 0) for b in (1, 2, 4, 8))
 _COLUMN_BYTES_2G, _COLUMN_BYTES_4G = _make_column_bytes(2, 2), _make_column_bytes(4, 14)
 
 

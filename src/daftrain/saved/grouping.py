@@ -49,7 +49,7 @@ def by_columns_if_better(flat: torch.Tensor, source: torch.Tensor, group_size: i
         blocks = flat.view(rows // group_size, group_size, cols)
         down_columns = (blocks.amax(1) - blocks.amin(1)).double().square().sum()
         better = bool(down_columns <= COLUMN_GAIN * along_rows)
-    return ByColumns(rows, cols, group_size, values) if better else None
+    return ByColumns(cols, group_size, values) if better else None
 
 
 class ColumnChoice:

@@ -651,11 +651,10 @@ class DerivativeRecord(_EncodedRecord):
 
 @dataclass(frozen=True)
 class ByColumns:
-    """Store a ``[rows, cols]`` tensor in groups that each hold ``group_size`` rows of one column (``NOTE [ Groups
+    """Store a ``[-1, cols]`` tensor in groups that each hold ``group_size`` rows of one column (``NOTE [ Groups
     down the columns ]`` in ``grouping.py``; the order: ``kernels/reference.py``'s ``columns_first``); with
     ``values``, an elementwise encoding, store what it stores (an activation's derivative) that way."""
 
-    rows: int
     cols: int
     group_size: int
     values: Derivative | None = None
