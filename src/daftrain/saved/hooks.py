@@ -24,6 +24,7 @@ from ..kernels import load_fast_kernels
 from ..layout import record_seed, widest_bits_within
 from ..params import ParameterRegistry
 from ..pool import PagePool
+from .checks import Settling
 from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
 from .decide import Decision, Treatment, decide
 from .decode_buffers import DecodeBuffers
@@ -42,6 +43,7 @@ from .records import (
     PendingRecord,
     Record,
     SavedHandle,
+    UndecidedRecord,
     compact_expanded,
     encode,
     is_dense,
@@ -166,6 +168,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._stats = CompressionStats()
         self._stats_lock = threading.Lock()
         self._packer = AsyncPacker() if self.config.asynchronous else None
+        self._settling = Settling()  # NOTE [ Checks the host does not wait for ] in checks.py
         self._records: weakref.WeakValueDictionary[_Key, Record | PendingRecord] = weakref.WeakValueDictionary()
         self._raw_storages: set[StorageWeakRef] = set()
         self._kept_storages: set[StorageWeakRef] = set()
@@ -237,6 +240,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     @property
     def stats(self) -> CompressionStats:
         """What the latest forward pass saved (waits for the packer to finish its queued jobs)."""
+        self._account_settled(self._settling.settle_all())
         if self._packer is not None:
             self._packer.drain()
             self._stats.peak_pending_bytes = self._packer.peak_pending_bytes
@@ -260,6 +264,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(exc_type, exc, tb)
         self._hooks.deactivate(self)
         self._forget_saves()
+        self._account_settled(self._settling.settle_all())
         if catcher is not None and exc_type is None and self._bit_policy.wants_calibration():
             self._calibrate_on(catcher.loss())
         if self._trimmer is not None:
@@ -470,14 +475,23 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                                     seed=seed)
         if self._packer is None:
             record = job(flat)
-            self._account(self._stats, record)
+            if isinstance(record, UndecidedRecord):
+                self._account_settled(self._settling.add(record, self._stats))
+            else:
+                self._account(self._stats, record)
             return record
         pending = self._packer.submit(flat, job)
         stats = self._stats
         pending.future.add_done_callback(lambda f: f.exception() is None and self._account(stats, f.result()))
         return pending
 
-    def _account(self, stats: CompressionStats, record: Record) -> None:
+    def _account_settled(self, settled: list[tuple[Record, CompressionStats]]) -> None:
+        for record, stats in settled:
+            self._account(stats, record)
+
+    def _account(self, stats: CompressionStats, record: Record | UndecidedRecord) -> None:
+        if isinstance(record, UndecidedRecord):  # made on the packer thread: waiting there holds no step up
+            record = record.settle()
         with self._stats_lock:
             if isinstance(record, ExactRecord):
                 stats.kept += 1

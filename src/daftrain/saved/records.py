@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import math
@@ -16,6 +17,7 @@ import torch
 from ..errors import InPlaceModificationError
 from ..kernels.reference import columns_first
 from ..layout import GRID_BITS, PackedLayout
+from .checks import Checks, DeviceVerdict, all_finite, first_failed
 
 if TYPE_CHECKING:
     from ..pool import PagePool, PooledRecord
@@ -182,36 +184,107 @@ def demote_payload(
 
 
 def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
-           encoding: Encoding | None = None, grids: Grids | None = None) -> Record:
+           encoding: Encoding | None = None, grids: Grids | None = None) -> Record | UndecidedRecord:
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
     1-bit layout is exact, else keep) or ``"bool"``; an op rule's ``encoding`` (``NOTE [ Op-aware
     encodings ]``) replaces a quantize; ``grids`` gives a quantized record its fitted grid. Runs on the
-    caller's or the packer's thread."""
+    caller's or the packer's thread. On a GPU the record may be undecided (``NOTE [ Checks the host does
+    not wait for ]`` in ``checks.py``)."""
+    return decided(*pack_candidate(flat, kind, bits, group_size, seed, encoding, grids), flat)
+
+
+def pack_candidate(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
+                   encoding: Encoding | None = None, grids: Grids | None = None) -> tuple[Record, Checks]:
+    """``encode``'s packed record of ``flat`` and the checks that must hold for it to be kept."""
     if encoding is not None and kind in ("quantize", "bool"):
-        return encoding.encode(flat, bits, group_size, seed, grids)
+        return encoding.candidate(flat, bits, group_size, seed, grids)
     if kind == "bool":
-        return PackedRecord.bitmap(torch.ops.daftrain.pack_bool(flat), flat.numel())
+        return PackedRecord.bitmap(torch.ops.daftrain.pack_bool(flat), flat.numel()), ()
+    checks: Checks = ()
     if kind == "lossless":
         # See NOTE [ Constants are stored losslessly or kept ] in decide.py.
         mn, mx, min_pos = torch.ops.daftrain.group_minmax(flat, group_size).unbind(1)
-        if not bool(((mn == mx) | ((mn == 0) & (min_pos == mx))).all()):
-            return ExactRecord(flat, "constant")
+        checks = ((((mn == mx) | ((mn == 0) & (min_pos == mx))).all(), "constant"),)
+        if not reads_wait(flat.device) and first_failed(checks) is not None:  # read at once: skip the packing
+            return ExactRecord(flat, "constant"), ()
         bits = 1
     grid = grids(flat, bits) if grids is not None and kind == "quantize" and bits in GRID_BITS else None
-    return quantized(torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed, grid), flat, flat, bits,
-                     group_size, grid)
+    record, finite = quantized(torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed, grid), flat, bits,
+                               group_size, grid)
+    return record, checks + finite
 
 
-def quantized(payload: tuple[torch.Tensor, torch.Tensor, torch.Tensor], values: torch.Tensor, flat: torch.Tensor,
-              bits: int, group_size: int, grid: torch.Tensor | None) -> PackedRecord | ExactRecord:
-    """The record of ``payload`` (``values`` quantized; ``flat``: the region they encode), or ``flat`` kept."""
+def quantized(payload: tuple[torch.Tensor, torch.Tensor, torch.Tensor], values: torch.Tensor, bits: int,
+              group_size: int, grid: torch.Tensor | None) -> tuple[PackedRecord, Checks]:
+    """The record of ``payload`` (``values`` quantized), and the check that it holds finite values."""
     codes, lo, scale = payload
     # NOTE [ Non-finite activations ]: a NaN or Inf anywhere in a group shows in that group's lo or
     # scale. Such a tensor is kept exact, so backward sees exactly what plain PyTorch would: values
-    # are never silently replaced. The check reads num_groups values, not the tensor.
-    if not bool(torch.isfinite(lo).all() and torch.isfinite(scale).all()):
-        return ExactRecord(flat, "nonfinite")
-    return PackedRecord.quantized(codes, lo, scale, PackedLayout(bits, group_size, values.numel()), values.dtype, grid)
+    # are never silently replaced. The check reads num_groups values, not the tensor (``NOTE [ One sum for
+    # every value finite ]`` in ``checks.py``).
+    record = PackedRecord.quantized(codes, lo, scale, PackedLayout(bits, group_size, values.numel()), values.dtype,
+                                    grid)
+    return record, ((all_finite(lo, scale), "nonfinite"),)
+
+
+def reads_wait(device: torch.device) -> bool:
+    """Whether reading a value computed on ``device`` waits for it (checks there are read later)."""
+    return device.type == "cuda"
+
+
+def decided(record: Record, checks: Checks, flat: torch.Tensor) -> Record | UndecidedRecord:
+    """``record`` where every one of ``checks`` holds, else ``flat`` kept with the first failing check's
+    reason; on a GPU an ``UndecidedRecord`` of the two (``NOTE [ Checks the host does not wait for ]``)."""
+    if not checks:
+        return record
+    if reads_wait(checks[0][0].device):
+        return UndecidedRecord(record, DeviceVerdict(checks), flat)
+    reason = first_failed(checks)
+    return record if reason is None else ExactRecord(flat, reason)
+
+
+class UndecidedRecord:
+    """A packed record and the values it would keep instead, until a ``DeviceVerdict`` on them is read
+    (``NOTE [ Checks the host does not wait for ]``); ``settle()`` gives the record that stays."""
+
+    __slots__ = ("__weakref__", "_flat", "_record", "_settled", "_verdict")
+
+    def __init__(self, record: Record, verdict: DeviceVerdict, flat: torch.Tensor) -> None:
+        self._record: Record | None = record
+        self._verdict: DeviceVerdict | None = verdict
+        self._flat: torch.Tensor | None = flat
+        self._settled: Record | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of the values held beside the packed record until it settles."""
+        return 0 if self._flat is None else self._flat.nbytes
+
+    def ready(self) -> bool:
+        """Whether settling would not wait for the device."""
+        return self._verdict is None or self._verdict.ready()
+
+    def settle(self) -> Record:
+        """The packed record, or the values kept as an ``ExactRecord``; waits for the verdict if needed."""
+        if self._settled is None:
+            assert self._verdict is not None and self._record is not None and self._flat is not None
+            reason = self._verdict.failed()
+            self._settled = self._record if reason is None else ExactRecord(self._flat, reason)
+            self._record = self._verdict = self._flat = None
+        return self._settled
+
+    @property
+    def nbytes(self) -> int:
+        return self.settle().nbytes
+
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        return self.settle().decode(buffers)
+
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> Record | UndecidedRecord:
+        if self._settled is not None:
+            return self._settled.to_pool(pool, importance, seed)
+        assert self._verdict is not None and self._record is not None and self._flat is not None
+        return UndecidedRecord(self._record.to_pool(pool, importance, seed), self._verdict, self._flat)
 
 
 class PendingRecord:
@@ -354,8 +427,22 @@ _CONSTANT_ROW_RSTD = 1e18
 #      ``c`` at the ties and the neighbouring float on either side elsewhere.
 #   3. ``Derivative``: the input of GELU or SiLU, stored as the derivative its backward multiplies by
 #      (``NOTE [ Activations stored as their derivative ]``).
+class _Encoding(abc.ABC):
+    """What an op-aware encoding shares: ``encode`` decides on its ``candidate``."""
+
+    @abc.abstractmethod
+    def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+                  grids: Grids | None = None) -> tuple[Record, Checks]:
+        """The record storing ``flat`` this way, and the checks that must hold for it to be kept."""
+
+    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+               grids: Grids | None = None) -> Record | UndecidedRecord:
+        """``flat`` stored this way (``encode``'s record, of ``candidate``)."""
+        return decided(*self.candidate(flat, bits, group_size, seed, grids), flat)
+
+
 @dataclass(frozen=True)
-class Normalized:
+class Normalized(_Encoding):
     """Store ``x`` as ``(x - mean) / std`` over ``reduce`` of ``x.view(view)``, ``mean``/``std`` exact;
     without ``center`` ``std`` is the root mean square. The rules build 3-D views with ``reduce`` ``(2,)``
     (rows), ``(0, 2)`` (channels) or ``(1,)`` (``F.normalize``'s vectors); ``in_memory_order`` any."""
@@ -364,14 +451,13 @@ class Normalized:
     reduce: tuple[int, ...]
     center: bool = True
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int, grids: Grids | None = None) -> Record:
+    def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+                  grids: Grids | None = None) -> tuple[NormalizedRecord, Checks]:
         with torch.no_grad():
             x_hat, mean, std = self._normalize(flat.view(self.view).float())
-            inner = encode(x_hat.reshape(-1), "quantize", bits, group_size, seed, grids=grids)
-            finite = bool(torch.isfinite(std).all()) and (mean is None or bool(torch.isfinite(mean).all()))
-        if isinstance(inner, ExactRecord) or not finite:
-            return ExactRecord(flat, "nonfinite")
-        return NormalizedRecord(inner, mean, std, self.view, flat.dtype)
+            inner, checks = pack_candidate(x_hat.reshape(-1), "quantize", bits, group_size, seed, grids=grids)
+            finite = all_finite(std, mean)
+        return NormalizedRecord(inner, mean, std, self.view, flat.dtype), (*checks, (finite, "nonfinite"))
 
     # NOTE [ Normalised records in memory order ]
     # A dense tensor whose dims are permuted in memory (channels_last, a transpose) is packed as its
@@ -444,7 +530,8 @@ def normalized_over(x: torch.Tensor, dims: tuple[int, ...], center: bool, *,
                     branch_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(x_hat, mean, std)`` of ``x`` over ``dims`` (``mean`` ``None`` without ``center``, ``std`` then the
     root mean square; ``NOTE [ Normalising with PyTorch's own kernels ]``). With ``branch_free`` no value
-    is read back, as inside a traced graph (``NOTE [ Normalised values in a compiled graph ]``)."""
+    is read back, as inside a traced graph (``NOTE [ Normalised values in a compiled graph ]``), nor on a GPU,
+    where a read waits for the device (``NOTE [ Checks the host does not wait for ]`` in ``checks.py``)."""
     if not center:  # an RMS norm: the norm in one pass
         count = math.prod(x.shape[dim] for dim in dims)
         std = torch.linalg.vector_norm(x, 2, dims, keepdim=True).div_(torch.sym_sqrt(count))
@@ -461,7 +548,7 @@ def normalized_over(x: torch.Tensor, dims: tuple[int, ...], center: bool, *,
     stats_shape = tuple(1 if dim in dims else size for dim, size in enumerate(x.shape))
     out, mean, rstd = out.view(x.shape), mean.reshape(stats_shape), rstd.reshape(stats_shape)
     constant = rstd >= _CONSTANT_ROW_RSTD
-    if branch_free or bool(constant.any()):
+    if branch_free or x.device.type != "cpu" or bool(constant.any()):
         first = x
         for dim in dims:
             first = first.narrow(dim, 0, 1)
@@ -498,7 +585,7 @@ class NormalizedRecord:
 
 
 @dataclass(frozen=True)
-class ClipMask:
+class ClipMask(_Encoding):
     """Store only where ``lower (<|<=) x (<|<=) upper`` holds; see ``NOTE [ Op-aware encodings ]``.
     ``inside`` and ``outside`` are the values restored (checked by the rule to compare as required).
     With ``tie``, where ``x == tie`` is stored too (one more bit per value) and restored as ``tie``."""
@@ -518,15 +605,15 @@ class ClipMask:
             keep &= (x <= self.upper) if self.inclusive else (x < self.upper)
         return keep
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int, grids: Grids | None = None) -> Record:
+    def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+                  grids: Grids | None = None) -> tuple[ClipMaskRecord, Checks]:
         with torch.no_grad():
-            # a NaN compares false both ways, and a maximum's backward sends it the gradient on both sides:
-            # no ordered value restores it (NOTE [ Non-finite activations ])
-            if self.tie is not None and bool(flat.isnan().any()):
-                return ExactRecord(flat, "nonfinite")
             mask = self.mask(flat) if self.tie is None else torch.cat([self.mask(flat), flat == self.tie])
             bitmap = PackedRecord.bitmap(torch.ops.daftrain.pack_bool(mask), mask.numel())
-        return ClipMaskRecord(bitmap, self, flat.dtype)
+            # a NaN compares false both ways, and a maximum's backward sends it the gradient on both sides:
+            # no ordered value restores it (NOTE [ Non-finite activations ])
+            checks: Checks = () if self.tie is None else ((~flat.isnan().any(), "nonfinite"),)
+        return ClipMaskRecord(bitmap, self, flat.dtype), checks
 
 
 class _EncodedRecord:
@@ -546,14 +633,6 @@ class _EncodedRecord:
 
     def to_pool(self, pool: PagePool, importance: float, seed: int) -> Self:
         return type(self)(self.inner.to_pool(pool, importance, seed), self.encoding, self.dtype)
-
-
-def _wrapped(inner: Record, flat: torch.Tensor, record: type[_EncodedRecord], encoding: Derivative) -> Any:
-    """``inner`` (what ``encoding`` stored of ``flat``) as ``record``; ``flat`` kept exact where ``inner`` is
-    (a non-finite value: NOTE [ Non-finite activations ])."""
-    if isinstance(inner, ExactRecord):
-        return ExactRecord(flat, "nonfinite")
-    return record(inner, encoding, flat.dtype)
 
 
 class ClipMaskRecord(_EncodedRecord):
@@ -614,7 +693,7 @@ def _inverse_table(kind: str, device: torch.device) -> tuple[torch.Tensor, float
 
 
 @dataclass(frozen=True)
-class Derivative:
+class Derivative(_Encoding):
     """Store an activation's input ``x`` as ``f'(x)``; see ``NOTE [ Activations stored as their derivative ]``."""
 
     kind: str
@@ -632,10 +711,10 @@ class Derivative:
         x = table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
         return x if dtype == torch.float32 else x.to(dtype)
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
-               grids: Grids | None = None) -> ExactRecord | DerivativeRecord:
-        inner = encode(self.stored(flat), "quantize", bits, group_size, seed, grids=grids)
-        return _wrapped(inner, flat, DerivativeRecord, self)
+    def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+                  grids: Grids | None = None) -> tuple[DerivativeRecord, Checks]:
+        inner, checks = pack_candidate(self.stored(flat), "quantize", bits, group_size, seed, grids=grids)
+        return DerivativeRecord(inner, self, flat.dtype), checks
 
 
 class DerivativeRecord(_EncodedRecord):
@@ -650,7 +729,7 @@ class DerivativeRecord(_EncodedRecord):
 
 
 @dataclass(frozen=True)
-class ByColumns:
+class ByColumns(_Encoding):
     """Store a ``[-1, cols]`` tensor in groups that each hold ``group_size`` rows of one column (``NOTE [ Groups
     down the columns ]`` in ``grouping.py``; the order: ``kernels/reference.py``'s ``columns_first``); with
     ``values``, an elementwise encoding, store what it stores (an activation's derivative) that way."""
@@ -664,16 +743,16 @@ class ByColumns:
         values = flat if self.values is None else self.values.stored(flat)
         return columns_first(values, self.cols, self.group_size)
 
-    def encode(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
-               grids: Grids | None = None) -> ExactRecord | ByColumnsRecord:
+    def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+                  grids: Grids | None = None) -> tuple[ByColumnsRecord, Checks]:
         with torch.no_grad():
             values = flat if self.values is None else self.values.stored(flat)
             # the grid is fitted on the stored order's groups: a view, copied only when a grid is fitted
             in_groups = values.view(-1, group_size, self.cols).transpose(1, 2)
             grid = grids(in_groups, bits) if grids is not None and bits in GRID_BITS else None
             payload = torch.ops.daftrain.quantize_pack_columns(values, self.cols, bits, group_size, seed, grid)
-        inner = quantized(payload, values, flat, bits, group_size, grid)
-        return inner if isinstance(inner, ExactRecord) else ByColumnsRecord(inner, self, flat.dtype)
+        inner, checks = quantized(payload, values, bits, group_size, grid)
+        return ByColumnsRecord(inner, self, flat.dtype), checks
 
 
 class ByColumnsRecord(_EncodedRecord):
