@@ -564,6 +564,7 @@ def test_uniform_grid_is_no_grid() -> None:
 @pytest.mark.parametrize("grid, bits, match", [
     (torch.tensor([0.0, 2.0, 1.0, 3.0]), 2, "ascend"),
     (torch.tensor([0.0, 1.0, 2.0, 3.5]), 2, "ascend"),
+    (torch.tensor([0.0, float("nan"), 2.0, 3.0]), 2, "ascend"),
     (torch.tensor([0.0, 1.0, 3.0]), 2, "float32 \\[4\\]"),
     (torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float64), 2, "float32"),
     (torch.arange(256.0), 8, "pass grid=None"),
