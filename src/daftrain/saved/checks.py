@@ -76,7 +76,7 @@ class DeviceVerdict:
         self._values = torch.empty(on_device.shape, dtype=torch.float32, pin_memory=True)
         self._values.copy_(on_device, non_blocking=True)
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(on_device.device))  # the checks' device, not the current one
 
     def ready(self) -> bool:
         """Whether the verdict is on the host (reading it would not wait)."""
