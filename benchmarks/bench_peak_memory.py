@@ -227,7 +227,7 @@ def instrument() -> dict[str, float]:
 
     timed(hooks.compress, "_pack", "pack")
     timed(hooks.compress, "_unpack", "unpack")
-    timed(records.Normalized, "encode", "pack_normalized")
+    timed(records.Normalized, "candidate", "pack_normalized")
     timed(records.NormalizedRecord, "decode", "unpack_normalized")
     return acc
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -39,3 +41,26 @@ def saving_probe(seen: list[tuple[torch.Tensor, ...]]) -> type[torch.autograd.Fu
             return (None,) * len(ctx.saved_tensors)
 
     return SavingProbe
+
+
+@contextlib.contextmanager
+def statistics_not_stored() -> Iterator[list[int]]:
+    """While active, the bytes of the float32 mean and std that each normalisation input quantized as it is
+    did not store (``NOTE [ Normalising only where groups straddle statistics ]``) are appended to the list
+    it yields: what a layout that normalises the same tensor stores more."""
+    from daftrain.saved import records
+
+    skipped: list[int] = []
+    candidate = records.Normalized.candidate
+
+    def spy(self, flat, bits, group_size, seed, grids=None):  # type: ignore[no-untyped-def]
+        if flat.dtype == torch.float32 and self.groups_within_rows(group_size):
+            rows = math.prod(size for dim, size in enumerate(self.view) if dim not in self.reduce)
+            skipped.append(rows * 4 * (2 if self.center else 1))
+        return candidate(self, flat, bits, group_size, seed, grids)
+
+    records.Normalized.candidate = spy
+    try:
+        yield skipped
+    finally:
+        records.Normalized.candidate = candidate

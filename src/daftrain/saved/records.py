@@ -451,8 +451,37 @@ class Normalized(_Encoding):
     reduce: tuple[int, ...]
     center: bool = True
 
+    # NOTE [ Normalising only where groups straddle statistics ]
+    # Normalising pays where a quantization group holds values of several rows (channels): their spreads
+    # differ, and the group's range is set by the widest. Where every group lies inside one row, x_hat is
+    # the group's values times one positive number plus another, so the group's codes, and its error
+    # relative to the row's own spread, are those of x itself (the same noise draws, up to float
+    # rounding); a normalisation pass then buys nothing and costs more than the quantization it feeds (a
+    # read of x for the statistics, a write and a read of x_hat, another pass to restore). Such a tensor
+    # (a batch norm over planes of 256 values or a multiple of it, a layer norm over rows of 768) is
+    # quantized as it is, in memory order. float32 only: on the CPU other dtypes get no fitted grid,
+    # which x_hat (float32) does (``NOTE [ Fitted grids on the CPU take float32 ]``).
+    def groups_within_rows(self, group_size: int) -> bool:
+        """Whether every run of ``group_size`` values in memory order lies inside one row (one set of values
+        sharing a mean and std): the trailing run of reduced dims of ``view`` is a multiple of it."""
+        run = 1
+        for dim in range(len(self.view) - 1, -1, -1):
+            if self.view[dim] == 1:
+                continue
+            if dim not in self.reduce:
+                break
+            run *= self.view[dim]
+        return run % group_size == 0
+
     def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
-                  grids: Grids | None = None) -> tuple[NormalizedRecord, Checks]:
+                  grids: Grids | None = None) -> tuple[NormalizedRecord | PackedRecord, Checks]:
+        if flat.dtype == torch.float32 and self.groups_within_rows(group_size):
+            return pack_candidate(flat, "quantize", bits, group_size, seed, grids=grids)
+        return self.normalized_candidate(flat, bits, group_size, seed, grids)
+
+    def normalized_candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+                             grids: Grids | None = None) -> tuple[NormalizedRecord, Checks]:
+        """``candidate`` as x_hat with exact statistics, wherever the groups lie."""
         with torch.no_grad():
             x_hat, mean, std = self._normalize(flat.view(self.view).float())
             inner, checks = pack_candidate(x_hat.reshape(-1), "quantize", bits, group_size, seed, grids=grids)
