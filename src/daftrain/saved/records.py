@@ -577,7 +577,7 @@ def normalized_over(x: torch.Tensor, dims: tuple[int, ...], center: bool, *,
     stats_shape = tuple(1 if dim in dims else size for dim, size in enumerate(x.shape))
     out, mean, rstd = out.view(x.shape), mean.reshape(stats_shape), rstd.reshape(stats_shape)
     constant = rstd >= _CONSTANT_ROW_RSTD
-    if branch_free or x.device.type != "cpu" or bool(constant.any()):
+    if branch_free or reads_wait(x.device) or bool(constant.any()):
         first = x
         for dim in dims:
             first = first.narrow(dim, 0, 1)
