@@ -473,9 +473,14 @@ class Normalized(_Encoding):
             run *= self.view[dim]
         return run % group_size == 0
 
+    def stores_as_is(self, dtype: torch.dtype, group_size: int) -> bool:
+        """Whether ``candidate`` quantizes values of ``dtype`` as they are, not normalised (float32, every
+        group inside one row: ``NOTE [ Normalising only where groups straddle statistics ]``)."""
+        return dtype == torch.float32 and self.groups_within_rows(group_size)
+
     def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
                   grids: Grids | None = None) -> tuple[NormalizedRecord | PackedRecord, Checks]:
-        if flat.dtype == torch.float32 and self.groups_within_rows(group_size):
+        if self.stores_as_is(flat.dtype, group_size):
             return pack_candidate(flat, "quantize", bits, group_size, seed, grids=grids)
         return self.normalized_candidate(flat, bits, group_size, seed, grids)
 
