@@ -7,9 +7,11 @@ import itertools
 import pytest
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 import daftrain
+from daftrain.saved import graph_order
 from daftrain.saved.graph_order import install_decode_order, sink_decodes
 
 
@@ -69,9 +71,50 @@ def test_installed_once_beside_other_passes():
     assert len(passes) == 2 and passes[0] is other
 
 
-def test_compiled_backward_decodes_each_record_when_it_is_needed():
+class _Counting(CustomGraphPass):
+    """A user's own post-grad pass: counts the graphs it sees, on the class (inductor deep-copies a pass
+    that is not in a tuple when it reads its config)."""
+
+    graphs = 0
+
+    def __call__(self, graph):
+        type(self).graphs += 1
+
+    def uuid(self):
+        return b"counting"
+
+
+def test_one_pass_where_inductor_takes_one(monkeypatch):
+    # NOTE [ One post-grad pass or several ]: an inductor that calls the config's value got a tuple
+    from torch._inductor import config
+
+    monkeypatch.setattr(graph_order, "_takes_several_passes", lambda: False)
+    with config.patch(post_grad_custom_post_pass=None):
+        install_decode_order()
+        install_decode_order()
+        assert config.post_grad_custom_post_pass is graph_order._decode_order_pass()
+    other = _Counting()
+    _Counting.graphs = 0
+    with config.patch(post_grad_custom_post_pass=other):
+        install_decode_order()
+        chained = config.post_grad_custom_post_pass
+        install_decode_order()
+        assert config.post_grad_custom_post_pass is chained and callable(chained)
+        assert chained.passes == (other, graph_order._decode_order_pass())
+        assert chained.uuid() == (b"counting", graph_order._decode_order_pass().uuid())
+        chained(torch.fx.Graph())
+    assert _Counting.graphs == 1
+
+
+@pytest.mark.parametrize("several", [True, False], ids=["passes_in_a_list", "one_pass"])
+def test_compiled_backward_decodes_each_record_when_it_is_needed(several, monkeypatch):
     # AOTAutograd inlines every decode right after the backward's inputs; before the pass, inductor
-    # decoded all of them before the first matmul (NOTE [ Decodes at their first use ]).
+    # decoded all of them before the first matmul (NOTE [ Decodes at their first use ]). Beside a user's
+    # own pass, in a list or chained with it (NOTE [ One post-grad pass or several ]).
+    from torch._inductor import config
+
+    monkeypatch.setattr(graph_order, "_takes_several_passes", lambda: several)
+    _Counting.graphs = 0
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)], nn.Linear(256, 10))
     x = torch.randn(512, 256)
@@ -83,7 +126,10 @@ def test_compiled_backward_decodes_each_record_when_it_is_needed():
             out = compiled(x)
         out.sum().backward()
 
-    _, codes = run_and_get_code(step)
+    # a cached graph runs no pass
+    with (config.patch(post_grad_custom_post_pass=_Counting(), fx_graph_cache=False),
+          torch._functorch.config.patch(enable_autograd_cache=False)):
+        _, codes = run_and_get_code(step)
     backward = next(c for c in codes if "tangents" in c)
     calls = [line.strip() for line in backward.splitlines()
              if "decode_in_graph.default(" in line or "extern_kernels.mm(" in line]
@@ -92,3 +138,4 @@ def test_compiled_backward_decodes_each_record_when_it_is_needed():
     matmuls = [i for i, c in enumerate(calls) if "extern_kernels.mm" in c]
     # between any two decodes there is a matmul: each record is decoded for the layer being differentiated
     assert all(any(a < m < b for m in matmuls) for a, b in itertools.pairwise(decodes)), calls
+    assert _Counting.graphs >= 2  # the forward and the backward: the user's pass still runs

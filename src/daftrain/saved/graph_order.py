@@ -86,9 +86,41 @@ def _decode_order_pass() -> Any:
     return DecodeOrder()
 
 
+def _chained(first: Any, then: Any) -> Any:
+    """One inductor post-grad pass that runs ``first``, then ``then`` (``NOTE [ One post-grad pass or
+    several ]``)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Chained(CustomGraphPass):
+        def __init__(self) -> None:
+            self.passes = (first, then)
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for graph_pass in self.passes:
+                graph_pass(graph)
+
+        def uuid(self) -> Any:
+            uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+            return None if None in uuids else tuple(uuids)  # None: inductor does not cache such graphs
+
+    return Chained()
+
+
+def _takes_several_passes() -> bool:
+    """Whether inductor's ``post_grad_custom_post_pass`` may be a sequence of passes (newer PyTorch)."""
+    from torch._inductor import custom_graph_pass
+
+    return hasattr(custom_graph_pass, "get_custom_graph_passes")
+
+
 _INSTALL_LOCK = threading.Lock()
 
 
+# NOTE [ One post-grad pass or several ]
+# Newer inductors take a list of post-grad passes; older ones (PyTorch 2.11 among them) call the config's
+# value, so a tuple there broke every compile in the process ("'tuple' object is not callable"), the
+# user's own models included. Where a sequence is not taken, a pass already installed is chained with the
+# decode order into one pass, which runs it first, as a list would.
 def install_decode_order() -> None:
     """Add the decode-order pass to inductor's post-grad passes, once (``NOTE [ Decodes at their first use ]``)."""
     from torch._inductor import config
@@ -96,6 +128,11 @@ def install_decode_order() -> None:
     order = _decode_order_pass()
     with _INSTALL_LOCK:
         current = config.post_grad_custom_post_pass
-        passes = tuple(current) if isinstance(current, (list, tuple)) else (() if current is None else (current,))
-        if order not in passes:
-            config.post_grad_custom_post_pass = (*passes, order)
+        if _takes_several_passes():
+            passes = tuple(current) if isinstance(current, (list, tuple)) else (() if current is None else (current,))
+            if order not in passes:
+                config.post_grad_custom_post_pass = (*passes, order)
+        elif current is None:
+            config.post_grad_custom_post_pass = order
+        elif current is not order and order not in getattr(current, "passes", ()):
+            config.post_grad_custom_post_pass = _chained(current, order)
