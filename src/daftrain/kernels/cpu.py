@@ -1563,6 +1563,12 @@ STRATEGIES = {PER_GROUP: minmax_per_group, TWO_LEVEL: minmax_two_level}
 _NO_GRID = np.empty(0, np.float32)
 
 
+def _grid_widths(grid: np.ndarray) -> np.ndarray:
+    """``reference.grid_widths`` of a fitted grid's float32 values, in numpy (a few values: tensor ops on
+    them cost more than the kernel call)."""
+    return np.float32(1.0) / np.diff(grid)
+
+
 def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
     """The op kernels by op name, ``group_minmax`` / ``quantize_pack`` scheduled by ``selector``;
     they trust their arguments (``NOTE [ What the kernels trust ]``)."""
@@ -1593,7 +1599,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         # one cannot keep the threads busy: few groups per thread. There the selector decides.
         strategy = PER_GROUP if ng >= 8 * threads() else selector.choose(n, group_size, flat.dtype)
         if grid is not None:  # one schedule: a grid's record reads its groups once, whatever their number
-            grid_np, widths_np = grid.numpy(), reference.grid_widths(grid).numpy()
+            grid_np = grid.numpy()
+            widths_np = _grid_widths(grid_np)
             with _Guard(n) as nt:
                 _quantize_per_group(xb, n, group_size, bits, seed32, grid_np, widths_np, codes_np, lo_np, sc_np,
                                     _chunks(ng, nt))
@@ -1653,7 +1660,8 @@ def quantize_pack_columns(
     scale = torch.empty(ng, dtype=torch.bfloat16)
     if ng == 0:
         return codes, lo, scale
-    grid_np, widths_np = (_NO_GRID, _NO_GRID) if grid is None else (grid.numpy(), reference.grid_widths(grid).numpy())
+    grid_np = _NO_GRID if grid is None else grid.numpy()
+    widths_np = _NO_GRID if grid is None else _grid_widths(grid_np)
     with _Guard(n):
         _quantize_columns(_raw(flat), n // cols, cols, group_size, bits, np.uint32(seed & 0xFFFFFFFF), grid_np,
                           widths_np, codes.view(-1).numpy(), lo.view(torch.int32).numpy(),

@@ -151,7 +151,7 @@ def _fmix32(h):
 
 @triton.jit
 def _quantize_span(
-    x_ptr, codes_ptr, n, g_start, span_start, span_len, byte0, lo_b, scale_b, seed, grid_ptr, widths_ptr,
+    x_ptr, codes_ptr, n, g_start, span_start, span_len, byte0, lo_b, scale_b, seed, grid_ptr,
     KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
 ):
     """Codes of the ``span_len`` values (a multiple of 32) from ``g_start + span_start`` of one group,
@@ -183,7 +183,9 @@ def _quantize_span(
             k = tl.zeros_like(j).to(tl.int32)
             for level in tl.static_range(1, LEVELS):
                 k += (t >= tl.load(grid_ptr + level)).to(tl.int32)
-            position = k.to(tl.float32) + (t - tl.load(grid_ptr + k)) * tl.load(widths_ptr + k)
+            below = tl.load(grid_ptr + k)
+            width = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(grid_ptr + k + 1) - below)
+            position = k.to(tl.float32) + (t - below) * width
             r = tl.where(on_grid, tl.floor(position + u), r)
         c = tl.where(r > 0.0, r, 0.0)  # NaN -> 0
         c = tl.where(c < top, c, top)
@@ -250,7 +252,7 @@ def _combine_kernel(part_ptr, stats_ptr, lo_ptr, scale_ptr, TPG, BITS: tl.conste
 
 @triton.jit
 def _quantize_per_group_kernel(
-    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, seed, grid_ptr, widths_ptr,
+    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, seed, grid_ptr,
     KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
@@ -261,13 +263,13 @@ def _quantize_per_group_kernel(
     lo, scale = _params(mn, mx, mp, BITS)
     tl.store(lo_ptr + g, lo)
     tl.store(scale_ptr + g, scale.to(tl.int16))
-    _quantize_span(x_ptr, codes_ptr, n, start, 0, G, g * (G * BITS // 8), lo, scale, seed, grid_ptr, widths_ptr,
+    _quantize_span(x_ptr, codes_ptr, n, start, 0, G, g * (G * BITS // 8), lo, scale, seed, grid_ptr,
                    KIND, BITS, BLOCK, GRID)
 
 
 @triton.jit
 def _quantize_tiles_kernel(
-    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, TILE, TPG, seed, grid_ptr, widths_ptr,
+    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, TILE, TPG, seed, grid_ptr,
     KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -278,7 +280,7 @@ def _quantize_tiles_kernel(
     scale = tl.load(scale_ptr + g).to(tl.int32) & 0xFFFF
     _quantize_span(
         x_ptr, codes_ptr, n, g * G, off, span, g * (G * BITS // 8) + off * BITS // 8, lo, scale, seed,
-        grid_ptr, widths_ptr, KIND, BITS, BLOCK, GRID,
+        grid_ptr, KIND, BITS, BLOCK, GRID,
     )
 
 
@@ -492,7 +494,7 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         scale = torch.empty(ng, dtype=torch.bfloat16, device=flat.device)
         if ng == 0:
             return codes, lo, scale
-        grid_args = (lo, lo) if grid is None else (grid, reference.grid_widths(grid))
+        grid_arg = lo if grid is None else grid
         xb, kind = _input(flat)
         seed32 = _as_int32(seed)
         block = _block(group_size, 1024)
@@ -501,12 +503,12 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         if few and selector.choose(n, group_size, flat.dtype) == TWO_LEVEL:
             _, tile, tpg = _two_level_stats(flat, group_size, bits, lo, scale)
             _quantize_tiles_kernel[(ng * tpg,)](
-                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, tile, tpg, seed32, *grid_args,
+                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, tile, tpg, seed32, grid_arg,
                 KIND=kind, BITS=bits, BLOCK=min(block, tile), GRID=grid is not None, **_LAUNCH,
             )
         else:
             _quantize_per_group_kernel[(ng,)](
-                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, seed32, *grid_args,
+                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, seed32, grid_arg,
                 KIND=kind, BITS=bits, BLOCK_S=_block(group_size, 2048), BLOCK=block, GRID=grid is not None,
                 **_LAUNCH,
             )
