@@ -1,6 +1,7 @@
-"""Groups down the columns: the fused CPU kernels against the reordering they replace and the row kernels.
+"""Groups down the columns: the fused kernels against the reordering they replace and the row kernels.
 
     PYTHONPATH=src python benchmarks/bench_column_kernels.py [--mvalues 6] [--cols 64 384 1536] [--out PATH]
+    PYTHONPATH=src python benchmarks/bench_column_kernels.py --device cuda --out PATH
 
 For each ``[rows, cols]`` float32 tensor of about ``--mvalues`` million values (rows a multiple of the group
 size), each bit-width and each grid (evenly spaced, and the input's fitted grid at 2 and 4 bits), it times
@@ -11,9 +12,13 @@ hits all three alike), as medians:
   ``compress(column_groups=False)`` stores);
 * ``reordered``: ``reference.quantize_pack_columns`` / ``reference.unpack_dequantize_columns_into``, the
   stored order made by a copy around the fast row kernels (what a column record cost before the fused
-  kernels, and what the CUDA path still does);
+  kernels);
 * ``fused``: the ``daftrain::quantize_pack_columns`` / ``unpack_dequantize_columns_into`` ops (the numba
-  kernels of ``NOTE [ Column kernels ]`` in ``kernels/cpu.py``), byte-identical to ``reordered``.
+  kernels of ``NOTE [ Column kernels ]`` in ``kernels/cpu.py``; on ``--device cuda`` the Triton kernels of
+  ``NOTE [ Groups down the columns on a GPU ]`` in ``kernels/triton.py``), byte-identical to ``reordered``.
+
+On CUDA every call is followed by ``torch.cuda.synchronize()``: the times are the host's launch and the
+device's work together.
 
 JSON goes to ``--out`` (default ``benchmarks/results/column_kernels.json``), with the load average.
 """
@@ -39,29 +44,33 @@ from daftrain.kernels import reference, registry
 from daftrain.kernels.grids import fit_grid
 
 
-def round_robin(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+def round_robin(fns: dict[str, Callable[[], Any]], repeats: int, device: str) -> dict[str, float]:
     """Median seconds of each function, the functions called in turn within each repeat."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     status = registry.load_fast_kernels(warmup=True)
-    if status.cpu != "numba":
-        raise SystemExit(f"the numba kernels did not load: {status}")
+    fast = {"cpu": "numba", "cuda": "triton"}[args.device]
+    if getattr(status, args.device) != fast:
+        raise SystemExit(f"the {fast} kernels did not load: {status}")
     G = args.group_size
     rows_out: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(0)
     for cols in args.cols:
         rows = max(1, int(args.mvalues * (1 << 20)) // (cols * G)) * G
-        x = torch.randn(rows, cols, generator=gen)
+        x = torch.randn(rows, cols, generator=gen).to(args.device)
         flat = x.view(-1)
         out = torch.empty_like(flat)
         for bits in args.bits:
@@ -82,7 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      grid),
                 }
                 for op, fns in (("quantize", q), ("decode", d)):
-                    t = round_robin(fns, args.repeats)
+                    t = round_robin(fns, args.repeats, args.device)
                     row = {"op": op, "rows": rows, "cols": cols, "bits": bits, "fitted_grid": fitted,
                            **{f"{name}_ms": s * 1e3 for name, s in t.items()},
                            "fused_over_rows": t["fused"] / t["rows"],
@@ -94,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"reordered/fused {row['reordered_over_fused']:5.2f}x", flush=True)
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch_threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
         "kernels": registry.kernel_report(),
@@ -107,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cols", type=int, nargs="+", default=[64, 384, 1536])
     p.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--group-size", type=int, default=256)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "column_kernels.json"))
     args = p.parse_args(argv)

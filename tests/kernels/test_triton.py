@@ -264,3 +264,41 @@ def test_fitted_grid(tk, bits: int) -> None:  # type: ignore[no-untyped-def]
         args = (*(t.to(DEV) for t in ref), bits, 32, x.numel(), dtype, grid.to(DEV))
         want = reference.unpack_dequantize(*ref, bits, 32, x.numel(), dtype, grid)
         assert_same(tk.unpack_dequantize(*args), want, f"decoded on a grid ({dtype})")
+
+
+def check_columns(tk, x: torch.Tensor, bits: int, group_size: int, seed: int,  # type: ignore[no-untyped-def]
+                  grid: torch.Tensor | None) -> None:
+    """The column kernels against the reference's reordering around the row reference, byte for byte
+    (``NOTE [ Groups down the columns on a GPU ]``)."""
+    from daftrain.kernels.reduction import ReductionSelector
+
+    cols = x.shape[1]
+    ref = reference.quantize_pack(reference.columns_first(x, cols, group_size), bits, group_size, seed, grid)
+    kernels = tk.make_kernels(ReductionSelector(DEV, tk.STRATEGIES, forced=tk.PER_GROUP))
+    dev_grid = None if grid is None else grid.to(DEV)
+    got = kernels["quantize_pack_columns"](x.reshape(-1).to(DEV), cols, bits, group_size, seed, dev_grid)
+    what = f"bits={bits}, G={group_size}, cols={cols}, {x.dtype}, grid={grid is not None}"
+    for name, a, b in zip(("codes", "lo", "scale"), got, ref, strict=True):
+        assert_same(a, b, f"{name} by columns ({what})")
+    for dtype in DTYPES:
+        decoded = reference.unpack_dequantize(*ref, bits, group_size, x.numel(), dtype, grid)
+        want = decoded.view(-1, cols, group_size).transpose(1, 2).reshape(-1)
+        into = torch.full((x.numel(),), NAN, dtype=dtype, device=DEV)  # every value must be overwritten
+        tk.unpack_dequantize_columns_into(into, *(t.to(DEV) for t in ref), cols, bits, group_size, dev_grid)
+        assert_same(into, want, f"decoded by columns into {dtype} ({what})")
+
+
+@pytest.mark.parametrize("group_size, cols", [(32, 1), (32, 7), (64, 40)])
+def test_column_kernels(tk, group_size: int, cols: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(cols)
+    n = 2 * group_size * cols
+    special_rows = special(group_size)
+    x = torch.randn(2 * group_size, cols, generator=gen) * 3
+    x.view(-1)[: min(n, special_rows.numel())] = special_rows[:n]  # special values land in some columns' groups
+    x[:, 0] = x[:, 0].relu()
+    x[group_size:, cols - 1] = INF
+    for dtype in DTYPES:
+        for bits in (1, 2, 4, 8):
+            check_columns(tk, x.to(dtype), bits, group_size, 3 + bits, None)
+        for bits in (2, 4):
+            check_columns(tk, x.to(dtype), bits, group_size, 2**31 + bits, fitted_grid(bits, bits))

@@ -246,7 +246,8 @@ unpack_dequantize = allocating(unpack_dequantize_into)
 # layout, the noise index of each value and every decode rule are the row layout's (``layout.py``), and
 # a paged record's demotion re-quantizes the stored order group by group like any other. The reference
 # composes the reordering with the dispatched row ops (the fast kernels of each device, byte-identical to
-# their own references); the CPU kernels fuse the two (``NOTE [ Column kernels ]`` in ``cpu.py``).
+# their own references); the CPU and GPU kernels fuse the two (``NOTE [ Column kernels ]`` in ``cpu.py``,
+# ``NOTE [ Groups down the columns on a GPU ]`` in ``triton.py``).
 def columns_first(x: torch.Tensor, cols: int, group_size: int) -> torch.Tensor:
     """Flat ``x`` viewed as ``[rows, cols]`` in the stored order of ``quantize_pack_columns`` (a copy)."""
     return x.reshape(-1, group_size, cols).transpose(1, 2).reshape(-1)

@@ -19,6 +19,7 @@ computes the params; the codes then run one program per tile) for few, huge grou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "minmax_two_level",
     "parallelism",
     "quantize_pack_with",
+    "unpack_dequantize_columns_into",
     "unpack_dequantize_into",
 ]
 
@@ -75,18 +77,20 @@ def _key(b):
 
 
 @triton.jit
-def _range_keys(x_ptr, start, stop, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """(min key, max key, min positive bits) of elements [start, stop) (int64 bounds)."""
+def _range_keys(x_ptr, addr0, count, stride, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """(min key, max key, min positive bits) of the ``count`` elements ``addr0 + k * stride`` (int64):
+    a group of the row layout (``stride`` 1), or a group down a column (``NOTE [ Groups down the columns
+    on a GPU ]``)."""
     kmin = tl.full([BLOCK], 2147483647, tl.int32)
     kmax = tl.full([BLOCK], -2147483648, tl.int32)
     pmin = tl.full([BLOCK], 0x7F800000, tl.int32)
-    for s in range(start, stop, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
-        m = offs < stop
-        b = _load_bits(x_ptr, offs, m, KIND)
-        k = _key(b)
-        kmin = tl.minimum(kmin, tl.where(m, k, 2147483647))
-        kmax = tl.maximum(kmax, tl.where(m, k, -2147483648))
+    for s in range(0, count, BLOCK):
+        k = s + tl.arange(0, BLOCK)
+        m = k < count
+        b = _load_bits(x_ptr, addr0 + k * stride, m, KIND)
+        key = _key(b)
+        kmin = tl.minimum(kmin, tl.where(m, key, 2147483647))
+        kmax = tl.maximum(kmax, tl.where(m, key, -2147483648))
         pos = m & (b > 0) & (b <= 0x7F800000)
         pmin = tl.minimum(pmin, tl.where(pos, b, 0x7F800000))
     return tl.min(kmin, axis=0), tl.max(kmax, axis=0), tl.min(pmin, axis=0)
@@ -151,12 +155,13 @@ def _fmix32(h):
 
 @triton.jit
 def _quantize_span(
-    x_ptr, codes_ptr, n, g_start, span_start, span_len, byte0, lo_b, scale_b, seed, grid_ptr,
+    x_ptr, codes_ptr, n, g_start, span_start, span_len, addr0, stride, byte0, lo_b, scale_b, seed, grid_ptr,
     KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
 ):
-    """Codes of the ``span_len`` values (a multiple of 32) from ``g_start + span_start`` of one group,
-    packed into bytes from ``codes_ptr + byte0``; values at index >= n are padding (code 0). With
-    ``GRID``, a plain group with finite lo and step rounds onto the fitted grid at ``grid_ptr``."""
+    """Codes of the ``span_len`` values (a multiple of 32) from ``g_start + span_start`` of one group (the
+    group's value ``k`` read at element ``addr0 + k * stride``), packed into bytes from ``codes_ptr +
+    byte0``; values at index >= n are padding (code 0). With ``GRID``, a plain group with finite lo and
+    step rounds onto the fitted grid at ``grid_ptr``."""
     PER: tl.constexpr = 8 // BITS
     NB: tl.constexpr = BLOCK // PER
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -169,9 +174,9 @@ def _quantize_span(
     lane = tl.arange(0, PER)
     for c0 in range(0, span_len, BLOCK):
         j = c0 + bytes_local[:, None] * PER + lane[None, :]  # [NB, PER] index inside the span
-        i = g_start + span_start + j  # global flat index (int64)
+        i = g_start + span_start + j  # stored index (int64): the noise's
         m = (j < span_len) & (i < n)
-        b = _load_bits(x_ptr, i, m, KIND)
+        b = _load_bits(x_ptr, addr0 + (span_start + j) * stride, m, KIND)
         x = b.to(tl.float32, bitcast=True)
         h = _fmix32(i.to(tl.uint32) ^ seed.to(tl.uint32, bitcast=True))
         u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
@@ -207,7 +212,7 @@ def _minmax_per_group_kernel(x_ptr, out_ptr, n, G, KIND: tl.constexpr, BLOCK: tl
     g = tl.program_id(0).to(tl.int64)
     start = g * G
     stop = tl.minimum(start + G, n)
-    kmin, kmax, pmin = _range_keys(x_ptr, start, stop, KIND, BLOCK)
+    kmin, kmax, pmin = _range_keys(x_ptr, start, stop - start, 1, KIND, BLOCK)
     mn, mx, mp = _stats_bits(kmin, kmax, pmin)
     tl.store(out_ptr + 3 * g, mn)
     tl.store(out_ptr + 3 * g + 1, mx)
@@ -220,7 +225,7 @@ def _tile_keys_kernel(x_ptr, part_ptr, n, G, TILE, TPG, KIND: tl.constexpr, BLOC
     g = t // TPG
     start = g * G + (t % TPG) * TILE
     stop = tl.minimum(tl.minimum(start + TILE, g * G + G), n)
-    kmin, kmax, pmin = _range_keys(x_ptr, start, tl.maximum(start, stop), KIND, BLOCK)
+    kmin, kmax, pmin = _range_keys(x_ptr, start, tl.maximum(start, stop) - start, 1, KIND, BLOCK)
     tl.store(part_ptr + 3 * t, kmin)
     tl.store(part_ptr + 3 * t + 1, kmax)
     tl.store(part_ptr + 3 * t + 2, pmin)
@@ -252,18 +257,27 @@ def _combine_kernel(part_ptr, stats_ptr, lo_ptr, scale_ptr, TPG, BITS: tl.conste
 
 @triton.jit
 def _quantize_per_group_kernel(
-    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, seed, grid_ptr,
+    x_ptr, codes_ptr, lo_ptr, scale_ptr, n, G, seed, grid_ptr, cols,
     KIND: tl.constexpr, BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
+    COLUMNS: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     start = g * G
-    stop = tl.minimum(start + G, n)
-    kmin, kmax, pmin = _range_keys(x_ptr, start, stop, KIND, BLOCK_S)
+    if COLUMNS:  # group g: column g % cols of the block of G rows g // cols
+        block = g // cols
+        addr0 = block * G * cols + (g - block * cols)
+        stride = cols
+        count = G
+    else:
+        addr0 = start
+        stride = 1
+        count = tl.minimum(start + G, n) - start
+    kmin, kmax, pmin = _range_keys(x_ptr, addr0, count, stride, KIND, BLOCK_S)
     mn, mx, mp = _stats_bits(kmin, kmax, pmin)
     lo, scale = _params(mn, mx, mp, BITS)
     tl.store(lo_ptr + g, lo)
     tl.store(scale_ptr + g, scale.to(tl.int16))
-    _quantize_span(x_ptr, codes_ptr, n, start, 0, G, g * (G * BITS // 8), lo, scale, seed, grid_ptr,
+    _quantize_span(x_ptr, codes_ptr, n, start, 0, G, addr0, stride, g * (G * BITS // 8), lo, scale, seed, grid_ptr,
                    KIND, BITS, BLOCK, GRID)
 
 
@@ -279,7 +293,7 @@ def _quantize_tiles_kernel(
     lo = tl.load(lo_ptr + g)
     scale = tl.load(scale_ptr + g).to(tl.int32) & 0xFFFF
     _quantize_span(
-        x_ptr, codes_ptr, n, g * G, off, span, g * (G * BITS // 8) + off * BITS // 8, lo, scale, seed,
+        x_ptr, codes_ptr, n, g * G, off, span, g * G, 1, g * (G * BITS // 8) + off * BITS // 8, lo, scale, seed,
         grid_ptr, KIND, BITS, BLOCK, GRID,
     )
 
@@ -315,17 +329,25 @@ def _f32_to_f16_bits(b):
 
 @triton.jit
 def _dequantize_kernel(
-    codes_ptr, lo_ptr, scale_ptr, out_ptr, numel, G, grid_ptr,
-    BITS: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
+    codes_ptr, lo_ptr, scale_ptr, out_ptr, numel, G, grid_ptr, cols,
+    BITS: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr, COLUMNS: tl.constexpr,
 ):
-    """One program per BLOCK output values. OUT 0: float32 (int32 bits), 1: bfloat16, 2: float16 (int16).
-    With ``GRID``, plain groups with finite lo and step decode code ``c`` as ``lo + g[c] * step``."""
+    """One program per BLOCK output values, in the output's order. OUT 0: float32 (int32 bits), 1: bfloat16,
+    2: float16 (int16). With ``GRID``, plain groups with finite lo and step decode code ``c`` as ``lo + g[c]
+    * step``. With ``COLUMNS``, output element ``row * cols + col`` is value ``row % G`` of group
+    ``(row // G) * cols + col`` (``NOTE [ Groups down the columns on a GPU ]``)."""
     PER: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
-    g = offs // G
-    j = offs - g * G
+    if COLUMNS:
+        row = offs // cols
+        block = row // G
+        j = row - block * G
+        g = block * cols + (offs - row * cols)
+    else:
+        g = offs // G
+        j = offs - g * G
     byte = tl.load(codes_ptr + g * (G * BITS // 8) + j // PER, mask=m, other=0).to(tl.int32)
     c = (byte >> ((j % PER) * BITS).to(tl.int32)) & MASK
     lo_b = tl.load(lo_ptr + g, mask=m, other=0)
@@ -381,11 +403,17 @@ def _unpack_bool_kernel(p_ptr, out_ptr, n, BLOCK: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 
-def parallelism() -> int:
-    """Streaming multiprocessors of the current CUDA device (1 without CUDA: the interpreter)."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
-    return 1
+def parallelism(device: torch.device | None = None) -> int:
+    """Streaming multiprocessors of ``device`` (the current CUDA device by default; 1 without CUDA: the
+    interpreter)."""
+    if not torch.cuda.is_available():
+        return 1
+    return _multiprocessors(torch.cuda.current_device() if device is None or device.index is None else device.index)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -489,36 +517,65 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         flat = _flat(x)
         n = flat.numel()
         ng = -(-n // group_size)
-        codes = torch.empty(ng, group_size * bits // 8, dtype=torch.uint8, device=flat.device)
-        lo = torch.empty(ng, dtype=torch.float32, device=flat.device)
-        scale = torch.empty(ng, dtype=torch.bfloat16, device=flat.device)
+        codes, lo, scale = _payload_for(ng, group_size, bits, flat.device)
         if ng == 0:
             return codes, lo, scale
-        grid_arg = lo if grid is None else grid
-        xb, kind = _input(flat)
-        seed32 = _as_int32(seed)
-        block = _block(group_size, 1024)
         # The tiled schedule reads the input twice; it only pays with few groups per SM.
-        few = ng < 8 * parallelism()
+        few = ng < 8 * parallelism(flat.device)
         if few and selector.choose(n, group_size, flat.dtype) == TWO_LEVEL:
+            xb, kind = _input(flat)
             _, tile, tpg = _two_level_stats(flat, group_size, bits, lo, scale)
             _quantize_tiles_kernel[(ng * tpg,)](
-                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, tile, tpg, seed32, grid_arg,
-                KIND=kind, BITS=bits, BLOCK=min(block, tile), GRID=grid is not None, **_LAUNCH,
+                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, tile, tpg, _as_int32(seed),
+                lo if grid is None else grid, KIND=kind, BITS=bits, BLOCK=min(_block(group_size, 1024), tile),
+                GRID=grid is not None, **_LAUNCH,
             )
         else:
-            _quantize_per_group_kernel[(ng,)](
-                xb, codes, lo.view(torch.int32), scale.view(torch.int16), n, group_size, seed32, grid_arg,
-                KIND=kind, BITS=bits, BLOCK_S=_block(group_size, 2048), BLOCK=block, GRID=grid is not None,
-                **_LAUNCH,
-            )
+            _quantize_groups(flat, 0, bits, group_size, seed, grid, codes, lo, scale)
         return codes, lo, scale
 
-    # groups down the columns: the reference's reordering around the row kernels above (``NOTE [ The stored
-    # order of groups down the columns ]`` in ``reference.py``)
+    def quantize_pack_columns(
+        x: torch.Tensor, cols: int, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        flat = _flat(x)
+        ng = flat.numel() // group_size
+        codes, lo, scale = _payload_for(ng, group_size, bits, flat.device)
+        if ng:
+            _quantize_groups(flat, cols, bits, group_size, seed, grid, codes, lo, scale)
+        return codes, lo, scale
+
     return {fn.__name__: fn for fn in (group_minmax, quantize_pack, reference.seeded(quantize_pack), unpack_dequantize,
-                                       unpack_dequantize_into, reference.quantize_pack_columns,
-                                       reference.unpack_dequantize_columns_into, pack_bool, unpack_bool)}
+                                       unpack_dequantize_into, quantize_pack_columns, unpack_dequantize_columns_into,
+                                       pack_bool, unpack_bool)}
+
+
+def _payload_for(num_groups: int, group_size: int, bits: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(codes, lo, scale)`` for ``num_groups`` groups."""
+    return (torch.empty(num_groups, group_size * bits // 8, dtype=torch.uint8, device=device),
+            torch.empty(num_groups, dtype=torch.float32, device=device),
+            torch.empty(num_groups, dtype=torch.bfloat16, device=device))
+
+
+# NOTE [ Groups down the columns on a GPU ]
+# ``quantize_pack_columns`` stores a ``[rows, cols]`` tensor as ``quantize_pack`` stores the reference's
+# ``columns_first`` copy of it (``NOTE [ The stored order of groups down the columns ]`` in ``reference.py``).
+# The kernels read that order where it lies instead of copying it first: a program quantizes one group,
+# one column of ``G`` rows, at a stride of ``cols`` elements (its neighbours read the adjacent columns of
+# the same rows, which the cache serves), with the stored index as the noise's; the decode runs in the
+# output's order and reads each value's code where the stored order keeps it. No copy of the tensor is
+# made at either end, and each is one launch.
+def _quantize_groups(
+    flat: torch.Tensor, cols: int, bits: int, group_size: int, seed: int, grid: torch.Tensor | None,
+    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
+) -> None:
+    """One program per group: the row layout (``cols`` 0) or groups down ``cols`` columns."""
+    xb, kind = _input(flat)
+    _quantize_per_group_kernel[(lo.numel(),)](
+        xb, codes, lo.view(torch.int32), scale.view(torch.int16), flat.numel(), group_size, _as_int32(seed),
+        lo if grid is None else grid, max(cols, 1), KIND=kind, BITS=bits, BLOCK_S=_block(group_size, 2048),
+        BLOCK=_block(group_size, 1024), GRID=grid is not None, COLUMNS=cols > 0, **_LAUNCH,
+    )
 
 
 def unpack_dequantize_into(
@@ -526,24 +583,39 @@ def unpack_dequantize_into(
     grid: torch.Tensor | None = None,
 ) -> None:
     """Decode into a preallocated contiguous 1-D ``out`` (its dtype and numel say what to decode)."""
+    _decode(out, codes, lo, scale, bits, group_size, grid, 0)
+
+
+def unpack_dequantize_columns_into(
+    out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, cols: int, bits: int,
+    group_size: int, grid: torch.Tensor | None = None,
+) -> None:
+    """Decode what ``quantize_pack_columns`` wrote into the flat ``out``, row after row (``NOTE [ Groups down
+    the columns on a GPU ]``)."""
+    _decode(out, codes, lo, scale, bits, group_size, grid, cols)
+
+
+def _decode(out: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
+            group_size: int, grid: torch.Tensor | None, cols: int) -> None:
     numel = out.numel()
     if numel == 0:
         return
     kind = _KIND[out.dtype]
-    out_bits = out.view(torch.int32) if kind == 0 else out.view(torch.int16)
     block = 1024
     _dequantize_kernel[(triton.cdiv(numel, block),)](
         codes.detach().contiguous(),
         lo.detach().contiguous().view(torch.int32),
         scale.detach().contiguous().view(torch.int16),
-        out_bits,
+        out.view(torch.int32) if kind == 0 else out.view(torch.int16),
         numel,
         group_size,
         lo if grid is None else grid,
+        max(cols, 1),
         BITS=bits,
         OUT=kind,
         BLOCK=block,
         GRID=grid is not None,
+        COLUMNS=cols > 0,
         **_LAUNCH,
     )
 
