@@ -375,6 +375,44 @@ def test_cpu_dropout_masks_are_stored_losslessly():
     assert ctx.stats.compressed == 3  # the mask losslessly, and two activations
 
 
+def test_a_constant_found_not_lossless_is_kept_without_checking_again(monkeypatch):
+    # NOTE [ Constants found not lossless ]: the batch (no grad_fn, saved by the first layer) fails the
+    # 1-bit check at its first step and is kept without one afterwards; the dropout mask, lossless, is
+    # checked and packed every step; every step the position is checked again after REESTIMATE_STEPS.
+    from daftrain.saved import hooks, per_position
+
+    checked = []
+
+    def counting(flat, kind, *args, **kwargs):
+        checked.append((kind, flat.numel()))
+        return encode(flat, kind, *args, **kwargs)
+
+    encode = hooks.encode
+    monkeypatch.setattr(hooks, "encode", counting)
+    model = _mlp(nn.Dropout(0.3))
+    x = torch.randn(256, 64)
+    ctx = daftrain.compress(bits=2, min_numel=0)
+
+    def step():
+        checked.clear()
+        _grads(model, x, ctx)
+        return [n for kind, n in checked if kind == "lossless"], ctx.stats
+
+    constants, stats = step()
+    assert constants == [x.numel(), 256 * 64]  # the batch, the mask
+    assert stats.kept_reasons["constant"] == 1 and stats.compressed == 2, stats.summary()
+    for _ in range(3):
+        constants, stats = step()
+        assert constants == [256 * 64]  # the mask only
+        assert stats.kept_reasons["constant"] == 1 and stats.compressed == 2, stats.summary()
+    monkeypatch.setattr(per_position, "REESTIMATE_STEPS", 4)
+    constants, _ = step()
+    assert constants == [x.numel(), 256 * 64]
+    _grads(model, torch.randn(128, 64), ctx)  # another shape is checked again
+    constants, _ = step()
+    assert constants == [x.numel(), 256 * 64]  # and this one too: its position was taken by the other
+
+
 def test_checkpoint_composes():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))

@@ -33,6 +33,7 @@ from .grouping import ColumnChoice
 from .nesting import warn_if_nested
 from .op_rules import OpMatch, OpTracer
 from .packer import AsyncPacker
+from .per_position import PerPosition
 from .records import (
     ByColumns,
     Derivative,
@@ -186,6 +187,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._record_bits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._column_choice = ColumnChoice(self.config.group_size)
         self._grid_choice = GridChoice(self.config.group_size) if self.config.fitted_grids else None
+        # NOTE [ Constants found not lossless ]: forward positions whose constant was kept exact
+        self._not_lossless: PerPosition[bool] = PerPosition()
         self._calibration_pass: CalibrationPass | None = None
         self._loss_catcher: LossCatcher | None = None
         self._calibration_warned = False
@@ -450,11 +453,17 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         else:  # bool masks and constants: stored exactly (encode ignores the bits), pooled by forward position
             assignment = Assignment(1, float(index))
         self._num_records += 1
+        constant_at = None
+        if decision.treatment is Treatment.QUANTIZE_IF_LOSSLESS:
+            constant_at = (index, (tuple(flat.shape), flat.dtype, flat.device))
         if assignment.bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
             record: Record | PendingRecord = ExactRecord(flat, "auto")
             self._account(self._stats, record)
+        elif constant_at is not None and self._not_lossless.known(self.step, *constant_at):
+            record = ExactRecord(flat, "constant")
+            self._account(self._stats, record)
         else:
-            record = self._encode(flat, decision, kind, assignment, index)
+            record = self._encode(flat, decision, kind, assignment, index, constant_at)
         if decision.treatment is Treatment.QUANTIZE:  # what later saves of it, and calibrate(), read
             self._record_index[record] = index
             if assignment.bits is not None:
@@ -464,7 +473,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         return record
 
     def _encode(self, flat: torch.Tensor, decision: Decision, kind: str, assignment: Assignment,
-                index: int) -> Record | PendingRecord:
+                index: int, constant_at: tuple[int, Any] | None = None) -> Record | PendingRecord:
         """Pack ``flat`` at the assignment's bits, here or on the packer thread, into the pool if there is one."""
         seed = record_seed(self._base_seed, self.step, index)
         grids = None if self._grid_choice is None else functools.partial(self._grid_choice.grid, self.step, index)
@@ -476,23 +485,34 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._packer is None:
             record = job(flat)
             if isinstance(record, UndecidedRecord):
-                self._account_settled(self._settling.add(record, self._stats))
+                self._account_settled(self._settling.add(record, (self._stats, self.step, constant_at)))
             else:
-                self._account(self._stats, record)
+                self._account(self._stats, record, self.step, constant_at)
             return record
         pending = self._packer.submit(flat, job)
-        stats = self._stats
-        pending.future.add_done_callback(lambda f: f.exception() is None and self._account(stats, f.result()))
+        stats, step = self._stats, self.step
+        pending.future.add_done_callback(
+            lambda f: f.exception() is None and self._account(stats, f.result(), step, constant_at))
         return pending
 
-    def _account_settled(self, settled: list[tuple[Record, CompressionStats]]) -> None:
-        for record, stats in settled:
-            self._account(stats, record)
+    def _account_settled(self, settled: list[tuple[Record, tuple[CompressionStats, int, Any]]]) -> None:
+        for record, (stats, step, constant_at) in settled:
+            self._account(stats, record, step, constant_at)
 
-    def _account(self, stats: CompressionStats, record: Record | UndecidedRecord) -> None:
+    # NOTE [ Constants found not lossless ]
+    # A constant (a tensor outside the differentiable graph: ``NOTE [ Constants are stored losslessly or
+    # kept ]`` in decide.py) is stored at 1 bit only where every group is constant or zero plus one value,
+    # which takes a reduction over it, a candidate record and a check per step. Where a forward position's
+    # constant failed the check, its later ones of the same shape are kept without it for
+    # ``REESTIMATE_STEPS`` steps (a frozen layer's input, an embedding: the same kind of values every step).
+    # Were one of them lossless after all, it would be kept exact: memory, never accuracy.
+    def _account(self, stats: CompressionStats, record: Record | UndecidedRecord, step: int = -1,
+                 constant_at: tuple[int, Any] | None = None) -> None:
         if isinstance(record, UndecidedRecord):  # made on the packer thread: waiting there holds no step up
             record = record.settle()
         with self._stats_lock:
+            if constant_at is not None and isinstance(record, ExactRecord):
+                self._not_lossless.note(step, *constant_at, True)
             if isinstance(record, ExactRecord):
                 stats.kept += 1
                 stats.kept_reasons[record.reason] += 1
