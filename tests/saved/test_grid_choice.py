@@ -29,6 +29,33 @@ def test_the_choice_is_kept_per_position_and_fitted_again() -> None:
     assert again is None  # fitted again after REESTIMATE_STEPS: evenly spread values now
 
 
+def test_a_steady_step_fits_no_grid(monkeypatch) -> None:
+    # a position whose fit found no better grid (None) keeps that too: a steady step fits nothing (each fit
+    # reads values back to the host, a wait for the device on a GPU)
+    from daftrain.saved import grid_choice
+
+    fits: list[bool] = []
+
+    def counting(values, bits, group_size):  # type: ignore[no-untyped-def]
+        grid = fit_grid(values, bits, group_size)
+        fits.append(grid is not None)
+        return grid
+
+    monkeypatch.setattr(grid_choice, "fit_grid", counting)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8))
+    x = torch.randn(64, 256, generator=_gen(3))
+    ctx = daftrain.compress(bits=2, min_numel=0)
+    for step in range(3):
+        fits.clear()
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+        if step == 0:
+            assert True in fits and False in fits, fits  # some positions fitted a grid, some kept the uniform one
+        else:
+            assert fits == []
+
+
 def test_bfloat16_values_on_the_cpu_keep_the_uniform_grid() -> None:
     # NOTE [ Fitted grids on the CPU take float32 ]: the same values as float32 take a grid.
     x = torch.randn(64, 1024, generator=_gen(11))

@@ -24,19 +24,23 @@ class PerPosition(Generic[T]):
 
     def get(self, step: int, index: int, key: Hashable, make: Callable[[], T]) -> T:
         """The value at forward position ``index`` of ``step``: the one made for ``key`` if it is recent
-        enough, else ``make()``."""
-        known = self.known(step, index, key)
-        if known is not None:
-            return known
+        enough (``None`` included), else ``make()``."""
+        made = self._recent(step, index, key)
+        if made is not None:
+            return made[2]
         value = make()
         self._made[index] = (key, step, value)
         return value
 
     def known(self, step: int, index: int, key: Hashable) -> T | None:
         """The value noted at ``index`` for ``key`` if it is recent enough, else ``None`` (nothing is made)."""
-        made = self._made.get(index)
-        return made[2] if made is not None and made[0] == key and step - made[1] < REESTIMATE_STEPS else None
+        made = self._recent(step, index, key)
+        return None if made is None else made[2]
 
     def note(self, step: int, index: int, key: Hashable, value: T) -> None:
         """Keep ``value`` for position ``index`` and ``key`` from ``step`` on."""
         self._made[index] = (key, step, value)
+
+    def _recent(self, step: int, index: int, key: Hashable) -> tuple[Hashable, int, T] | None:
+        made = self._made.get(index)
+        return made if made is not None and made[0] == key and step - made[1] < REESTIMATE_STEPS else None
