@@ -504,8 +504,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # kept ]`` in decide.py) is stored at 1 bit only where every group is constant or zero plus one value,
     # which takes a reduction over it, a candidate record and a check per step. Where a forward position's
     # constant failed the check, its later ones of the same shape are kept without it for
-    # ``REESTIMATE_STEPS`` steps (a frozen layer's input, an embedding: the same kind of values every step).
-    # Were one of them lossless after all, it would be kept exact: memory, never accuracy.
+    # ``REESTIMATE_STEPS`` steps (a normalisation's mean and rstd, a frozen layer's input: the same kind of
+    # values every step). Were one of them lossless after all, it would be kept exact: memory, never accuracy.
     def _account(self, stats: CompressionStats, record: Record | UndecidedRecord, step: int = -1,
                  constant_at: tuple[int, Any] | None = None) -> None:
         if isinstance(record, UndecidedRecord):  # made on the packer thread: waiting there holds no step up

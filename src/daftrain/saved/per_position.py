@@ -29,7 +29,7 @@ class PerPosition(Generic[T]):
         if made is not None:
             return made[2]
         value = make()
-        self._made[index] = (key, step, value)
+        self.note(step, index, key, value)
         return value
 
     def known(self, step: int, index: int, key: Hashable) -> T | None:
