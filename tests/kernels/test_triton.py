@@ -218,6 +218,16 @@ def test_registered_cuda_ops_match_reference() -> None:
                 into = torch.empty_like(dec)
                 torch.ops.daftrain.unpack_dequantize_into(into, *got, bits, group_size)
                 assert_same(into, dec, "cuda decode into")
+        x2 = x[-512 * 96:].reshape(512, 96)  # groups down the columns (the special groups among them)
+        for bits in (1, 2, 4, 8):
+            ref = reference.quantize_pack(reference.columns_first(x2, 96, 256), bits, 256, 11)
+            got = torch.ops.daftrain.quantize_pack_columns(x2.cuda(), 96, bits, 256, 11)
+            for a, b in zip(got, ref, strict=True):
+                assert_same(a, b, f"cuda columns {dtype} bits={bits}")
+            into = torch.empty(x2.numel(), dtype=dtype, device="cuda")
+            torch.ops.daftrain.unpack_dequantize_columns_into(into, *got, 96, bits, 256)
+            want = reference.unpack_dequantize(*ref, bits, 256, x2.numel(), dtype)
+            assert_same(into, want.view(-1, 96, 256).transpose(1, 2).reshape(-1), "cuda columns decode")
 
 
 def tiny_range_groups(levels: int) -> torch.Tensor:
