@@ -90,3 +90,40 @@ def test_backward_reuses_buffers_and_gradients_are_unchanged() -> None:
     assert ctx._decode_buffers is not None and ctx._decode_buffers.reused > 0
     with pytest.raises(TypeError, match="decode_buffers"):
         daftrain.CompressionConfig(decode_buffers=1)
+
+
+class _Handle:
+    """Stands in for a saved tensor's handle."""
+
+
+def test_free_buffers_are_dropped_when_the_last_saved_tensor_dies() -> None:
+    # NOTE [ Decode buffers ]: none sits on top of the optimizer step, and buffers coming back after it are
+    # dropped until the next take
+    buffers = DecodeBuffers()
+    handles = [_Handle(), _Handle()]
+    buffers.hold(handles[0])
+    buffers.hold(handles[1])
+    a, b = buffers.take(4096, torch.float32), buffers.take(4096, torch.float32)
+    del a
+    assert buffers.free_bytes == 4096 * 4
+    handles.pop()
+    assert buffers.free_bytes == 4096 * 4  # one saved tensor still to decode
+    handles.pop()
+    assert buffers.free_bytes == 0
+    del b  # a decoded tensor that outlived backward: dropped, not kept
+    assert buffers.free_bytes == 0
+    c = buffers.take(4096, torch.float32)  # the next backward keeps them again
+    del c
+    assert buffers.free_bytes == 4096 * 4
+
+
+def test_no_free_buffer_is_held_after_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.GELU())])
+    ctx = daftrain.compress(bits=2, model=model)
+    with ctx:
+        loss = model(torch.randn(64, 256)).square().mean()
+    loss.backward()
+    gc.collect()
+    assert ctx._decode_buffers is not None and ctx._decode_buffers.reused > 0
+    assert ctx._decode_buffers.free_bytes == 0

@@ -391,6 +391,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         handle = SavedHandle(record, t, dense, source, expand_to)
         if self._trimmer is not None:
             self._trimmer.hold(handle)
+        if self._decode_buffers is not None and t.device.type == "cpu":
+            self._decode_buffers.hold(handle)
         return handle
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SavedHandle) -> torch.Tensor:
