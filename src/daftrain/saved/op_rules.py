@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..lineage import copy_of
+from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .records import ClipMask, Derivative, Encoding, Normalized, stored_numel
 
-__all__ = ["RULES", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
+__all__ = ["LOGITS_MIN_BITS", "RULES", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
 
 ATTENTION_MIN_BITS = 8
 WEIGHT_MIN_BITS = 8
+LOGITS_MIN_BITS = 8
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class OpRule:
 # NOTE [ Op rules ]
 # Plain quantization adds unbiased noise of the order of a group's range / 2**bits to every saved
 # value; that is harmless where backward is linear in the value with bounded factors. Seven classes of
-# ops break that (measured over the zoo, ``docs/zoo.md``):
+# ops break that (measured over the zoo, ``docs/zoo.md``), and one saves more than its backward needs:
 #   1. normalisations (``F.normalize``'s unit vectors too) re-normalise their saved input with their
 #      exact statistics: the error of a row, channel or vector of small spread is multiplied by its rstd
 #      (``Normalized`` encoding); a constant row
@@ -70,7 +72,11 @@ class OpRule:
 #      1/s, and a rounded ``s``, shared by a row whose ``s`` is small next to its group's range, is off
 #      by a large factor; the vector norm that computes such an ``s`` reads its input as ``x / norm``
 #      in backward, the same factor (``Normalized`` encoding of ``a`` or ``x`` over the reduced dims,
-#      ``s`` and the norm exact).
+#      ``s`` and the norm exact);
+#   8. cross-entropy over class indices saves its log-probabilities and holds three tensors of the logits'
+#      size in backward: the call runs as a function that saves the logits instead (exponentiated in
+#      backward: at least ``LOGITS_MIN_BITS``) and holds two (``NOTE [ Cross-entropy that saves its
+#      logits ]`` in ``cross_entropy.py``).
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -116,6 +122,11 @@ RULES: tuple[OpRule, ...] = (
            "tensor shared by every sample: its rounding error does not average over the batch, it enters the "
            "gradient of every sample's input, and its size does not grow with the batch: at least 8 bits",
            min_bits=WEIGHT_MIN_BITS),
+    OpRule("cross_entropy", (F.cross_entropy,),
+           "log_softmax then nll_loss saves the log-probabilities and its backward holds three tensors of the "
+           "logits' size; run as one function that saves the logits (exponentiated in backward: at least 8 "
+           "bits) and each row's logsumexp, exact, and writes the gradient into one tensor: two",
+           min_bits=LOGITS_MIN_BITS),
 )
 
 
@@ -137,6 +148,8 @@ class OpMatch:
     statistics: int = 0
     """Other saved tensors of at most this many values are the op's statistics (a normalisation's mean
     and rstd, one value per normalised row) and are kept exact."""
+    call: Any = None
+    """What runs instead of the function (an operator-level saving), if anything."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -393,6 +406,9 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         weight = _arg(args, kwargs, 2 if func is F.bilinear else 1, "weight")
         computed = isinstance(weight, torch.Tensor) and weight.grad_fn is not None
         return OpMatch(rule, (weight,), views=True) if computed else None
+    if rule.name == "cross_entropy":
+        logits = saves_logits(args, dict(kwargs))
+        return OpMatch(rule, (logits,), call=cross_entropy_saving_logits) if logits is not None else None
     if rule.name == "attention_qk":
         q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
         targets = tuple(t for t in (q, k) if isinstance(t, torch.Tensor))
@@ -430,7 +446,7 @@ class _RuleMode(TorchFunctionMode):
         outer = getattr(local, "current", None)
         local.current = found
         try:
-            return func(*args, **kwargs)
+            return (found.call or func)(*args, **kwargs)
         finally:
             local.current = outer
 
