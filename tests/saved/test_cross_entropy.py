@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import daftrain
 from daftrain.saved.cross_entropy import cross_entropy_saving_logits, saves_logits
 
-ROWS, CLASSES = 1200, 2000  # more rows than one chunk (CHUNK_BYTES: 524 rows here)
+ROWS, CLASSES = 1200, 2000  # more rows than one chunk on the CPU (CHUNK_BYTES: 524 rows here)
 
 
 def _problem(seed: int = 0) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:

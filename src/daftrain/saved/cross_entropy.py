@@ -9,9 +9,10 @@ import torch
 
 __all__ = ["CHUNK_BYTES", "cross_entropy_saving_logits", "saves_logits"]
 
-CHUNK_BYTES = 4 << 20
-"""The backward computes the gradient of as many rows at a time as fit in this many bytes of logits (at least
-one): its two temporaries are that size."""
+CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
+"""By device, the backward computes the gradient of as many rows at a time as fit in this many bytes of logits
+(at least one): its two temporaries are that size. On a GPU each chunk costs three launches of host time, so
+its chunks are larger; 4 MiB elsewhere."""
 
 
 # NOTE [ Cross-entropy that saves its logits ]
@@ -64,14 +65,14 @@ class _SavingLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
         logits, target, total_weight = ctx.saved_tensors
-
         if torch.is_grad_enabled():  # create_graph: the same ops on the whole tensor, differentiable
             log_probs = torch.log_softmax(logits, 1)
             nll = torch.ops.aten.nll_loss_backward(grad, log_probs, target, None, ctx.reduction, ctx.ignore_index,
                                                    total_weight)
             return torch.ops.aten._log_softmax_backward_data(nll, log_probs, 1, logits.dtype), None, None, None
         out = torch.empty_like(logits)
-        step = max(1, CHUNK_BYTES // max(1, logits.shape[1] * logits.element_size()))
+        chunk_bytes = CHUNK_BYTES.get(logits.device.type, CHUNK_BYTES["cpu"])
+        step = max(1, chunk_bytes // max(1, logits.shape[1] * logits.element_size()))
         log_probs = logits.new_empty((min(step, logits.shape[0]), logits.shape[1]))
         nll = torch.empty_like(log_probs)
         for s in range(0, logits.shape[0], step):
