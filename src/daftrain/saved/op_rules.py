@@ -125,7 +125,7 @@ RULES: tuple[OpRule, ...] = (
     OpRule("cross_entropy", (F.cross_entropy,),
            "log_softmax then nll_loss saves the log-probabilities and its backward holds three tensors of the "
            "logits' size; run as one function that saves the logits (exponentiated in backward: at least 8 "
-           "bits) and each row's logsumexp, exact, and writes the gradient into one tensor: two",
+           "bits) and writes the gradient into one tensor with PyTorch's own backward ops, chunk by chunk: two",
            min_bits=LOGITS_MIN_BITS),
 )
 
