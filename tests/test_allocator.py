@@ -94,6 +94,7 @@ _HUGE_PAGE_CHILD = """
 import ctypes, gc, json, torch
 import daftrain
 from daftrain.allocator import HeapTrimmer, glibc
+from daftrain.saved.live_saves import LiveSaves
 
 libc = glibc()
 libc.sbrk.argtypes, libc.sbrk.restype = [ctypes.c_ssize_t], ctypes.c_void_p
@@ -133,7 +134,7 @@ class Handle:
     pass
 
 handle = Handle()
-trimmer.hold(handle)
+LiveSaves([trimmer.saves_held]).hold(handle)
 trimmer.end()
 out["held_after_end"] = advised(libc.sbrk(0))
 del handle

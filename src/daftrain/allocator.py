@@ -5,8 +5,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import threading
-import weakref
 from collections.abc import Callable
 
 __all__ = ["DEFAULT_TRIM_BYTES", "HeapTrimmer", "advise_huge_pages", "glibc", "malloc_trim", "tighten_allocator"]
@@ -127,11 +125,11 @@ class HeapTrimmer:
     ``trim()``, and advises huge pages for the heap while a step uses it; see ``NOTE [ Freed memory
     goes back to the OS ]``. Does nothing where glibc's ``malloc_trim`` is unavailable."""
 
-    __slots__ = ("_every", "_held", "_in_step", "_lock", "_seen")
+    __slots__ = ("_every", "_held", "_in_step", "_seen")
 
     def __init__(self, every: int = DEFAULT_TRIM_BYTES) -> None:
         self._every, self._seen = every, 0
-        self._held, self._in_step, self._lock = 0, False, threading.Lock()
+        self._held, self._in_step = False, False
 
     def note(self, nbytes: int) -> None:
         """Count ``nbytes`` of traffic (a tensor saved or restored); trim once ``every`` have gone by."""
@@ -147,7 +145,8 @@ class HeapTrimmer:
             advise_huge_pages()
 
     def begin(self) -> None:
-        """A forward starts: the heap is in use (trims advise huge pages) until ``end`` and every ``hold``."""
+        """A forward starts: the heap is in use (trims advise huge pages) until ``end`` and while what it saved
+        is held."""
         self._in_step = True
         self.trim()
 
@@ -155,25 +154,14 @@ class HeapTrimmer:
         """The forward ended: trim; the heap stays in use while what it saved is held."""
         self._in_step = False
         self.trim()
-        with self._lock:
-            idle = not self._held
-        if idle:
+        if not self._held:
             advise_huge_pages(huge=False)
 
-    def hold(self, saved: object) -> None:
-        """The heap is in use while ``saved`` (a saved tensor's handle) lives; nothing to track where no
-        huge pages can be advised."""
-        if _huge_page_calls() is None:
-            return
-        with self._lock:
-            self._held += 1
-        weakref.finalize(saved, self._release)
-
-    def _release(self) -> None:
-        with self._lock:
-            self._held -= 1
-            idle = not self._held and not self._in_step
-        if idle:
+    def saves_held(self, held: bool) -> None:
+        """Whether tensors a forward saved are still held (``saved/live_saves.py``): the heap is in use until
+        backward has released them."""
+        self._held = held
+        if not held and not self._in_step:
             advise_huge_pages(huge=False)
 
 

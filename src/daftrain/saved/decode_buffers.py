@@ -27,10 +27,10 @@ __all__ = ["DecodeBuffers"]
 #      again, whatever the consumer keeps (a user's hook holding a saved tensor keeps its buffer busy);
 #   3. memory stays bounded: the free list keeps at most ``max_free_per_size`` buffers of each size;
 #      ``release()`` (called when the next forward begins) drops them all, so free buffers never sit on
-#      top of the forward pass's peak, and so does the death of the last saved tensor ``hold`` was
-#      given (backward has decoded everything), after which buffers that come back are dropped until
-#      the next ``take``: none sits on top of the optimizer step either (a language model's decoded
-#      logits, hundreds of MB, did).
+#      top of the forward pass's peak, and so does the release of the last saved tensor the context held
+#      (``saves_held(False)``: backward has decoded everything), after which buffers that come back are
+#      dropped until the next ``take``: none sits on top of the optimizer step either (a language model's
+#      decoded logits, hundreds of MB, did).
 # Buffers serve CPU decodes only: CUDA's caching allocator already reuses device memory.
 class DecodeBuffers:
     """A free list of host buffers, keyed by byte size, for decoded saved tensors."""
@@ -41,7 +41,6 @@ class DecodeBuffers:
         self.max_free_per_size = max_free_per_size
         self._free: defaultdict[int, list[np.ndarray]] = defaultdict(list)
         self._lock = threading.Lock()
-        self._held = 0
         self._keeping = True
         self.allocated = 0
         """Buffers allocated fresh (a take that found no free buffer of its size)."""
@@ -71,17 +70,11 @@ class DecodeBuffers:
             if self._keeping and len(free) < self.max_free_per_size:
                 free.append(buffer)
 
-    def hold(self, saved: object) -> None:
-        """Free buffers are worth keeping while ``saved`` (a saved tensor's handle) lives; when the last one
-        held dies, they are dropped (``NOTE [ Decode buffers ]``)."""
-        with self._lock:
-            self._held += 1
-        weakref.finalize(saved, self._let_go)
-
-    def _let_go(self) -> None:
-        with self._lock:
-            self._held -= 1
-            if not self._held:
+    def saves_held(self, held: bool) -> None:
+        """Whether saved tensors are still held (``saved/live_saves.py``); once none is, free buffers are
+        dropped (``NOTE [ Decode buffers ]``)."""
+        if not held:
+            with self._lock:
                 self._keeping = False
                 self._free.clear()
 

@@ -30,6 +30,7 @@ from .decide import Decision, Treatment, decide
 from .decode_buffers import DecodeBuffers
 from .grid_choice import GridChoice
 from .grouping import ColumnChoice
+from .live_saves import LiveSaves
 from .nesting import warn_if_nested
 from .op_rules import OpMatch, OpTracer
 from .packer import AsyncPacker
@@ -178,6 +179,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = make_bit_policy(self.config, model)
         self._decode_buffers = DecodeBuffers() if self.config.decode_buffers else None
+        # the heap trimmer and the decode buffers wait on the release of what a forward saved (host memory)
+        listeners = [o.saves_held for o in (self._trimmer, self._decode_buffers) if o is not None]
+        self._live_saves = LiveSaves(listeners) if listeners else None
         # Each quantized record's forward position (its slot index), for the saves that share it and for
         # calibrate(); entries go with their records.
         self._record_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -389,10 +393,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 # NOTE [ A normalised record serves plain saves ]
                 self._records[plain] = record
         handle = SavedHandle(record, t, dense, source, expand_to)
-        if self._trimmer is not None:
-            self._trimmer.hold(handle)
-        if self._decode_buffers is not None and t.device.type == "cpu":
-            self._decode_buffers.hold(handle)
+        if self._live_saves is not None and t.device.type == "cpu":
+            self._live_saves.hold(handle)
         return handle
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SavedHandle) -> torch.Tensor:
