@@ -49,6 +49,14 @@ class CompressionConfig:
     gradient error at the same bytes, unbiased as before (``NOTE [ Fitted grids ]`` in ``kernels/grids.py``).
     ``False`` keeps evenly spaced levels everywhere."""
 
+    linear_cross_entropy: bool = True
+    """Run ``F.cross_entropy`` over the output of a wide linear layer (a language model's head: more output
+    than input features) as one function of the layer's input, weight and bias, which recomputes the logits a
+    chunk at a time in backward: no logits-sized tensor is saved or made in backward, for about one more
+    matmul of the head (``NOTE [ Cross-entropy over a wide linear layer ]`` in
+    ``saved/linear_cross_entropy.py``). The loss and gradients equal plain PyTorch's to float rounding, not
+    bit for bit. ``False`` saves the logits (at 8 bits or more) instead."""
+
     min_numel: int = 4096
     """Tensors with fewer elements are kept exact: packing them saves little and costs a call."""
 
@@ -123,6 +131,9 @@ class CompressionConfig:
             raise ArgumentTypeError(f"column_groups must be a bool, got {type(self.column_groups).__name__}")
         if not isinstance(self.fitted_grids, bool):
             raise ArgumentTypeError(f"fitted_grids must be a bool, got {type(self.fitted_grids).__name__}")
+        if not isinstance(self.linear_cross_entropy, bool):
+            raise ArgumentTypeError(
+                f"linear_cross_entropy must be a bool, got {type(self.linear_cross_entropy).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise ArgumentTypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
         if self.seed is not None and (

@@ -62,3 +62,18 @@ def test_fsdp_compressed_quantizes_activations_not_gathered_weights(tmp_path):
     # Each process rounds its own activations with its own draws (2-bit, stochastic rounding): the
     # gradients are noisy, unbiased estimates, and after 3 SGD steps the parameters stay within 2 %.
     assert _rel(sharded, single) < 2e-2
+
+
+@pytest.mark.parametrize("wrap", ["layers", "root"])
+def test_fsdp_wide_head_keeps_the_loss_through_the_layer(tmp_path, wrap):
+    # A head wider than its input, as a language model's, whose loss the model computes. FSDP gathers a resharded
+    # weight and queues the gradients' reduction from hooks on outputs that a cross-entropy run over the layer
+    # would bypass: in a process group the loss goes through the layer (saved/linear_cross_entropy.py), and
+    # one process alone runs it over the layer. Both train alike.
+    args = ("--bits", "2", "--classes", "2048", "--wrap", wrap)
+    sharded, stdout = _run(tmp_path, *args)
+    assert stdout.count("loss node _SavingLogitsBackward") == 2, stdout
+    assert stdout.count("parameters identical on all 2 ranks: True") == 2, stdout
+    single, single_out = _run(tmp_path, *args, distributed=False)
+    assert "loss node _OverLinearBackward" in single_out, single_out
+    assert _rel(sharded, single) < 2e-2

@@ -1,5 +1,7 @@
 """Cross-entropy that saves its logits (saved/cross_entropy.py, the ``cross_entropy`` op rule): the same loss and
-gradient bit for bit from exact logits, one logits-sized tensor less in backward, other calls left as they are."""
+gradient bit for bit from exact logits, one logits-sized tensor less in backward, other calls left as they are.
+The problems here have a wide head, which ``linear_cross_entropy`` (tests/saved/test_linear_cross_entropy.py)
+would take; these tests turn it off."""
 
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def test_double_backward_matches_plain() -> None:
 def test_under_compress_the_loss_is_plain_and_the_gradient_close() -> None:
     head, h, target = _problem()
     plain_loss, plain_grad = _run(head, h, target, None)
-    ctx = daftrain.compress(bits=2)
+    ctx = daftrain.compress(bits=2, linear_cross_entropy=False)
     loss, grad = _run(head, h, target, ctx)
     assert torch.equal(loss, plain_loss)  # forward unchanged
     # the logits are exponentiated in backward: stored at LOGITS_MIN_BITS (8) even under bits=2
@@ -110,7 +112,7 @@ def test_backward_creates_one_logits_sized_tensor_not_two() -> None:
     # NOTE [ Cross-entropy that saves its logits ]: plain backward makes nll_loss's gradient and
     # log_softmax's; the function writes one (beside the decoded logits, which the unpack makes)
     counts = []
-    for ctx in (None, daftrain.compress(bits=8)):
+    for ctx in (None, daftrain.compress(bits=8, linear_cross_entropy=False)):
         head, h, target = _problem()
         with ctx if ctx is not None else torch.enable_grad():
             loss = F.cross_entropy(head(h), target)
@@ -131,7 +133,7 @@ def test_other_calls_run_as_they_are(kwargs) -> None:  # type: ignore[no-untyped
     if kwargs.get("reduction") == "none":
         return
     plain_loss, plain_grad = _run(head, h, target, None, **kwargs)
-    loss, grad = _run(head, h, target, daftrain.compress(bits=8, min_numel=0), **kwargs)
+    loss, grad = _run(head, h, target, daftrain.compress(bits=8, min_numel=0, linear_cross_entropy=False), **kwargs)
     assert torch.equal(loss, plain_loss)
     assert F.cosine_similarity(grad.double(), plain_grad.double(), dim=0).item() >= 0.999
 

@@ -201,7 +201,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._compile_warned = False
         self._hooks: CompiledHooks = hooks_for(self.config, traceable=self._untraceable is None)
         # NOTE [ Tracing the saving op ] in op_rules.py: only while quantizing (never in exact mode).
-        self._op_tracer = OpTracer() if self.config.bits is not None else _NO_TRACER
+        self._op_tracer = (OpTracer(linear_cross_entropy=self.config.linear_cross_entropy)
+                           if self.config.bits is not None else _NO_TRACER)
         # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
 
     # NOTE [ No reference cycle ]

@@ -7,10 +7,11 @@ consults ``match_saved`` once per saved tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..lineage import copy_of
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
+from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
 from .records import ClipMask, Derivative, Encoding, Normalized, stored_numel
 
 __all__ = ["LOGITS_MIN_BITS", "RULES", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
@@ -76,7 +78,9 @@ class OpRule:
 #   8. cross-entropy over class indices saves its log-probabilities and holds three tensors of the logits'
 #      size in backward: the call runs as a function that saves the logits instead (exponentiated in
 #      backward: at least ``LOGITS_MIN_BITS``) and holds two (``NOTE [ Cross-entropy that saves its
-#      logits ]`` in ``cross_entropy.py``).
+#      logits ]`` in ``cross_entropy.py``); over the output of a wide linear layer (a language model's
+#      head) as a function of that layer's input, weight and bias, which holds none (``NOTE [ Cross-entropy
+#      over a wide linear layer ]`` in ``linear_cross_entropy.py``).
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -125,7 +129,9 @@ RULES: tuple[OpRule, ...] = (
     OpRule("cross_entropy", (F.cross_entropy,),
            "log_softmax then nll_loss saves the log-probabilities and its backward holds three tensors of the "
            "logits' size; run as one function that saves the logits (exponentiated in backward: at least 8 "
-           "bits) and writes the gradient into one tensor with PyTorch's own backward ops, chunk by chunk: two",
+           "bits) and writes the gradient into one tensor with PyTorch's own backward ops, chunk by chunk: two; "
+           "over a wide linear layer's output, as a function of the layer's input (exact), weight and bias that "
+           "recomputes the logits chunk by chunk in backward: none",
            min_bits=LOGITS_MIN_BITS),
 )
 
@@ -440,23 +446,48 @@ class _RuleMode(TorchFunctionMode):
         if rule is None or torch.compiler.is_compiling():  # compiled graphs decide without the rules
             return func(*args, **kwargs)
         found = _match(rule, func, args, kwargs)
+        if found is not None and found.rule.name == "cross_entropy":
+            found = self.tracer.over_linear(found)
         if found is None:
-            return func(*args, **kwargs)
-        local = self.tracer.local
-        outer = getattr(local, "current", None)
-        local.current = found
-        try:
-            return (found.call or func)(*args, **kwargs)
-        finally:
-            local.current = outer
+            out = func(*args, **kwargs)
+        else:
+            local = self.tracer.local
+            outer = getattr(local, "current", None)
+            local.current = found
+            try:
+                out = (found.call or func)(*args, **kwargs)
+            finally:
+                local.current = outer
+        if func is F.linear:
+            self.tracer.note_linear(args, kwargs, out)
+        return out
+
+
+def _wide_linear(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 out: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The input, weight and bias of a differentiable float32 ``F.linear`` call whose output takes more bytes at
+    ``LOGITS_MIN_BITS`` than its input exact (``NOTE [ Cross-entropy over a wide linear layer ]``)."""
+    x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return None
+    if b is not None and not isinstance(b, torch.Tensor):
+        return None
+    if not (out.requires_grad and torch.is_grad_enabled() and w.dim() == 2 and x.dim() >= 1):
+        return None
+    if any(t.dtype != torch.float32 or t.layout != torch.strided or t.device != out.device
+           for t in (x, w, out, *(() if b is None else (b,)))):
+        return None
+    return (x, w, b) if w.shape[0] * LOGITS_MIN_BITS > 8 * w.shape[1] * x.element_size() else None
 
 
 class OpTracer:
     """Per thread (``NOTE [ One tracer per thread ]`` in ``auto/tracing.py``), the rule-matched call in
-    progress; see ``NOTE [ Tracing the saving op ]``."""
+    progress; see ``NOTE [ Tracing the saving op ]``. With ``linear_cross_entropy``, also the latest wide
+    linear call (``NOTE [ Cross-entropy over a wide linear layer ]``)."""
 
-    def __init__(self, rules: tuple[OpRule, ...] = RULES) -> None:
+    def __init__(self, rules: tuple[OpRule, ...] = RULES, linear_cross_entropy: bool = True) -> None:
         self.rules = rules
+        self.linear_cross_entropy = linear_cross_entropy
         self.local = threading.local()
         self._by_function = {f: r for r in rules for f in r.functions}
 
@@ -465,12 +496,29 @@ class OpTracer:
         mode = _RuleMode(self, self._by_function)
         mode.__enter__()
         self.local.mode, self.local.current = mode, None
+        self.local.linears = LinearOutputs() if self.linear_cross_entropy else None
 
     def stop(self) -> None:
         mode = getattr(self.local, "mode", None)
-        self.local.mode, self.local.current = None, None
+        self.local.mode, self.local.current, self.local.linears = None, None, None
         if mode is not None:
             mode.__exit__(None, None, None)
 
     def current(self) -> OpMatch | None:
         return getattr(self.local, "current", None)
+
+    def note_linear(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> None:
+        """Remember an ``F.linear`` call if it is wide (its output may be a cross-entropy's logits)."""
+        linears = getattr(self.local, "linears", None)
+        found = _wide_linear(args, kwargs, out) if linears is not None else None
+        if linears is not None and found is not None:
+            linears.note(*found, out)
+
+    def over_linear(self, match: OpMatch) -> OpMatch:
+        """A ``cross_entropy`` match run over the linear call that made its logits, where one did."""
+        linears = getattr(self.local, "linears", None)
+        call = linears.take(match.targets[0]) if linears is not None else None
+        if call is None:
+            return match
+        keep = tuple(t for t in (call.input, call.weight, call.bias) if t is not None)
+        return replace(match, targets=(), keep=keep, call=functools.partial(cross_entropy_over_linear, call))

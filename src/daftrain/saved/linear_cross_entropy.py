@@ -1,0 +1,220 @@
+"""Cross-entropy over a wide linear layer's output (a language model's head), run as one function of the layer's
+input, weight and bias: nothing of the logits' size saved, or created in backward
+(``NOTE [ Cross-entropy over a wide linear layer ]``)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedError
+
+__all__ = ["CHUNK_BYTES", "LinearCall", "LinearOutputs", "cross_entropy_over_linear"]
+
+CHUNK_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+"""By device, the most bytes of logits forward and backward hold at a time (at least one row, or one column of
+a tile): forward's temporaries and backward's one tile are that size."""
+
+TILE_ROWS = 4096
+"""Backward works on tiles of at most this many rows by as many classes as fit in ``CHUNK_BYTES``: each tile
+reads its slice of the weight twice and writes its slice of the weight's gradient once, so tall tiles keep that
+traffic a small share of the tile's matmuls."""
+
+
+# NOTE [ Cross-entropy over a wide linear layer ]
+# A language model's head maps a narrow hidden state (GPT-2: 768 values a token) to a wide vocabulary
+# (50257 logits), and its loss is cross-entropy over those logits. Even saving the logits instead of their
+# log-probabilities (``NOTE [ Cross-entropy that saves its logits ]``), the forward makes log-probabilities
+# of the logits' size and the backward holds two logits-sized tensors (decoded logits, their gradient):
+# 412 MB each for GPT-2 small at 8 x 256 tokens, the largest tensors of its step. Under ``compress``, a
+# ``F.cross_entropy`` call whose logits are the output of a linear call that is *wide* (its output takes more
+# bytes at ``LOGITS_MIN_BITS`` than its input exact), unchanged since, as a whole (the output or a contiguous
+# reshape of it with the same last dim), runs as a function of that call's input, weight and bias instead:
+#   - forward computes the loss from the logits that exist, a chunk of rows at a time (``CHUNK_BYTES``) with
+#     PyTorch's own ops: no log-probabilities of the logits' size; it saves the input (exact: fewer bytes
+#     than the logits at 8 bits), the weight, the bias and each row's logsumexp (one value a row);
+#   - backward works on tiles of rows by classes (``TILE_ROWS``): each tile's logits come from the forward's
+#     output while that is alive and unchanged (the caller still holds it), else are recomputed from the
+#     exact input; its gradient, ``(softmax - one_hot(target)) * scale`` with the softmax ``exp(logits -
+#     logsumexp)``, is written over them, and the input's, weight's and bias's gradients take their parts:
+#     one tile-sized temporary, nothing of the logits' size. With the logsumexp known, a tile needs no
+#     other columns of its rows, so a tile spans every row up to ``TILE_ROWS`` and the weight's gradient is
+#     written once per block of classes rather than accumulated over chunks of rows.
+# The loss reaches the input, weight and bias through this function, not through the linear call's node,
+# which gets no gradient from it (another use of the logits still sends its own gradient through that node).
+# The gradient is the same function of exact values as plain PyTorch's, with the logits exact where the
+# function that saves them stores them at 8 bits; the softmax from the logsumexp and the sums over tiles
+# (the loss over chunks of rows, the input's gradient over blocks of classes) round differently, so results
+# equal plain's to float rounding, not bit for bit.
+# A hook on the output waits for a gradient the function would never send there. Where the logits or their
+# base carry one, the call is left to the logits-saving function; a hook on an intermediate view, or one
+# registered after the loss was computed, cannot be seen, and sees no gradient. FSDP gathers a resharded
+# module's weight from such a hook and queues its gradient reduction from it (a missed one is a gradient
+# never reduced, silently), and the output it hooks may be a view gone by the loss: in a process group of
+# more than one rank nothing is taken over (DDP too: it could not be told apart from here). Where the
+# weight's memory was freed between forward and backward anyway, backward raises, and
+# ``CompressionConfig(linear_cross_entropy=False)`` turns this off.
+
+
+@dataclass(frozen=True)
+class LinearCall:
+    """A linear call: its output's autograd node and a reference to the output, its input, weight and bias, and
+    the versions of the four at the call."""
+
+    node: Any
+    output: weakref.ReferenceType[torch.Tensor]
+    input: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    versions: tuple[int, int, int, int]
+
+
+def _versions(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+              b: torch.Tensor | None) -> tuple[int, int, int, int]:
+    return out._version, x._version, w._version, -1 if b is None else b._version
+
+
+# Nodes of views that keep every element in order: a contiguous result of a chain of them is a reshape.
+_RESHAPE_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
+
+
+def _sharded() -> bool:
+    """More than one rank: a module may be sharded (FSDP), with hooks on outputs that cannot all be seen."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class LinearOutputs:
+    """Per thread, the latest wide linear call (its input: at most its output's size at 8 bits), until a
+    cross-entropy takes it, another wide call replaces it, or the context exits (``OpTracer.stop``).
+
+    The output is identified by its autograd node, which the record holds (so it cannot be freed and its
+    identity reused): a tensor is the call's whole output if its node is that node or reaches it through
+    reshapes only, it is contiguous with the output's last dim, nothing was written in place since (a view
+    shares its base's version counter), no hook waits for its gradient, and no other rank may shard it."""
+
+    def __init__(self) -> None:
+        self._last: LinearCall | None = None
+
+    def note(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        self._last = LinearCall(out.grad_fn, weakref.ref(out), x, weight, bias, _versions(out, x, weight, bias))
+
+    def take(self, logits: torch.Tensor) -> LinearCall | None:
+        """The noted call if ``logits`` is its whole, unchanged output (the record is then dropped)."""
+        call = self._last
+        if call is None or _versions(logits, call.input, call.weight, call.bias) != call.versions:
+            return None
+        classes = call.weight.shape[0]
+        if not (logits.dim() == 2 and logits.shape[1] == classes and logits.is_contiguous()
+                and logits.shape[0] * call.weight.shape[1] == call.input.numel()):
+            return None
+        if logits._backward_hooks or (logits._base is not None and logits._base._backward_hooks) or _sharded():
+            return None  # a hook waits for the output's gradient, which the function would never send
+        node = logits.grad_fn
+        while node is not None and node is not call.node and type(node).__name__ in _RESHAPE_NODES:
+            node = node.next_functions[0][0]
+        if node is not call.node:
+            return None
+        self._last = None
+        return call
+
+
+def cross_entropy_over_linear(call: LinearCall, input: torch.Tensor, target: torch.Tensor, weight: Any = None,
+                              size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
+                              reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy`` of ``call``'s output ``input`` (a call ``saves_logits`` took and ``LinearOutputs.take``
+    matched; the same signature)."""
+    return _OverLinear.apply(call.input, call.weight, call.bias, input.detach(), target, ignore_index, reduction,
+                             call.output, call.versions[0])
+
+
+_REDUCTIONS = {"mean": 1, "sum": 2}  # ATen's reduction enum
+
+
+class _OverLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
+                output: weakref.ReferenceType[torch.Tensor], output_version: int) -> torch.Tensor:
+        rows, classes = logits.shape
+        step = max(1, CHUNK_BYTES.get(logits.device.type, CHUNK_BYTES["cpu"]) // (classes * logits.element_size()))
+        log_probs = logits.new_empty((min(step, rows), classes))
+        logsumexp = logits.new_empty(rows)
+        total = logits.new_zeros(())
+        for s in range(0, rows, step):
+            n = min(step, rows - s)
+            torch._log_softmax(logits[s:s + n], 1, False, out=log_probs[:n])
+            part, _ = torch.ops.aten.nll_loss_forward(log_probs[:n], target[s:s + n], None, _REDUCTIONS["sum"],
+                                                      ignore_index)  # checks the targets as plain's does
+            total += part
+            torch.logsumexp(logits[s:s + n], 1, out=logsumexp[s:s + n])
+        del log_probs
+        # nll_loss's total weight without class weights: the rows not ignored
+        counted = (target != ignore_index).sum().to(logits.dtype)
+        ctx.ignore_index, ctx.reduction = ignore_index, _REDUCTIONS[reduction]
+        ctx.output, ctx.output_version, ctx.has_bias = output, output_version, bias is not None
+        ctx.save_for_backward(x, weight, bias if bias is not None else weight.new_empty(0), target, counted,
+                              logsumexp)
+        return total / counted if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, bias_or_empty, target, counted, logsumexp = ctx.saved_tensors
+        bias = bias_or_empty if ctx.has_bias else None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        rows_x = x.reshape(-1, x.shape[-1])
+        if weight.untyped_storage().nbytes() < weight.numel() * weight.element_size():
+            raise UnsupportedError(
+                "the weight of the linear layer before F.cross_entropy was freed between forward and backward "
+                "(an FSDP module resharded after its forward?); pass compress(linear_cross_entropy=False) so "
+                "that the loss's gradient goes through the layer's own backward")
+        if torch.is_grad_enabled():  # create_graph: the same ops as plain on the whole tensor, differentiable
+            log_probs = torch.log_softmax(F.linear(rows_x, weight, bias), 1)
+            nll = torch.ops.aten.nll_loss_backward(grad, log_probs, target, None, ctx.reduction, ctx.ignore_index,
+                                                   counted)
+            d = torch.ops.aten._log_softmax_backward_data(nll, log_probs, 1, log_probs.dtype)
+            return ((d @ weight).view_as(x) if need_x else None, d.t() @ rows_x if need_w else None,
+                    d.sum(0) if need_b and bias is not None else None, *(None,) * 6)
+        out = ctx.output()
+        live = out.view(-1, weight.shape[0]) if out is not None and out._version == ctx.output_version else None
+        valid = target != ctx.ignore_index
+        # each row's gradient is (softmax - one_hot) times this: the loss's gradient over the rows counted (mean)
+        scale = torch.where(valid, grad / counted if ctx.reduction == _REDUCTIONS["mean"] else grad, 0.0)
+        dx = torch.zeros_like(rows_x) if need_x else None
+        dw = torch.empty_like(weight) if need_w else None
+        db = torch.empty_like(bias) if need_b and bias is not None else None
+        rows, classes = rows_x.shape[0], weight.shape[0]
+        tile_rows = min(rows, TILE_ROWS)
+        chunk_bytes = CHUNK_BYTES.get(weight.device.type, CHUNK_BYTES["cpu"])
+        cols = min(classes, max(1, chunk_bytes // (tile_rows * weight.element_size())))
+        tile = weight.new_empty((tile_rows, cols))
+        for r in range(0, rows, tile_rows):
+            nr = min(tile_rows, rows - r)
+            xs, lse, sc, tg = rows_x[r:r + nr], logsumexp[r:r + nr, None], scale[r:r + nr, None], target[r:r + nr]
+            for c in range(0, classes, cols):
+                nc = min(cols, classes - c)
+                d, w = tile[:nr, :nc], weight[c:c + nc]
+                if live is not None:
+                    d.copy_(live[r:r + nr, c:c + nc])
+                elif bias is not None:
+                    torch.addmm(bias[c:c + nc], xs, w.t(), out=d)
+                else:
+                    torch.mm(xs, w.t(), out=d)
+                d.sub_(lse).exp_().mul_(sc)
+                hit = ((tg >= c) & (tg < c + nc) & valid[r:r + nr]).nonzero().squeeze(1)
+                d[hit, tg[hit] - c] -= sc[hit, 0]
+                if dx is not None:
+                    dx[r:r + nr].addmm_(d, w)
+                if dw is not None and r == 0:
+                    torch.mm(d.t(), xs, out=dw[c:c + nc])
+                elif dw is not None:
+                    dw[c:c + nc].addmm_(d.t(), xs)
+                if db is not None and r == 0:
+                    torch.sum(d, 0, out=db[c:c + nc])
+                elif db is not None:
+                    db[c:c + nc].add_(d.sum(0))
+        return (dx.view_as(x) if dx is not None else None, dw, db, *(None,) * 6)

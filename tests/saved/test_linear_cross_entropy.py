@@ -1,0 +1,255 @@
+"""Cross-entropy over a wide linear layer (saved/linear_cross_entropy.py): under ``compress`` it runs as a function
+of the layer's input, weight and bias, with the loss and gradients of plain PyTorch to float rounding, nothing of
+the logits' size saved or made in backward, and only where its logits are that layer's whole, unchanged output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import daftrain
+from daftrain.errors import UnsupportedError
+from daftrain.saved import linear_cross_entropy
+
+ROWS, FEATURES, CLASSES = 1200, 64, 2000
+# Float32 rounding: the chunks sum the loss and the weight's and bias's gradients over rows in another order than
+# one matmul does (relative error ~ sqrt(rows) * 2**-24 ~ 1e-6 at most here; measured ~1e-8).
+RTOL = 1e-5
+
+
+def _problem(seed: int = 0, bias: bool = True) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(FEATURES, CLASSES, bias=bias)
+    h = torch.randn(4, ROWS // 4, FEATURES, generator=gen) * 3
+    target = torch.randint(0, CLASSES, (ROWS,), generator=gen)
+    target[::7] = -100  # ignored rows
+    return head, h, target
+
+
+def _grads(head: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
+    parts = [head.weight.grad.flatten(), h.grad.flatten()]
+    return torch.cat(parts + ([head.bias.grad] if head.bias is not None else []))
+
+
+def _run(head: torch.nn.Linear, h0: torch.Tensor, target: torch.Tensor, ctx: daftrain.compress | None,
+         hold_logits: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    head.zero_grad()
+    h = h0.clone().requires_grad_()
+    with ctx if ctx is not None else torch.enable_grad():
+        logits = head(h)  # [4, ROWS / 4, CLASSES], viewed as rows below as a language model's loss does
+        loss = F.cross_entropy(logits.view(-1, CLASSES), target, **kwargs)
+    if not hold_logits:
+        del logits  # the usual case: backward recomputes each chunk's logits
+    loss.backward()
+    return loss.detach(), _grads(head, h)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL * b.abs().max().item())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("hold_logits", [False, True])
+def test_loss_and_gradients_are_plain_to_rounding(reduction: str, bias: bool, hold_logits: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # tiles of 500 rows by 900 classes: three of each, the last partial; forward's chunks of 225 rows
+    monkeypatch.setitem(linear_cross_entropy.CHUNK_BYTES, "cpu", 500 * 900 * 4)
+    monkeypatch.setattr(linear_cross_entropy, "TILE_ROWS", 500)
+    head, h, target = _problem(bias=bias)
+    plain_loss, plain_grad = _run(head, h, target, None, reduction=reduction)
+    ctx = daftrain.compress(bits=2)
+    loss, grad = _run(head, h, target, ctx, hold_logits=hold_logits, reduction=reduction)
+    _close(loss, plain_loss)
+    _close(grad, plain_grad)  # exact logits: closer to plain than the 8-bit logits the other path saves
+    assert ctx.stats.compressed == 0  # nothing quantized: the head's input is kept exact, the logits not saved
+
+
+def test_every_row_ignored_gives_what_plain_gives() -> None:
+    head, h, target = _problem()
+    target.fill_(-100)
+    for reduction in ("mean", "sum"):
+        plain = _run(head, h, target, None, reduction=reduction)
+        ours = _run(head, h, target, daftrain.compress(bits=2), reduction=reduction)
+        for a, b in zip(ours, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_double_backward_matches_plain() -> None:
+    head, h0, target = _problem()
+
+    def second(ctx: daftrain.compress | None) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h0.clone().requires_grad_()
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = F.cross_entropy(head(h).view(-1, CLASSES), target)
+        (g,) = torch.autograd.grad(loss, h, create_graph=True)
+        (gg,) = torch.autograd.grad(g.square().sum(), h)
+        return g, gg
+
+    # under create_graph the backward runs the same ops as plain on the whole tensor
+    for a, b in zip(second(daftrain.compress(bits=2)), second(None), strict=True):
+        assert torch.equal(a, b)
+
+
+class _Created(TorchDispatchMode):
+    """The largest number of values in a tensor the ops it sees create (outputs not among their inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values())
+                  if isinstance(a, torch.Tensor)}
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, o.numel())
+        return out
+
+
+def test_nothing_of_the_logits_size_is_saved_or_made_in_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(linear_cross_entropy.CHUNK_BYTES, "cpu", 300 * CLASSES * 4)
+    largest = []
+    for ctx in (daftrain.compress(bits=8, linear_cross_entropy=False), daftrain.compress(bits=8)):
+        head, h0, target = _problem()
+        h = h0.clone().requires_grad_()
+        with ctx:
+            loss = F.cross_entropy(head(h).view(-1, CLASSES), target)
+        probe = _Created()
+        with probe:
+            loss.backward()
+        largest.append(probe.largest)
+    assert largest[0] == ROWS * CLASSES  # the logits' gradient (the logits decoded besides, by the unpack)
+    assert largest[1] == 300 * CLASSES  # one tile of CHUNK_BYTES (the weight's gradient, 2000 x 64, is smaller)
+
+
+def test_a_narrow_layer_saves_its_logits() -> None:
+    # 2000 classes from 1024 features: the input exact would take more bytes than the logits at 8 bits
+    head = torch.nn.Linear(1024, CLASSES)
+    h = torch.randn(ROWS, 1024, requires_grad=True)
+    with daftrain.compress(bits=2) as ctx:
+        loss = F.cross_entropy(head(h), torch.randint(0, CLASSES, (ROWS,)))
+    loss.backward()
+    assert ctx.stats.compressed == 1  # the logits (the layer's input is a leaf that requires grad: kept)
+    assert ctx.stats.packed_bytes > ROWS * CLASSES  # at 8 bits, not 2
+
+
+def _logits_from(head: torch.nn.Linear, h: torch.Tensor, how: str) -> torch.Tensor:
+    logits = head(h)
+    if how == "in_place":
+        return logits.mul_(0.5).view(-1, CLASSES)
+    if how == "sliced":
+        return logits[:, 1:].reshape(-1, CLASSES)
+    if how == "another_layer":
+        head(h)  # a later call of the same layer: the logits are not its output
+        return logits.view(-1, CLASSES)
+    return (logits * 1.0).view(-1, CLASSES)  # "computed": a new tensor from the output
+
+
+@pytest.mark.parametrize("how", ["in_place", "sliced", "another_layer", "computed"])
+def test_logits_that_are_not_the_whole_unchanged_output_are_saved(how: str) -> None:
+    head, h0, target = _problem()
+    results = []
+    for ctx in (None, daftrain.compress(bits=8)):
+        head.zero_grad()
+        h = h0.clone().requires_grad_()
+        with ctx if ctx is not None else torch.enable_grad():
+            logits = _logits_from(head, h, how)
+            loss = F.cross_entropy(logits, target[:logits.shape[0]])
+        loss.backward()
+        results.append((loss.detach(), _grads(head, h), ctx.stats.compressed if ctx is not None else None))
+    (plain_loss, plain_grad, _), (loss, grad, compressed) = results
+    assert torch.equal(loss, plain_loss)  # the logits-saving function: plain's loss bit for bit
+    assert compressed >= 1  # its logits saved at 8 bits
+    assert F.cosine_similarity(grad.double(), plain_grad.double(), dim=0).item() >= 0.999
+
+
+def test_input_written_after_the_layer_is_not_recomputed_from() -> None:
+    head, h0, target = _problem()
+    h = h0.clone().requires_grad_()
+    x = h * 1.0
+    with daftrain.compress(bits=8) as ctx:
+        logits = head(x)
+        x.add_(1.0)  # the layer's input changed: its output no longer follows from it
+        loss = F.cross_entropy(logits.view(-1, CLASSES), target)
+    assert type(loss.grad_fn).__name__ == "_SavingLogitsBackward"
+    assert ctx.stats.compressed >= 1  # the logits were saved instead
+
+
+def test_a_hook_on_the_output_keeps_the_loss_through_the_layer() -> None:
+    # FSDP gathers a resharded module's weight from a hook on the module's output, run when its gradient arrives;
+    # the function over the layer would never send one there. Here the weight is freed after forward as FSDP
+    # frees it, and the hook gathers it again.
+    head, h0, target = _problem()
+    kept = head.weight.detach().clone()
+    gathered = []
+
+    def gather(grad: torch.Tensor) -> None:
+        gathered.append(True)
+        head.weight.untyped_storage().resize_(kept.numel() * kept.element_size())
+        with torch.no_grad():
+            head.weight.copy_(kept)
+
+    plain_grad = _run(head, h0, target, None)[1]
+    head.zero_grad()
+    h = h0.clone().requires_grad_()
+    with daftrain.compress(bits=8):
+        out = head(h.view(-1, FEATURES))  # the logits themselves (a hook on a view between is not seen)
+        out.register_hook(gather)
+        loss = F.cross_entropy(out, target)
+    del out
+    assert type(loss.grad_fn).__name__ == "_SavingLogitsBackward"
+    head.weight.untyped_storage().resize_(0)
+    loss.backward()
+    assert gathered and F.cosine_similarity(_grads(head, h).double(), plain_grad.double(), dim=0).item() >= 0.999
+
+
+def test_a_weight_freed_before_backward_raises() -> None:
+    head, h0, target = _problem()
+    kept = head.weight.detach().clone()
+    with daftrain.compress(bits=8):
+        loss = F.cross_entropy(head(h0.clone().requires_grad_()).view(-1, CLASSES), target)
+    head.weight.untyped_storage().resize_(0)
+    try:
+        with pytest.raises(UnsupportedError, match="linear_cross_entropy=False"):
+            loss.backward()
+    finally:
+        head.weight.untyped_storage().resize_(kept.numel() * kept.element_size())
+        with torch.no_grad():
+            head.weight.copy_(kept)
+
+
+def test_the_option_turns_it_off() -> None:
+    head, h0, target = _problem()
+    with daftrain.compress(bits=8, linear_cross_entropy=False):
+        loss = F.cross_entropy(head(h0.clone().requires_grad_()).view(-1, CLASSES), target)
+    assert type(loss.grad_fn).__name__ == "_SavingLogitsBackward"
+
+
+def test_config_rejects_a_non_bool() -> None:
+    with pytest.raises(daftrain.errors.ArgumentTypeError, match="linear_cross_entropy"):
+        daftrain.CompressionConfig(linear_cross_entropy=1)  # type: ignore[arg-type]
+
+
+def test_a_language_models_own_loss_is_taken() -> None:
+    # Hugging Face's causal LM loss: the head's [batch, seq, vocab] output viewed as rows, in its own loss function
+    from daftrain.demo.models.transformers_zoo import gpt2_lm
+
+    model = gpt2_lm(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=1000, dropout=0.0, seed=0)
+    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for ctx in (None, daftrain.compress(bits=8)):
+        model.zero_grad()
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = model(input_ids=ids, labels=ids).loss
+        runs.append((loss.detach(), type(loss.grad_fn).__name__))
+        loss.backward()
+        runs[-1] += (torch.cat([p.grad.flatten() for p in model.parameters()]),)
+    (plain_loss, _, plain_grad), (loss, node, grad) = runs
+    assert node == "_OverLinearBackward"
+    _close(loss, plain_loss)  # 8 bits changes backward only; the forward is plain's to the loss's summation order
+    assert F.cosine_similarity(grad.double(), plain_grad.double(), dim=0).item() >= 0.999
