@@ -44,6 +44,9 @@ traffic a small share of the tile's matmuls."""
 #     one tile-sized temporary, nothing of the logits' size. With the logsumexp known, a tile needs no
 #     other columns of its rows, so a tile spans every row up to ``TILE_ROWS`` and the weight's gradient is
 #     written once per block of classes rather than accumulated over chunks of rows.
+# A half-precision head (bfloat16 under autocast, or a bfloat16 model) whose output is cast up once for the loss
+# (``logits.float()``) is taken too: backward recomputes the logits in the head's dtype and runs the gradients'
+# matmuls in it, as the layer's own backward does, summing their partials in float32.
 # The loss reaches the input, weight and bias through this function, not through the linear call's node,
 # which gets no gradient from it (another use of the logits still sends its own gradient through that node).
 # The gradient is the same function of exact values as plain PyTorch's, with the logits exact where the
@@ -62,8 +65,9 @@ traffic a small share of the tile's matmuls."""
 
 @dataclass(frozen=True)
 class LinearCall:
-    """A linear call: its output's autograd node and a reference to the output, its input, weight and bias, and
-    the versions of the four at the call."""
+    """A linear call: its output's autograd node and a reference to the output, its input, weight and bias, the
+    versions of the four at the call, and the dtype it computed in (its output's: under autocast, not its
+    inputs')."""
 
     node: Any
     output: weakref.ReferenceType[torch.Tensor]
@@ -71,6 +75,7 @@ class LinearCall:
     weight: torch.Tensor
     bias: torch.Tensor | None
     versions: tuple[int, int, int, int]
+    dtype: torch.dtype
 
 
 def _versions(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
@@ -101,23 +106,31 @@ class LinearOutputs:
         self._last: LinearCall | None = None
 
     def note(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-        self._last = LinearCall(out.grad_fn, weakref.ref(out), x, weight, bias, _versions(out, x, weight, bias))
+        self._last = LinearCall(out.grad_fn, weakref.ref(out), x, weight, bias, _versions(out, x, weight, bias),
+                                out.dtype)
 
     def take(self, logits: torch.Tensor) -> LinearCall | None:
-        """The noted call if ``logits`` is its whole, unchanged output (the record is then dropped)."""
+        """The noted call if ``logits`` is its whole, unchanged output, or that output cast up once to the logits'
+        dtype (``logits.float()`` of a bfloat16 output); the record is then dropped."""
         call = self._last
-        if call is None or _versions(logits, call.input, call.weight, call.bias) != call.versions:
+        if call is None or _versions(logits, call.input, call.weight, call.bias)[1:] != call.versions[1:]:
             return None
         classes = call.weight.shape[0]
         if not (logits.dim() == 2 and logits.shape[1] == classes and logits.is_contiguous()
-                and logits.shape[0] * call.weight.shape[1] == call.input.numel()):
+                and logits.shape[0] * call.weight.shape[1] == call.input.numel()
+                and logits.device == call.weight.device):
             return None
         if logits._backward_hooks or (logits._base is not None and logits._base._backward_hooks) or _sharded():
             return None  # a hook waits for the output's gradient, which the function would never send
-        node = logits.grad_fn
-        while node is not None and node is not call.node and type(node).__name__ in _RESHAPE_NODES:
+        node, cast = logits.grad_fn, False
+        while node is not None and node is not call.node:
+            name = type(node).__name__
+            if name == "ToCopyBackward0" and not cast and call.dtype != logits.dtype:
+                cast = True  # a copy made once and not written since: what it holds is what the call computed
+            elif name not in _RESHAPE_NODES:
+                return None
             node = node.next_functions[0][0]
-        if node is not call.node:
+        if node is not call.node or (not cast and logits._version != call.versions[0]):
             return None
         self._last = None
         return call
@@ -129,7 +142,7 @@ def cross_entropy_over_linear(call: LinearCall, input: torch.Tensor, target: tor
     """``F.cross_entropy`` of ``call``'s output ``input`` (a call ``saves_logits`` took and ``LinearOutputs.take``
     matched; the same signature)."""
     return _OverLinear.apply(call.input, call.weight, call.bias, input.detach(), target, ignore_index, reduction,
-                             call.output, call.versions[0])
+                             call.output, call.versions[0], call.dtype)
 
 
 _REDUCTIONS = {"mean": 1, "sum": 2}  # ATen's reduction enum
@@ -139,7 +152,7 @@ class _OverLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
-                output: weakref.ReferenceType[torch.Tensor], output_version: int) -> torch.Tensor:
+                output: weakref.ReferenceType[torch.Tensor], output_version: int, dtype: torch.dtype) -> torch.Tensor:
         rows, classes = logits.shape
         step = max(1, CHUNK_BYTES.get(logits.device.type, CHUNK_BYTES["cpu"]) // (classes * logits.element_size()))
         log_probs = logits.new_empty((min(step, rows), classes))
@@ -156,7 +169,7 @@ class _OverLinear(torch.autograd.Function):
         # nll_loss's total weight without class weights: the rows not ignored
         counted = (target != ignore_index).sum().to(logits.dtype)
         ctx.ignore_index, ctx.reduction = ignore_index, _REDUCTIONS[reduction]
-        ctx.output, ctx.output_version, ctx.has_bias = output, output_version, bias is not None
+        ctx.output, ctx.output_version, ctx.has_bias, ctx.dtype = output, output_version, bias is not None, dtype
         ctx.save_for_backward(x, weight, bias if bias is not None else weight.new_empty(0), target, counted,
                               logsumexp)
         return total / counted if reduction == "mean" else total
@@ -172,49 +185,77 @@ class _OverLinear(torch.autograd.Function):
                 "the weight of the linear layer before F.cross_entropy was freed between forward and backward "
                 "(an FSDP module resharded after its forward?); pass compress(linear_cross_entropy=False) so "
                 "that the loss's gradient goes through the layer's own backward")
+        cd = ctx.dtype  # the layer's own arithmetic: in its output's dtype (bfloat16 under autocast)
         if torch.is_grad_enabled():  # create_graph: the same ops as plain on the whole tensor, differentiable
-            log_probs = torch.log_softmax(F.linear(rows_x, weight, bias), 1)
+            logits = F.linear(rows_x.to(cd), weight.to(cd), None if bias is None else bias.to(cd))
+            log_probs = torch.log_softmax(logits.to(logsumexp.dtype), 1)
             nll = torch.ops.aten.nll_loss_backward(grad, log_probs, target, None, ctx.reduction, ctx.ignore_index,
                                                    counted)
-            d = torch.ops.aten._log_softmax_backward_data(nll, log_probs, 1, log_probs.dtype)
-            return ((d @ weight).view_as(x) if need_x else None, d.t() @ rows_x if need_w else None,
-                    d.sum(0) if need_b and bias is not None else None, *(None,) * 6)
+            d = torch.ops.aten._log_softmax_backward_data(nll, log_probs, 1, log_probs.dtype).to(cd)
+            return ((d @ weight.to(cd)).to(x.dtype).view_as(x) if need_x else None,
+                    (d.t() @ rows_x.to(cd)).to(weight.dtype) if need_w else None,
+                    d.sum(0).to(bias.dtype) if need_b and bias is not None else None, *(None,) * 7)
         out = ctx.output()
         live = out.view(-1, weight.shape[0]) if out is not None and out._version == ctx.output_version else None
         valid = target != ctx.ignore_index
         # each row's gradient is (softmax - one_hot) times this: the loss's gradient over the rows counted (mean)
         scale = torch.where(valid, grad / counted if ctx.reduction == _REDUCTIONS["mean"] else grad, 0.0)
-        dx = torch.zeros_like(rows_x) if need_x else None
+        same = cd == logsumexp.dtype == weight.dtype == x.dtype  # float32 throughout: matmuls write in place
+        dx = torch.zeros(rows_x.shape, dtype=logsumexp.dtype, device=x.device) if need_x else None
         dw = torch.empty_like(weight) if need_w else None
         db = torch.empty_like(bias) if need_b and bias is not None else None
         rows, classes = rows_x.shape[0], weight.shape[0]
         tile_rows = min(rows, TILE_ROWS)
         chunk_bytes = CHUNK_BYTES.get(weight.device.type, CHUNK_BYTES["cpu"])
-        cols = min(classes, max(1, chunk_bytes // (tile_rows * weight.element_size())))
-        tile = weight.new_empty((tile_rows, cols))
-        for r in range(0, rows, tile_rows):
-            nr = min(tile_rows, rows - r)
-            xs, lse, sc, tg = rows_x[r:r + nr], logsumexp[r:r + nr, None], scale[r:r + nr, None], target[r:r + nr]
-            for c in range(0, classes, cols):
-                nc = min(cols, classes - c)
-                d, w = tile[:nr, :nc], weight[c:c + nc]
+        cols = min(classes, max(1, chunk_bytes // (tile_rows * logsumexp.element_size())))
+        tile = logsumexp.new_empty((tile_rows, cols))
+        for c in range(0, classes, cols):
+            nc = min(cols, classes - c)
+            w = weight[c:c + nc].to(cd)
+            b = None if bias is None else bias[c:c + nc].to(cd)
+            # the weight's and bias's gradients for these classes, summed over the row tiles in float32
+            dw_c = None if dw is None else dw[c:c + nc] if same or rows <= tile_rows else dw.new_empty(
+                (nc, dw.shape[1]), dtype=logsumexp.dtype)
+            db_c = None if db is None else logsumexp.new_zeros(nc)
+            for r in range(0, rows, tile_rows):
+                nr = min(tile_rows, rows - r)
+                xs, tg = rows_x[r:r + nr].to(cd), target[r:r + nr]
+                d = tile[:nr, :nc]
                 if live is not None:
                     d.copy_(live[r:r + nr, c:c + nc])
-                elif bias is not None:
-                    torch.addmm(bias[c:c + nc], xs, w.t(), out=d)
+                elif not same:
+                    d.copy_(F.linear(xs, w, b))
+                elif b is not None:
+                    torch.addmm(b, xs, w.t(), out=d)
                 else:
                     torch.mm(xs, w.t(), out=d)
-                d.sub_(lse).exp_().mul_(sc)
+                sc = scale[r:r + nr, None]
+                d.sub_(logsumexp[r:r + nr, None]).exp_().mul_(sc)
                 hit = ((tg >= c) & (tg < c + nc) & valid[r:r + nr]).nonzero().squeeze(1)
                 d[hit, tg[hit] - c] -= sc[hit, 0]
-                if dx is not None:
-                    dx[r:r + nr].addmm_(d, w)
-                if dw is not None and r == 0:
-                    torch.mm(d.t(), xs, out=dw[c:c + nc])
-                elif dw is not None:
-                    dw[c:c + nc].addmm_(d.t(), xs)
-                if db is not None and r == 0:
-                    torch.sum(d, 0, out=db[c:c + nc])
-                elif db is not None:
-                    db[c:c + nc].add_(d.sum(0))
-        return (dx.view_as(x) if dx is not None else None, dw, db, *(None,) * 6)
+                dc = d if same else d.to(cd)
+                if dx is not None and same:
+                    dx[r:r + nr].addmm_(dc, w)
+                elif dx is not None:
+                    dx[r:r + nr].add_(dc @ w)
+                if dw_c is not None:
+                    _write(dw_c, dc.t(), xs, first=r == 0)
+                if db_c is not None:
+                    db_c.add_(d.sum(0))
+            if dw_c is not None and dw_c.data_ptr() != dw[c:c + nc].data_ptr():
+                dw[c:c + nc].copy_(dw_c)
+            if db is not None and db_c is not None:
+                db[c:c + nc].copy_(db_c)
+        return (dx.to(x.dtype).view_as(x) if dx is not None else None, dw, db, *(None,) * 7)
+
+
+def _write(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``dst = a @ b`` (``first``) or ``dst += a @ b``, without a temporary where the dtypes agree."""
+    if dst.dtype == a.dtype and first:
+        torch.mm(a, b, out=dst)
+    elif dst.dtype == a.dtype:
+        dst.addmm_(a, b)
+    elif first:
+        dst.copy_(a @ b)
+    else:
+        dst.add_(a @ b)

@@ -463,10 +463,13 @@ class _RuleMode(TorchFunctionMode):
         return out
 
 
+_LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _wide_linear(args: tuple[Any, ...], kwargs: Mapping[str, Any],
                  out: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The input, weight and bias of a differentiable float32 ``F.linear`` call whose output takes more bytes at
-    ``LOGITS_MIN_BITS`` than its input exact (``NOTE [ Cross-entropy over a wide linear layer ]``)."""
+    """The input, weight and bias of a differentiable floating-point ``F.linear`` call whose output takes more
+    bytes at ``LOGITS_MIN_BITS`` than its input exact (``NOTE [ Cross-entropy over a wide linear layer ]``)."""
     x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and isinstance(out, torch.Tensor)):
         return None
@@ -474,9 +477,10 @@ def _wide_linear(args: tuple[Any, ...], kwargs: Mapping[str, Any],
         return None
     if not (out.requires_grad and torch.is_grad_enabled() and w.dim() == 2 and x.dim() >= 1):
         return None
-    if any(t.dtype != torch.float32 or t.layout != torch.strided or t.device != out.device
-           for t in (x, w, out, *(() if b is None else (b,)))):
-        return None
+    if out.dtype not in _LINEAR_DTYPES or any(
+            t.dtype not in (torch.float32, out.dtype) or t.layout != torch.strided or t.device != out.device
+            for t in (x, w, out, *(() if b is None else (b,)))):
+        return None  # float32, or a half-precision output (under autocast, of float32 inputs)
     return (x, w, b) if w.shape[0] * LOGITS_MIN_BITS > 8 * w.shape[1] * x.element_size() else None
 
 
