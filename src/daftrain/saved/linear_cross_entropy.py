@@ -21,8 +21,8 @@ a tile): forward's temporaries and backward's one tile are that size."""
 
 TILE_ROWS = 4096
 """Backward works on tiles of at most this many rows by as many classes as fit in ``CHUNK_BYTES``: each tile
-reads its slice of the weight twice and writes its slice of the weight's gradient once, so tall tiles keep that
-traffic a small share of the tile's matmuls."""
+reads its block of the weight twice and adds to that block's gradient once, so tall tiles keep that traffic a
+small share of the tile's matmuls."""
 
 
 # NOTE [ Cross-entropy over a wide linear layer ]
@@ -42,8 +42,8 @@ traffic a small share of the tile's matmuls."""
 #     exact input; its gradient, ``(softmax - one_hot(target)) * scale`` with the softmax ``exp(logits -
 #     logsumexp)``, is written over them, and the input's, weight's and bias's gradients take their parts:
 #     one tile-sized temporary, nothing of the logits' size. With the logsumexp known, a tile needs no
-#     other columns of its rows, so a tile spans every row up to ``TILE_ROWS`` and the weight's gradient is
-#     written once per block of classes rather than accumulated over chunks of rows.
+#     other columns of its rows, so a tile spans every row up to ``TILE_ROWS``: the weight's gradient for a
+#     block of classes is summed over few row tiles (one up to ``TILE_ROWS`` rows), not over many chunks.
 # A half-precision head (bfloat16 under autocast, or a bfloat16 model) whose output is cast up once for the loss
 # (``logits.float()``) is taken too: backward recomputes the logits in the head's dtype and runs the gradients'
 # matmuls in it, as the layer's own backward does, summing their partials in float32.

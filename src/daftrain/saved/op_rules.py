@@ -131,7 +131,7 @@ RULES: tuple[OpRule, ...] = (
            "logits' size; run as one function that saves the logits (exponentiated in backward: at least 8 "
            "bits) and writes the gradient into one tensor with PyTorch's own backward ops, chunk by chunk: two; "
            "over a wide linear layer's output, as a function of the layer's input (exact), weight and bias that "
-           "recomputes the logits chunk by chunk in backward: none",
+           "recomputes the logits tile by tile in backward: none",
            min_bits=LOGITS_MIN_BITS),
 )
 
