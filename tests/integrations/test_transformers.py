@@ -37,13 +37,26 @@ class _Passages(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def _train(tmp_path, callbacks, *, lora=False, checkpointing=False, steps=3, optim="adamw_torch"):
+class _Text(_Passages):
+    """The passages as a language model's samples: its labels are its tokens, padding ignored."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        for item in self.items:
+            item["labels"] = item["input_ids"].masked_fill(item["attention_mask"] == 0, -100)
+
+
+def _train(tmp_path, callbacks, *, lora=False, checkpointing=False, steps=3, optim="adamw_torch", causal_lm=False):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
     path = weights.get_model_path()
     transformers.set_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+    if causal_lm:  # a small GPT-2 over the tokenizer's 30522 tokens: a head far wider than its 64 inputs
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=tokenizer.vocab_size, n_embd=64, n_layer=2, n_head=2, n_positions=32, use_cache=False))
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -53,7 +66,8 @@ def _train(tmp_path, callbacks, *, lora=False, checkpointing=False, steps=3, opt
                              learning_rate=1e-3, optim=optim, logging_steps=1, report_to=[], save_strategy="no",
                              use_cpu=True, seed=0, data_seed=0, gradient_checkpointing=checkpointing,
                              dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=_Passages(tokenizer), callbacks=callbacks)
+    data = _Text(tokenizer) if causal_lm else _Passages(tokenizer)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     params = torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
@@ -91,6 +105,28 @@ def test_compressed_run_tracks_plain_and_saves_bytes(tmp_path, lora, checkpointi
     if checkpointing:  # the layers' recomputation in backward was stored compressed, through the callback's context
         recomputed = callback.ctx.recomputation_context().stats
         assert recomputed.compressed > 0 and recomputed.packed_bytes < recomputed.raw_bytes / 2, recomputed.summary()
+
+
+def test_a_language_models_loss_runs_over_its_head(tmp_path, monkeypatch):
+    # The Trainer hands the model the batch's token count, so Hugging Face's loss is a sum over tokens divided
+    # by it: the cross-entropy over the head takes that form too (saved/linear_cross_entropy.py).
+    from daftrain.saved import linear_cross_entropy
+
+    forward, taken = linear_cross_entropy._OverLinear.forward, []
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        taken.append(args[7])  # the reduction
+        return forward(*args, **kwargs)
+
+    kw = {"causal_lm": True, "optim": "sgd"}
+    plain_losses, plain_update = _train(tmp_path / "plain", [], **kw)
+    monkeypatch.setattr(linear_cross_entropy._OverLinear, "forward", staticmethod(counted))
+    losses, update = _train(tmp_path / "daftrain", [DaftrainCallback(bits=8)], **kw)
+    assert taken == ["sum"] * 3, taken
+    for a, b in zip(losses, plain_losses, strict=True):  # 8-bit activations: as in the test above
+        assert abs(a - b) <= 0.02 * abs(b) + 1e-3, (losses, plain_losses)
+    cos = torch.nn.functional.cosine_similarity(update, plain_update, dim=0)
+    assert cos >= 0.999, cos
 
 
 def test_error_share_calibrates_on_the_models_own_loss(tmp_path):
