@@ -19,7 +19,9 @@ huge pages for what it maps), ``+thp`` with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch 
 columns where that pays; result files before that default name the opt-in ``+columns``); ``+uniform`` is
 ``compress(fitted_grids=False)``: evenly spaced levels everywhere (``NOTE [ Fitted grids ]``); ``bits2+logits`` is
 ``compress(bits=2, linear_cross_entropy=False)``: a language model's loss saves its logits instead of running
-over its head (``NOTE [ Cross-entropy over a wide linear layer ]``).
+over its head (``NOTE [ Cross-entropy over a wide linear layer ]``). Models: ``resnet18`` (CIFAR-style, batch 128),
+``gpt2`` (GPT-2 small, 8 x 256 tokens), ``minilm_lora`` (MiniLM + LoRA, 32 x 128), ``llama_lora`` (a Llama-style
+decoder, 4 layers of 512, a 32000-token vocabulary, 4 x 512 tokens, LoRA on q and v, its head frozen).
 ``compile`` runs the model under ``torch.compile`` (inductor), ``compile+bits2`` / ``+bits4`` under
 ``compress`` too (the packing inlined into the compiled graphs): their first step compiles, so next to
 the peak over every step each row has ``steady_peak_mb``, the peak over the steps after the first two
@@ -144,6 +146,19 @@ def build(model_name: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
 
         def loss_fn(m, b):  # type: ignore[no-untyped-def]
             return m(input_ids=b[0], labels=b[1]).loss
+    elif model_name == "llama_lora":  # a Llama-style decoder fine-tuned with LoRA, its 32000-token head frozen
+        import transformers
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=8, max_position_embeddings=512, use_cache=False)),
+            LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        ids = torch.randint(0, 32000, (4, 512))
+        batch = (ids,)
+
+        def loss_fn(m, b):  # type: ignore[no-untyped-def]
+            return m(input_ids=b[0], labels=b[0]).loss
     else:
         raise SystemExit(f"unknown model {model_name}")
     model.train()
