@@ -214,8 +214,10 @@ class _OverLinear(torch.autograd.Function):
             w = weight[c:c + nc].to(cd)
             b = None if bias is None else bias[c:c + nc].to(cd)
             # the weight's and bias's gradients for these classes, summed over the row tiles in float32
-            dw_c = None if dw is None else dw[c:c + nc] if same or rows <= tile_rows else dw.new_empty(
-                (nc, dw.shape[1]), dtype=logsumexp.dtype)
+            dw_c = dw
+            if dw is not None:
+                wide = dw.dtype == logsumexp.dtype or rows <= tile_rows
+                dw_c = dw[c:c + nc] if wide else dw.new_empty((nc, dw.shape[1]), dtype=logsumexp.dtype)
             db_c = None if db is None else logsumexp.new_zeros(nc)
             for r in range(0, rows, tile_rows):
                 nr = min(tile_rows, rows - r)
