@@ -291,3 +291,52 @@ def test_a_language_models_own_loss_is_taken() -> None:
     assert node == "_OverLinearBackward"
     _close(loss, plain_loss)  # 8 bits changes backward only; the forward is plain's to the loss's summation order
     assert F.cosine_similarity(grad.double(), plain_grad.double(), dim=0).item() >= 0.999
+
+
+def _zoo_language_models() -> list[str]:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    from daftrain.demo.models.transformers_zoo import TINY_ZOO
+
+    return [m for m, kind, _ in TINY_ZOO if (kind == "text" and m in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+            or (kind == "seq2seq" and m in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)]
+
+
+# The heads that scale, soft-cap or offset their logits before the loss: the logits are not the head's output.
+_LOGITS_CHANGED_AFTER_THE_HEAD = {"cohere", "cohere2", "gemma2", "granite", "granitemoe", "recurrent_gemma", "bart",
+                                  "mbart", "marian", "pegasus", "blenderbot", "led"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", _zoo_language_models())
+def test_every_language_model_of_the_zoo(model_type: str) -> None:
+    # Each of the zoo's causal and sequence-to-sequence language models, with its own loss over a 2048-token
+    # vocabulary (wide over its 64 hidden values): the loss runs over its head unless the model changes its
+    # logits after the head, and the gradient at 8 bits is plain's to the zoo's 8-bit target.
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from daftrain.demo.models.transformers_zoo import _TINY_COMMON, TINY_ZOO
+
+    _, kind, overrides = next(e for e in TINY_ZOO if e[0] == model_type)
+    kwargs = {k: v for k, v in {**_TINY_COMMON, **overrides, "vocab_size": 2048}.items() if v is not None}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    model = (AutoModelForCausalLM if kind == "text" else AutoModelForSeq2SeqLM).from_config(config).train()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 2048, (2, 32), generator=gen)
+    labels = ids if kind == "text" else torch.randint(3, 2048, (2, 16), generator=gen)
+    runs = []
+    for ctx in (None, daftrain.compress(bits=8)):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the same dropout masks
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = model(input_ids=ids, labels=labels).loss
+        node = type(loss.grad_fn).__name__
+        loss.backward()
+        runs.append((node, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    (_, plain), (node, grad) = runs
+    assert node == ("_SavingLogitsBackward" if model_type in _LOGITS_CHANGED_AFTER_THE_HEAD else "_OverLinearBackward")
+    assert F.cosine_similarity(grad.double(), plain.double(), dim=0).item() >= 0.999
