@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "cross_entropy_saving_logits", "saves_logits"]
+__all__ = ["CHUNK_BYTES", "REDUCTIONS", "cross_entropy_saving_logits", "saves_logits"]
 
 CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
 """By device, the backward computes the gradient of as many rows at a time as fit in this many bytes of logits
@@ -49,7 +49,8 @@ def cross_entropy_saving_logits(input: torch.Tensor, target: torch.Tensor, weigh
     return _SavingLogits.apply(input, target, ignore_index, reduction)
 
 
-_REDUCTIONS = {"mean": 1, "sum": 2}  # ATen's reduction enum
+REDUCTIONS = {"mean": 1, "sum": 2}
+"""ATen's reduction enum, for its loss ops."""
 
 
 class _SavingLogits(torch.autograd.Function):
@@ -57,8 +58,8 @@ class _SavingLogits(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,  # type: ignore[override]
                 reduction: str) -> torch.Tensor:
         loss, total_weight = torch.ops.aten.nll_loss_forward(torch.log_softmax(logits, 1), target, None,
-                                                             _REDUCTIONS[reduction], ignore_index)
-        ctx.ignore_index, ctx.reduction = ignore_index, _REDUCTIONS[reduction]
+                                                             REDUCTIONS[reduction], ignore_index)
+        ctx.ignore_index, ctx.reduction = ignore_index, REDUCTIONS[reduction]
         ctx.save_for_backward(logits, target, total_weight)
         return loss
 

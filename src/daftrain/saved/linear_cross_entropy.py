@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedError
+from .cross_entropy import REDUCTIONS
 
 __all__ = ["CHUNK_BYTES", "LinearCall", "LinearOutputs", "cross_entropy_over_linear"]
 
@@ -145,8 +146,6 @@ def cross_entropy_over_linear(call: LinearCall, input: torch.Tensor, target: tor
                              call.output, call.versions[0], call.dtype)
 
 
-_REDUCTIONS = {"mean": 1, "sum": 2}  # ATen's reduction enum
-
 
 class _OverLinear(torch.autograd.Function):
     @staticmethod
@@ -161,14 +160,14 @@ class _OverLinear(torch.autograd.Function):
         for s in range(0, rows, step):
             n = min(step, rows - s)
             torch._log_softmax(logits[s:s + n], 1, False, out=log_probs[:n])
-            part, _ = torch.ops.aten.nll_loss_forward(log_probs[:n], target[s:s + n], None, _REDUCTIONS["sum"],
+            part, _ = torch.ops.aten.nll_loss_forward(log_probs[:n], target[s:s + n], None, REDUCTIONS["sum"],
                                                       ignore_index)  # checks the targets as plain's does
             total += part
             torch.logsumexp(logits[s:s + n], 1, out=logsumexp[s:s + n])
         del log_probs
         # nll_loss's total weight without class weights: the rows not ignored
         counted = (target != ignore_index).sum().to(logits.dtype)
-        ctx.ignore_index, ctx.reduction = ignore_index, _REDUCTIONS[reduction]
+        ctx.ignore_index, ctx.reduction = ignore_index, REDUCTIONS[reduction]
         ctx.output, ctx.output_version, ctx.has_bias, ctx.dtype = output, output_version, bias is not None, dtype
         ctx.save_for_backward(x, weight, bias if bias is not None else weight.new_empty(0), target, counted,
                               logsumexp)
@@ -199,8 +198,8 @@ class _OverLinear(torch.autograd.Function):
         live = out.view(-1, weight.shape[0]) if out is not None and out._version == ctx.output_version else None
         valid = target != ctx.ignore_index
         # each row's gradient is (softmax - one_hot) times this: the loss's gradient over the rows counted (mean)
-        scale = torch.where(valid, grad / counted if ctx.reduction == _REDUCTIONS["mean"] else grad, 0.0)
-        same = cd == logsumexp.dtype == weight.dtype == x.dtype  # float32 throughout: matmuls write in place
+        scale = torch.where(valid, grad / counted if ctx.reduction == REDUCTIONS["mean"] else grad, 0.0)
+        same = cd == logsumexp.dtype == weight.dtype == x.dtype  # float32 throughout: the logits recomputed in place
         dx = torch.zeros(rows_x.shape, dtype=logsumexp.dtype, device=x.device) if need_x else None
         dw = torch.empty_like(weight) if need_w else None
         db = torch.empty_like(bias) if need_b and bias is not None else None
@@ -213,11 +212,11 @@ class _OverLinear(torch.autograd.Function):
             nc = min(cols, classes - c)
             w = weight[c:c + nc].to(cd)
             b = None if bias is None else bias[c:c + nc].to(cd)
-            # the weight's and bias's gradients for these classes, summed over the row tiles in float32
-            dw_c = dw
-            if dw is not None:
-                wide = dw.dtype == logsumexp.dtype or rows <= tile_rows
-                dw_c = dw[c:c + nc] if wide else dw.new_empty((nc, dw.shape[1]), dtype=logsumexp.dtype)
+            # the weight's and bias's gradients for these classes, summed over the row tiles in float32: a
+            # half-precision weight's gradient over several row tiles is summed in a block of its own
+            summed = dw is not None and dw.dtype != logsumexp.dtype and rows > tile_rows
+            dw_c = dw.new_empty((nc, dw.shape[1]), dtype=logsumexp.dtype) if summed else (
+                None if dw is None else dw[c:c + nc])
             db_c = None if db is None else logsumexp.new_zeros(nc)
             for r in range(0, rows, tile_rows):
                 nr = min(tile_rows, rows - r)
@@ -235,16 +234,14 @@ class _OverLinear(torch.autograd.Function):
                 d.sub_(logsumexp[r:r + nr, None]).exp_().mul_(sc)
                 hit = ((tg >= c) & (tg < c + nc) & valid[r:r + nr]).nonzero().squeeze(1)
                 d[hit, tg[hit] - c] -= sc[hit, 0]
-                dc = d if same else d.to(cd)
-                if dx is not None and same:
-                    dx[r:r + nr].addmm_(dc, w)
-                elif dx is not None:
-                    dx[r:r + nr].add_(dc @ w)
+                dc = d.to(cd)  # itself where the layer computes in float32
+                if dx is not None:
+                    _write(dx[r:r + nr], dc, w, first=False)
                 if dw_c is not None:
                     _write(dw_c, dc.t(), xs, first=r == 0)
                 if db_c is not None:
                     db_c.add_(d.sum(0))
-            if dw_c is not None and dw_c.data_ptr() != dw[c:c + nc].data_ptr():
+            if summed:
                 dw[c:c + nc].copy_(dw_c)
             if db is not None and db_c is not None:
                 db[c:c + nc].copy_(db_c)
