@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
@@ -64,3 +65,20 @@ def statistics_not_stored() -> Iterator[list[int]]:
         yield skipped
     finally:
         records.Normalized.candidate = candidate
+
+
+class CreatedTensors(TorchDispatchMode):
+    """While active, the number of values of each tensor an op returns that shares no storage with the op's
+    tensor arguments (in-place ops and views of inputs are not counted), in ``numels``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values())
+                  if isinstance(a, torch.Tensor)}
+        self.numels += [o.numel() for o in (out if isinstance(out, (tuple, list)) else (out,))
+                        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs]
+        return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import CreatedTensors
 
 import daftrain
 from daftrain.saved.cross_entropy import cross_entropy_saving_logits, saves_logits
@@ -90,24 +90,6 @@ def test_under_compress_the_loss_is_plain_and_the_gradient_close() -> None:
     assert torch.equal(_run(head, h, target, exact)[1], plain_grad)  # exact mode: no rule runs
 
 
-class _LogitsSized(TorchDispatchMode):
-    """Counts the tensors of ``numel`` values the ops it sees create (outputs not among their inputs)."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel, self.created = numel, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values())
-                  if isinstance(a, torch.Tensor)}
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            if (isinstance(o, torch.Tensor) and o.numel() == self.numel
-                    and o.untyped_storage().data_ptr() not in inputs):
-                self.created += 1
-        return out
-
-
 def test_backward_creates_one_logits_sized_tensor_not_two() -> None:
     # NOTE [ Cross-entropy that saves its logits ]: plain backward makes nll_loss's gradient and
     # log_softmax's; the function writes one (beside the decoded logits, which the unpack makes)
@@ -116,10 +98,10 @@ def test_backward_creates_one_logits_sized_tensor_not_two() -> None:
         head, h, target = _problem()
         with ctx if ctx is not None else torch.enable_grad():
             loss = F.cross_entropy(head(h), target)
-        probe = _LogitsSized(ROWS * CLASSES)
+        probe = CreatedTensors()
         with probe:
             loss.backward()
-        counts.append(probe.created)
+        counts.append(probe.numels.count(ROWS * CLASSES))
     assert counts == [2, 1]
 
 

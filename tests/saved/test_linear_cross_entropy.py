@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import CreatedTensors
 
 import daftrain
 from daftrain.errors import UnsupportedError
@@ -132,23 +132,6 @@ def test_double_backward_matches_plain() -> None:
         assert torch.equal(a, b)
 
 
-class _Created(TorchDispatchMode):
-    """The largest number of values in a tensor the ops it sees create (outputs not among their inputs)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values())
-                  if isinstance(a, torch.Tensor)}
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, o.numel())
-        return out
-
-
 def test_nothing_of_the_logits_size_is_saved_or_made_in_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(linear_cross_entropy.CHUNK_BYTES, "cpu", 300 * CLASSES * 4)
     largest = []
@@ -157,10 +140,10 @@ def test_nothing_of_the_logits_size_is_saved_or_made_in_backward(monkeypatch: py
         h = h0.clone().requires_grad_()
         with ctx:
             loss = F.cross_entropy(head(h).view(-1, CLASSES), target)
-        probe = _Created()
+        probe = CreatedTensors()
         with probe:
             loss.backward()
-        largest.append(probe.largest)
+        largest.append(max(probe.numels))
     assert largest[0] == ROWS * CLASSES  # the logits' gradient (the logits decoded besides, by the unpack)
     assert largest[1] == 300 * CLASSES  # one tile of CHUNK_BYTES (the weight's gradient, 2000 x 64, is smaller)
 
