@@ -16,7 +16,7 @@ from .cross_entropy import REDUCTIONS
 
 __all__ = ["CHUNK_BYTES", "LinearCall", "LinearOutputs", "cross_entropy_over_linear"]
 
-CHUNK_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+CHUNK_BYTES = {"cpu": 16 << 20, "cuda": 32 << 20}
 """By device, the most bytes of logits forward and backward hold at a time (at least one row, or one column of
 a tile): forward's temporaries and backward's one tile are that size."""
 
@@ -232,8 +232,10 @@ class _OverLinear(torch.autograd.Function):
                     torch.mm(xs, w.t(), out=d)
                 sc = scale[r:r + nr, None]
                 d.sub_(logsumexp[r:r + nr, None]).exp_().mul_(sc)
-                hit = ((tg >= c) & (tg < c + nc) & valid[r:r + nr]).nonzero().squeeze(1)
-                d[hit, tg[hit] - c] -= sc[hit, 0]
+                # the one-hot part, without reading which rows hit back to the host: a row whose target is
+                # not among these classes subtracts zero from its first column
+                hit = (tg >= c) & (tg < c + nc)
+                d.scatter_add_(1, torch.where(hit, tg - c, 0)[:, None], torch.where(hit[:, None], sc, 0.0).neg_())
                 dc = d.to(cd)  # itself where the layer computes in float32
                 if dx is not None:
                     _write(dx[r:r + nr], dc, w, first=False)
@@ -249,12 +251,20 @@ class _OverLinear(torch.autograd.Function):
 
 
 def _write(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``dst = a @ b`` (``first``) or ``dst += a @ b``, without a temporary where the dtypes agree."""
+    """``dst = a @ b`` (``first``) or ``dst += a @ b``, without a temporary where the dtypes agree, and where they
+    do not (half-precision factors, a float32 sum) without rounding the product to half precision first where
+    the device's matmul can write float32 (CUDA)."""
     if dst.dtype == a.dtype and first:
         torch.mm(a, b, out=dst)
     elif dst.dtype == a.dtype:
         dst.addmm_(a, b)
-    elif first:
-        dst.copy_(a @ b)
     else:
-        dst.add_(a @ b)
+        ab = torch.ops.aten.mm.dtype(a, b, dst.dtype) if _MM_OUT_DTYPE and dst.is_cuda else a @ b
+        if first:
+            dst.copy_(ab)
+        else:
+            dst.add_(ab)
+
+
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+"""This PyTorch has ``aten::mm.dtype``: half-precision factors, a float32 product (its kernels are CUDA's)."""
