@@ -112,6 +112,23 @@ def test_a_bfloat16_head_is_taken_with_its_own_arithmetic(half: str, device: str
     assert error(grad) <= 1.25 * error(plain_grad)
 
 
+@pytest.mark.parametrize("ignore_index", [0, 899, 1999])
+def test_an_ignored_class_inside_the_vocabulary_is_ignored(ignore_index: int, device: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the ignored index is a class of some tile (899: the last of the first block of 900 classes), so the rows
+    # that carry it fall in that tile and must take nothing from it
+    _small_tiles(monkeypatch, device)
+    head, h, target = _problem(device=device)
+    target[target == -100] = ignore_index
+    target[::3] = ignore_index
+    plain_loss, plain_grad = _run(head, h, target, None, ignore_index=ignore_index)
+    ctx = daftrain.compress(bits=2)
+    loss, grad = _run(head, h, target, ctx, ignore_index=ignore_index)
+    _close(loss, plain_loss)
+    _close(grad, plain_grad)
+    assert ctx.stats.compressed == 0  # the loss ran over the layer: no logits saved
+
+
 def test_every_row_ignored_gives_what_plain_gives() -> None:
     head, h, target = _problem()
     target.fill_(-100)
