@@ -37,8 +37,9 @@ def _small_tiles(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
 
 
 def _grads(head: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
-    parts = [head.weight.grad.flatten(), h.grad.flatten()]
-    return torch.cat(parts + ([head.bias.grad] if head.bias is not None else []))
+    """The gradients there are (a frozen weight or bias has none)."""
+    parts = [head.weight.grad, h.grad, None if head.bias is None else head.bias.grad]
+    return torch.cat([p.flatten() for p in parts if p is not None])
 
 
 def _run(head: torch.nn.Linear, h0: torch.Tensor, target: torch.Tensor, ctx: daftrain.compress | None,
@@ -73,12 +74,14 @@ def test_loss_and_gradients_are_plain_to_rounding(reduction: str, bias: bool, ho
     assert ctx.stats.compressed == 0  # nothing quantized: the head's input is kept exact, the logits not saved
 
 
+@pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("half", ["autocast", "bfloat16"])
-def test_a_bfloat16_head_is_taken_with_its_own_arithmetic(half: str, device: str,
+def test_a_bfloat16_head_is_taken_with_its_own_arithmetic(half: str, frozen: bool, device: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # A bfloat16 output cast up for the loss (Hugging Face's logits.float()): under autocast (float32 weights) or of
     # a bfloat16 model. Backward recomputes the logits in bfloat16, as the layer computed them, and runs the
-    # gradients' matmuls in bfloat16, as plain's backward does.
+    # gradients' matmuls in bfloat16, as plain's backward does; a frozen head's input gradient is made in forward
+    # from the logits the layer made, with the same bfloat16 matmul.
     _small_tiles(monkeypatch, device)
     runs = []
     for precision, ctx in ((half, None), (half, daftrain.compress(bits=8)), ("float64", None)):
@@ -87,6 +90,7 @@ def test_a_bfloat16_head_is_taken_with_its_own_arithmetic(half: str, device: str
         if precision != "autocast":
             dtype = torch.float64 if precision == "float64" else torch.bfloat16
             head, h = head.to(dtype), h.to(dtype)
+        head.weight.requires_grad_(not frozen)
         h.requires_grad_()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "autocast"), \
                 ctx if ctx is not None else torch.enable_grad():
@@ -96,7 +100,7 @@ def test_a_bfloat16_head_is_taken_with_its_own_arithmetic(half: str, device: str
         node = type(loss.grad_fn).__name__
         del logits
         loss.backward()
-        grads = torch.cat([head.weight.grad.flatten(), head.bias.grad, h.grad.flatten()]).double()
+        grads = _grads(head, h).double()
         runs.append((loss.detach(), grads, node))
     (plain_loss, plain_grad, _), (loss, grad, node), (_, exact, _) = runs
     assert node == "_OverLinearBackward"
@@ -129,6 +133,33 @@ def test_an_ignored_class_inside_the_vocabulary_is_ignored(ignore_index: int, de
     assert ctx.stats.compressed == 0  # the loss ran over the layer: no logits saved
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_a_frozen_heads_gradients_come_from_forward(reduction: str, bias_grad: bool, device: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ A frozen head's input gradient, computed in forward ]: a head whose weight takes no gradient (adapters)
+    _small_tiles(monkeypatch, device)
+    head, h0, target = _problem(device=device)
+    head.weight.requires_grad_(False)
+    head.bias.requires_grad_(bias_grad)
+    results = []
+    for ctx in (None, daftrain.compress(bits=2)):
+        head.zero_grad()
+        h = h0.clone().requires_grad_()
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = F.cross_entropy(head(h).view(-1, CLASSES), target, reduction=reduction)
+        probe = CreatedTensors()
+        with probe:
+            (first,) = torch.autograd.grad(3 * loss, h, retain_graph=True)  # a loss gradient other than 1
+        loss.backward()  # again, through the same graph
+        results.append((loss.detach(), first, _grads(head, h), max(probe.numels)))
+    (plain_loss, plain_first, plain_grad, _), (loss, first, grad, largest) = results
+    _close(loss, plain_loss)
+    _close(first, plain_first)
+    _close(grad, plain_grad)
+    assert largest == ROWS * FEATURES  # the input's gradient times the loss's: no tile, no logits recomputed
+
+
 def test_every_row_ignored_gives_what_plain_gives() -> None:
     head, h, target = _problem()
     target.fill_(-100)
@@ -139,8 +170,10 @@ def test_every_row_ignored_gives_what_plain_gives() -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-def test_double_backward_matches_plain() -> None:
+@pytest.mark.parametrize("frozen", [False, True])
+def test_double_backward_matches_plain(frozen: bool) -> None:
     head, h0, target = _problem()
+    head.weight.requires_grad_(not frozen)
 
     def second(ctx: daftrain.compress | None) -> tuple[torch.Tensor, torch.Tensor]:
         h = h0.clone().requires_grad_()

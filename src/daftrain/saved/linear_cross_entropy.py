@@ -142,8 +142,27 @@ def cross_entropy_over_linear(call: LinearCall, input: torch.Tensor, target: tor
                               reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
     """``F.cross_entropy`` of ``call``'s output ``input`` (a call ``saves_logits`` took and ``LinearOutputs.take``
     matched; the same signature)."""
+    early = (torch.is_grad_enabled() and call.input.requires_grad and not call.weight.requires_grad
+             and call.dtype in _EARLY_DTYPES)
     return _OverLinear.apply(call.input, call.weight, call.bias, input.detach(), target, ignore_index, reduction,
-                             call.output, call.versions[0], call.dtype)
+                             call.output, call.versions[0], call.dtype, early)
+
+
+_EARLY_DTYPES = (torch.float32, torch.bfloat16)
+"""Heads whose input's gradient forward may compute for a loss gradient of 1 (``NOTE [ A frozen head's input
+gradient, computed in forward ]``): not float16, whose loss scaling multiplies the gradient before it is rounded."""
+
+
+# NOTE [ A frozen head's input gradient, computed in forward ]
+# The loss is a scalar, so every gradient this function returns is its gradient for a loss gradient of 1 times
+# the loss gradient backward receives. Where the head's weight takes no gradient (a frozen head: LoRA and other
+# adapters leave it so) backward needs only the input's (and the bias's) gradient, and forward, which holds the
+# logits chunk by chunk anyway, computes them there from the logits the layer made: ``(softmax - one_hot) *
+# scale`` over each chunk, times the weight; backward then multiplies by the loss gradient. Backward recomputes
+# no logits (one matmul of the head's size, a large share of a small model's step), and what forward keeps for it
+# is one tensor of the input's size in float32. Not for float16 heads: a loss scaler multiplies the loss
+# gradient into the logits' gradient before the float16 matmul, whose small products would underflow without it.
+# A backward that builds a graph (``create_graph``) still runs the whole-tensor ops on the saved input.
 
 
 
@@ -151,12 +170,21 @@ class _OverLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
-                output: weakref.ReferenceType[torch.Tensor], output_version: int, dtype: torch.dtype) -> torch.Tensor:
+                output: weakref.ReferenceType[torch.Tensor], output_version: int, dtype: torch.dtype,
+                early: bool) -> torch.Tensor:
         rows, classes = logits.shape
         step = max(1, CHUNK_BYTES.get(logits.device.type, CHUNK_BYTES["cpu"]) // (classes * logits.element_size()))
         log_probs = logits.new_empty((min(step, rows), classes))
         logsumexp = logits.new_empty(rows)
         total = logits.new_zeros(())
+        # nll_loss's total weight without class weights: the rows not ignored
+        valid = target != ignore_index
+        counted = valid.sum().to(logits.dtype)
+        if early:  # NOTE [ A frozen head's input gradient, computed in forward ]
+            scale = torch.where(valid, 1 / counted if reduction == "mean" else 1.0, 0.0)
+            w = weight.to(dtype)
+            dx = logits.new_empty((rows, weight.shape[1]))
+            db = logits.new_zeros(classes) if bias is not None and bias.requires_grad else None
         for s in range(0, rows, step):
             n = min(step, rows - s)
             torch._log_softmax(logits[s:s + n], 1, False, out=log_probs[:n])
@@ -164,9 +192,15 @@ class _OverLinear(torch.autograd.Function):
                                                       ignore_index)  # checks the targets as plain's does
             total += part
             torch.logsumexp(logits[s:s + n], 1, out=logsumexp[s:s + n])
+            if early:
+                sc = scale[s:s + n, None]
+                d = log_probs[:n].exp_().mul_(sc)  # the softmax from the log-probabilities, its nll taken
+                _subtract_one_hot(d, target[s:s + n], 0, sc)
+                if db is not None:
+                    db.add_(d.sum(0))
+                _write(dx[s:s + n], d.to(dtype), w, first=True)
         del log_probs
-        # nll_loss's total weight without class weights: the rows not ignored
-        counted = (target != ignore_index).sum().to(logits.dtype)
+        ctx.early = (dx, db) if early else None
         ctx.ignore_index, ctx.reduction = ignore_index, REDUCTIONS[reduction]
         ctx.output, ctx.output_version, ctx.has_bias, ctx.dtype = output, output_version, bias is not None, dtype
         ctx.save_for_backward(x, weight, bias if bias is not None else weight.new_empty(0), target, counted,
@@ -185,6 +219,10 @@ class _OverLinear(torch.autograd.Function):
                 "(an FSDP module resharded after its forward?); pass compress(linear_cross_entropy=False) so "
                 "that the loss's gradient goes through the layer's own backward")
         cd = ctx.dtype  # the layer's own arithmetic: in its output's dtype (bfloat16 under autocast)
+        if ctx.early is not None and not torch.is_grad_enabled():
+            dx, db = ctx.early
+            return ((dx * grad).to(x.dtype).view_as(x) if need_x else None, None,
+                    (db * grad).to(bias.dtype) if need_b and db is not None else None, *(None,) * 8)
         if torch.is_grad_enabled():  # create_graph: the same ops as plain on the whole tensor, differentiable
             logits = F.linear(rows_x.to(cd), weight.to(cd), None if bias is None else bias.to(cd))
             log_probs = torch.log_softmax(logits.to(logsumexp.dtype), 1)
@@ -193,7 +231,7 @@ class _OverLinear(torch.autograd.Function):
             d = torch.ops.aten._log_softmax_backward_data(nll, log_probs, 1, log_probs.dtype).to(cd)
             return ((d @ weight.to(cd)).to(x.dtype).view_as(x) if need_x else None,
                     (d.t() @ rows_x.to(cd)).to(weight.dtype) if need_w else None,
-                    d.sum(0).to(bias.dtype) if need_b and bias is not None else None, *(None,) * 7)
+                    d.sum(0).to(bias.dtype) if need_b and bias is not None else None, *(None,) * 8)
         out = ctx.output()
         live = out.view(-1, weight.shape[0]) if out is not None and out._version == ctx.output_version else None
         valid = target != ctx.ignore_index
@@ -232,10 +270,7 @@ class _OverLinear(torch.autograd.Function):
                     torch.mm(xs, w.t(), out=d)
                 sc = scale[r:r + nr, None]
                 d.sub_(logsumexp[r:r + nr, None]).exp_().mul_(sc)
-                # the one-hot part, without reading which rows hit back to the host: a row whose target is
-                # not among these classes subtracts zero from its first column
-                hit = (tg >= c) & (tg < c + nc)
-                d.scatter_add_(1, torch.where(hit, tg - c, 0)[:, None], torch.where(hit[:, None], sc, 0.0).neg_())
+                _subtract_one_hot(d, tg, c, sc)
                 dc = d.to(cd)  # itself where the layer computes in float32
                 if dx is not None:
                     _write(dx[r:r + nr], dc, w, first=False)
@@ -247,7 +282,14 @@ class _OverLinear(torch.autograd.Function):
                 dw[c:c + nc].copy_(dw_c)
             if db is not None and db_c is not None:
                 db[c:c + nc].copy_(db_c)
-        return (dx.to(x.dtype).view_as(x) if dx is not None else None, dw, db, *(None,) * 7)
+        return (dx.to(x.dtype).view_as(x) if dx is not None else None, dw, db, *(None,) * 8)
+
+
+def _subtract_one_hot(d: torch.Tensor, target: torch.Tensor, first: int, scale: torch.Tensor) -> None:
+    """``d[i, target[i] - first] -= scale[i]`` for the rows whose target is among ``d``'s columns, without reading
+    which rows those are back to the host: any other row subtracts zero from its first column."""
+    hit = (target >= first) & (target < first + d.shape[1])
+    d.scatter_add_(1, torch.where(hit, target - first, 0)[:, None], torch.where(hit[:, None], scale, 0.0).neg_())
 
 
 def _write(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
