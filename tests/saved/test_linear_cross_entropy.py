@@ -312,11 +312,18 @@ def test_config_rejects_a_non_bool() -> None:
         daftrain.CompressionConfig(linear_cross_entropy=1)  # type: ignore[arg-type]
 
 
-def test_a_language_models_own_loss_is_taken() -> None:
-    # Hugging Face's causal LM loss: the head's [batch, seq, vocab] output viewed as rows, in its own loss function
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_language_models_own_loss_is_taken(lora: bool) -> None:
+    # Hugging Face's causal LM loss: the head's [batch, seq, vocab] output viewed as rows, in its own loss function;
+    # with LoRA the head (tied to the frozen embedding) takes no gradient and its input's comes from forward
     from daftrain.demo.models.transformers_zoo import gpt2_lm
 
     model = gpt2_lm(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=1000, dropout=0.0, seed=0)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+        assert not model.get_output_embeddings().weight.requires_grad
     ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
     runs = []
     for ctx in (None, daftrain.compress(bits=8)):
@@ -325,7 +332,7 @@ def test_a_language_models_own_loss_is_taken() -> None:
             loss = model(input_ids=ids, labels=ids).loss
         runs.append((loss.detach(), type(loss.grad_fn).__name__))
         loss.backward()
-        runs[-1] += (torch.cat([p.grad.flatten() for p in model.parameters()]),)
+        runs[-1] += (torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]),)
     (plain_loss, _, plain_grad), (loss, node, grad) = runs
     assert node == "_OverLinearBackward"
     _close(loss, plain_loss)  # 8 bits changes backward only; the forward is plain's to the loss's summation order
