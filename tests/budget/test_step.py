@@ -70,6 +70,51 @@ def test_micro_batching_matches_full_batch_gradient(micro, ckpt):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("over_head", [True, False])
+def test_exact_plans_run_the_loss_over_a_wide_head(over_head, monkeypatch):
+    """NOTE [ Exact training with the loss over the head ]: an exact plan (and the planning step's exact slices) runs a
+    language model's cross-entropy over its head unless the compression config turns that off; the gradients are
+    the full batch's to float rounding either way."""
+    from daftrain.saved import linear_cross_entropy
+
+    calls = []
+    forward = linear_cross_entropy._OverLinear.forward
+    monkeypatch.setattr(linear_cross_entropy._OverLinear, "forward",
+                        staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    class TinyLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(1000, 16)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+            self.head = nn.Linear(16, 1000)  # 1000 logits from 16 features: a wide head
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h)
+
+    torch.manual_seed(4)
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 1000, (8, 12))
+
+    def lm_loss(m, b):
+        return F.cross_entropy(m(b[0]).view(-1, 1000), b[0].view(-1))
+
+    lm_loss(ref, (ids,)).backward()
+    step = BudgetedStep(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB",
+                        tune_allocator=False, config=PlannerConfig(bits=(None,)),
+                        compression=CompressionConfig(linear_cross_entropy=over_head))
+    forced_plan(step, (ids,), 3, ckpt=True)
+    assert len(calls) == (3 if over_head else 0)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)  # float32, summed in another order
+    model.zero_grad(set_to_none=True)
+    step((ids,))  # the planning step's slices and the plan's micro-batches
+    assert step.plan.bits is None and (len(calls) > 3) == over_head
+
+
 def test_token_mean_loss_weighted_by_tokens():
     """Per-token mean with ignored labels: micro-batches weighted by their counted tokens."""
     torch.manual_seed(2)

@@ -4,6 +4,8 @@ the logits' size saved or made in backward, and only where its logits are that l
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from helpers import CreatedTensors
 import daftrain
 from daftrain.errors import UnsupportedError
 from daftrain.saved import linear_cross_entropy
+from daftrain.saved.op_rules import ExactSavings
 
 ROWS, FEATURES, CLASSES = 1200, 64, 2000
 # Float32 rounding: the chunks sum the loss and the weight's and bias's gradients over rows in another order than
@@ -158,6 +161,28 @@ def test_a_frozen_heads_gradients_come_from_forward(reduction: str, bias_grad: b
     _close(first, plain_first)
     _close(grad, plain_grad)
     assert largest == ROWS * FEATURES  # the input's gradient times the loss's: no tile, no logits recomputed
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_weight_gradient_is_added_into_grad_where_asked(in_place: bool, device: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Weight gradients accumulated in place ] (budget/weight_grads.py): the second backward adds its tiles
+    # into the .grad the first made, with no tensor of the weight's size; without it autograd adds a new one in
+    _small_tiles(monkeypatch, device)
+    head, h0, target = _problem(device=device)
+    plain = copy.deepcopy(head)
+    savings = ExactSavings(weight_grads_in_place=in_place)
+    for _ in range(2):
+        F.cross_entropy(plain(h0).view(-1, CLASSES), target).backward()
+        with savings:
+            loss = F.cross_entropy(head(h0.clone().requires_grad_()).view(-1, CLASSES), target)
+        grad, probe = head.weight.grad, CreatedTensors()
+        with probe:
+            loss.backward()
+    assert head.weight.grad is grad  # added into (by autograd's AccumulateGrad too, from a tensor of its own)
+    assert (CLASSES * FEATURES in probe.numels) != in_place
+    _close(head.weight.grad, plain.weight.grad)
+    _close(head.bias.grad, plain.bias.grad)
 
 
 def test_every_row_ignored_gives_what_plain_gives() -> None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import daftrain
-from daftrain.saved.op_rules import RULES, OpTracer
+from daftrain.saved.op_rules import RULES, ExactSavings, OpTracer
 from daftrain.saved.records import Derivative
 
 
@@ -517,3 +517,31 @@ def test_parameter_weights_are_not_computed_weights() -> None:
         y = layer(torch.randn(256, 64, requires_grad=True) * 1.0)
     y.sum().backward()
     assert ctx.stats.parameters == 1 and ctx.stats.compressed == 1
+
+
+def test_exact_savings_take_the_loss_over_a_wide_head_and_nothing_else() -> None:
+    # NOTE [ Exact training with the loss over the head ]: no saved-tensor hooks; a cross-entropy over a wide layer's
+    # output runs over the layer, one over anything else (here the narrow hidden state itself) as plain's
+    torch.manual_seed(0)
+    body, head = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU()), torch.nn.Linear(32, 1000)
+    x, y = torch.randn(64, 16), torch.randint(0, 1000, (64,))
+    params = [*body.parameters(), *head.parameters()]
+
+    def run(ctx: object) -> tuple[list[str], torch.Tensor, list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        with ctx:  # type: ignore[attr-defined]
+            h = body(x)
+            wide, narrow = F.cross_entropy(head(h), y), F.cross_entropy(h, y % 32)
+        (wide + narrow).backward()
+        return [type(wide.grad_fn).__name__, type(narrow.grad_fn).__name__], wide.detach(), [p.grad for p in params]
+
+    plain_nodes, plain_loss, plain_grads = run(torch.enable_grad())
+    savings = ExactSavings()
+    nodes, loss, grads = run(savings)
+    assert nodes == ["_OverLinearBackward", plain_nodes[1]]
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)  # float rounding: the loss summed in chunks
+    for g, q in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(g, q, rtol=1e-5, atol=1e-7)
+    assert run(savings)[0] == nodes  # entered again
+    assert run(torch.enable_grad())[0] == plain_nodes  # and gone once it exits

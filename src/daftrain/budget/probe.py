@@ -17,6 +17,8 @@ from torch import nn
 
 from ..config import CompressionConfig
 from ..saved.hooks import compress
+from ..saved.op_rules import ExactSavings
+from . import weight_grads
 from .batching import batch_size, head_copy, shapes_of, slice_copy
 from .budgets import BudgetTooSmallError
 from .memory import (
@@ -361,11 +363,16 @@ class Prober:
                 handles.append(mod.register_forward_hook(functools.partial(post, name), with_kwargs=True))
         in_place = inplace_activations(self.model) if inplace else contextlib.nullcontext()
         grads_in_place = weight_grads_in_place(self.model) if self.grads_in_place else contextlib.nullcontext()
+        # exact slices measure what the step's exact plans run (NOTE [ Exact training with the loss over the head ])
+        exact: Any = contextlib.nullcontext()
+        if not isinstance(ctx, compress) and self.compression.linear_cross_entropy:
+            exact = ExactSavings(linears=(weight_grads.linear,), weight_grads_in_place=self.grads_in_place)
         start = self.meter.start()
         try:
             t0 = time.perf_counter()
             with grads_in_place:  # over the backward too (NOTE [ Weight gradients accumulated in place ])
-                with checkpointing(self.segments, list(self.segments) if mode == "ckpt" else []), in_place, ctx:
+                with checkpointing(self.segments, list(self.segments) if mode == "ckpt" else []), in_place, exact, \
+                        ctx:
                     loss = self.loss_fn(self.model, part)
                 m.saved = saved_now()
                 if mode != "count":

@@ -30,6 +30,8 @@ from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..pool import PagePool
 from ..saved.hooks import compress
+from ..saved.op_rules import ExactSavings
+from . import weight_grads
 from .batching import CountFn, balanced_sizes, batch_size, shapes_of, split_batch
 from .budgets import Budget, BudgetTooSmallError
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
@@ -353,6 +355,9 @@ class BudgetedStep:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._meter = meter_for(self.device)
         self._grads_in_place = inplace and self._ddp is None
+        # exact plans take the loss over a language model's head (NOTE [ Exact training with the loss over the head ])
+        self._exact = (ExactSavings(linears=(weight_grads.linear,), weight_grads_in_place=self._grads_in_place)
+                       if self._compression.linear_cross_entropy else None)
         self._prober = Prober(local, loss_fn, optimizer, self.segments, self.config, self._compression, self._meter,
                               grads_in_place=self._grads_in_place)
         self._warned_bn = False
@@ -629,7 +634,7 @@ class BudgetedStep:
     def _context(self, bits: int | None) -> contextlib.AbstractContextManager[Any]:
         """The context a micro-batch runs under at ``bits`` (NOTE [ Bits by importance under a plan ])."""
         if bits is None:
-            return contextlib.nullcontext()
+            return self._exact if self._exact is not None else contextlib.nullcontext()
         if bits not in self._contexts:
             config = (dataclasses.replace(self._compression, avg_bits=float(bits), variance_warning=None)
                       if self._compression.auto else dataclasses.replace(self._compression, bits=bits))

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
+from ..params import grad_writable, has_grad_hooks
+
 __all__ = ["weight_grads_in_place"]
 
 # NOTE [ Weight gradients accumulated in place ]
@@ -46,23 +48,9 @@ __all__ = ["weight_grads_in_place"]
 # parameter's. The Linear's weight is saved as well, for its values and autograd's in-place check.
 
 
-def _has_hooks(weight: torch.Tensor) -> bool:
-    return bool(getattr(weight, "_backward_hooks", None)) or bool(
-        getattr(weight, "_post_accumulate_grad_hooks", None))
-
-
 def _eligible(weight: torch.Tensor) -> bool:
-    return (torch.is_grad_enabled() and weight.is_leaf and weight.requires_grad and not _has_hooks(weight)
+    return (torch.is_grad_enabled() and weight.is_leaf and weight.requires_grad and not has_grad_hooks(weight)
             and not torch.is_autocast_enabled(weight.device.type))
-
-
-def _in_place(weight: torch.Tensor, like: torch.Tensor) -> bool:
-    """Whether backward may write ``weight``'s gradient into ``.grad`` itself rather than return it to
-    autograd (NOTE [ Weight gradients accumulated in place ])."""
-    if torch.is_grad_enabled() or _has_hooks(weight):
-        return False
-    grad = weight.grad
-    return grad is None or (grad.layout == torch.strided and grad.dtype == like.dtype and grad.device == like.device)
 
 
 class _LinearInPlace(torch.autograd.Function):
@@ -80,7 +68,7 @@ class _LinearInPlace(torch.autograd.Function):
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if not _in_place(param, g2):
+        if not grad_writable(param, g2):
             return grad_x, g2.t().mm(x2), grad_bias
         if param.grad is None:
             param.grad = g2.t().mm(x2)
@@ -104,11 +92,11 @@ class _EmbeddingInPlace(torch.autograd.Function):
         if ctx.padding_idx is not None:
             keep = flat_ids != ctx.padding_idx
             flat_ids, rows = flat_ids[keep], rows[keep]
-        if _in_place(param, rows) and param.grad is not None:
+        if grad_writable(param, rows) and param.grad is not None:
             param.grad.index_add_(0, flat_ids, rows)
             return None, None, None
         contribution = torch.zeros_like(param, dtype=rows.dtype).index_add_(0, flat_ids, rows)
-        if not _in_place(param, rows):
+        if not grad_writable(param, rows):
             return None, contribution, None
         param.grad = contribution
         return None, None, None

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedError
+from ..params import grad_writable, has_grad_hooks
 from .cross_entropy import REDUCTIONS
 
 __all__ = ["CHUNK_BYTES", "LinearCall", "LinearOutputs", "cross_entropy_over_linear"]
@@ -139,13 +140,18 @@ class LinearOutputs:
 
 def cross_entropy_over_linear(call: LinearCall, input: torch.Tensor, target: torch.Tensor, weight: Any = None,
                               size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
-                              reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+                              reduction: str = "mean", label_smoothing: float = 0.0, *,
+                              grad_in_place: bool = False) -> torch.Tensor:
     """``F.cross_entropy`` of ``call``'s output ``input`` (a call ``saves_logits`` took and ``LinearOutputs.take``
-    matched; the same signature)."""
-    early = (torch.is_grad_enabled() and call.input.requires_grad and not call.weight.requires_grad
+    matched; the same signature). With ``grad_in_place`` the weight's gradient is added into its ``.grad`` where it
+    may be (``NOTE [ Weight gradients accumulated in place ]`` in ``budget/weight_grads.py``)."""
+    w = call.weight
+    early = (torch.is_grad_enabled() and call.input.requires_grad and not w.requires_grad
              and call.dtype in _EARLY_DTYPES)
-    return _OverLinear.apply(call.input, call.weight, call.bias, input.detach(), target, ignore_index, reduction,
-                             call.output, call.versions[0], call.dtype, early)
+    param = w if (grad_in_place and w.is_leaf and w.requires_grad and not has_grad_hooks(w)
+                  and call.dtype == w.dtype) else None
+    return _OverLinear.apply(call.input, w, call.bias, input.detach(), target, ignore_index, reduction,
+                             call.output, call.versions[0], call.dtype, early, param)
 
 
 _EARLY_DTYPES = (torch.float32, torch.bfloat16)
@@ -171,7 +177,7 @@ class _OverLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
                 output: weakref.ReferenceType[torch.Tensor], output_version: int, dtype: torch.dtype,
-                early: bool) -> torch.Tensor:
+                early: bool, param: torch.Tensor | None) -> torch.Tensor:
         rows, classes = logits.shape
         step = max(1, CHUNK_BYTES.get(logits.device.type, CHUNK_BYTES["cpu"]) // (classes * logits.element_size()))
         log_probs = logits.new_empty((min(step, rows), classes))
@@ -201,6 +207,7 @@ class _OverLinear(torch.autograd.Function):
                 _write(dx[s:s + n], d.to(dtype), w, first=True)
         del log_probs
         ctx.early = (dx, db) if early else None
+        ctx.param = param  # the parameter itself (NOTE [ The parameter itself ] in budget/weight_grads.py)
         ctx.ignore_index, ctx.reduction = ignore_index, REDUCTIONS[reduction]
         ctx.output, ctx.output_version, ctx.has_bias, ctx.dtype = output, output_version, bias is not None, dtype
         ctx.save_for_backward(x, weight, bias if bias is not None else weight.new_empty(0), target, counted,
@@ -222,7 +229,7 @@ class _OverLinear(torch.autograd.Function):
         if ctx.early is not None and not torch.is_grad_enabled():
             dx, db = ctx.early
             return ((dx * grad).to(x.dtype).view_as(x) if need_x else None, None,
-                    (db * grad).to(bias.dtype) if need_b and db is not None else None, *(None,) * 8)
+                    (db * grad).to(bias.dtype) if need_b and db is not None else None, *(None,) * 9)
         if torch.is_grad_enabled():  # create_graph: the same ops as plain on the whole tensor, differentiable
             logits = F.linear(rows_x.to(cd), weight.to(cd), None if bias is None else bias.to(cd))
             log_probs = torch.log_softmax(logits.to(logsumexp.dtype), 1)
@@ -231,7 +238,7 @@ class _OverLinear(torch.autograd.Function):
             d = torch.ops.aten._log_softmax_backward_data(nll, log_probs, 1, log_probs.dtype).to(cd)
             return ((d @ weight.to(cd)).to(x.dtype).view_as(x) if need_x else None,
                     (d.t() @ rows_x.to(cd)).to(weight.dtype) if need_w else None,
-                    d.sum(0).to(bias.dtype) if need_b and bias is not None else None, *(None,) * 8)
+                    d.sum(0).to(bias.dtype) if need_b and bias is not None else None, *(None,) * 9)
         out = ctx.output()
         live = out.view(-1, weight.shape[0]) if out is not None and out._version == ctx.output_version else None
         valid = target != ctx.ignore_index
@@ -239,7 +246,9 @@ class _OverLinear(torch.autograd.Function):
         scale = torch.where(valid, grad / counted if ctx.reduction == REDUCTIONS["mean"] else grad, 0.0)
         same = cd == logsumexp.dtype == weight.dtype == x.dtype  # float32 throughout: the logits recomputed in place
         dx = torch.zeros(rows_x.shape, dtype=logsumexp.dtype, device=x.device) if need_x else None
-        dw = torch.empty_like(weight) if need_w else None
+        into = ctx.param if ctx.param is not None and need_w and grad_writable(ctx.param, weight) else None
+        added = into is not None and into.grad is not None  # the weight's gradient added into .grad as it is made
+        dw = (into.grad if added else torch.empty_like(weight)) if need_w else None
         db = torch.empty_like(bias) if need_b and bias is not None else None
         rows, classes = rows_x.shape[0], weight.shape[0]
         tile_rows = min(rows, TILE_ROWS)
@@ -275,14 +284,20 @@ class _OverLinear(torch.autograd.Function):
                 if dx is not None:
                     _write(dx[r:r + nr], dc, w, first=False)
                 if dw_c is not None:
-                    _write(dw_c, dc.t(), xs, first=r == 0)
+                    _write(dw_c, dc.t(), xs, first=r == 0 and (summed or not added))
                 if db_c is not None:
                     db_c.add_(d.sum(0))
-            if summed:
+            if summed and added:
+                dw[c:c + nc].add_(dw_c)
+            elif summed:
                 dw[c:c + nc].copy_(dw_c)
             if db is not None and db_c is not None:
                 db[c:c + nc].copy_(db_c)
-        return (dx.to(x.dtype).view_as(x) if dx is not None else None, dw, db, *(None,) * 8)
+        if into is not None:
+            if not added:
+                into.grad = dw
+            dw = None
+        return (dx.to(x.dtype).view_as(x) if dx is not None else None, dw, db, *(None,) * 9)
 
 
 def _subtract_one_hot(d: torch.Tensor, target: torch.Tensor, first: int, scale: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
 from .records import ClipMask, Derivative, Encoding, Normalized, stored_numel
 
-__all__ = ["LOGITS_MIN_BITS", "RULES", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
+__all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
 
 ATTENTION_MIN_BITS = 8
 WEIGHT_MIN_BITS = 8
@@ -443,9 +443,10 @@ class _RuleMode(TorchFunctionMode):
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         rule = self.by_function.get(func)
-        if rule is None or torch.compiler.is_compiling():  # compiled graphs decide without the rules
+        linear = func in self.tracer.linears
+        if (rule is None and not linear) or torch.compiler.is_compiling():  # compiled graphs decide without the rules
             return func(*args, **kwargs)
-        found = _match(rule, func, args, kwargs)
+        found = _match(rule, func, args, kwargs) if rule is not None else None
         if found is not None and found.rule.name == "cross_entropy":
             found = self.tracer.over_linear(found)
         if found is None:
@@ -458,7 +459,7 @@ class _RuleMode(TorchFunctionMode):
                 out = (found.call or func)(*args, **kwargs)
             finally:
                 local.current = outer
-        if func is F.linear:
+        if linear:
             self.tracer.note_linear(args, kwargs, out)
         return out
 
@@ -489,9 +490,16 @@ class OpTracer:
     progress; see ``NOTE [ Tracing the saving op ]``. With ``linear_cross_entropy``, also the latest wide
     linear call (``NOTE [ Cross-entropy over a wide linear layer ]``)."""
 
-    def __init__(self, rules: tuple[OpRule, ...] = RULES, linear_cross_entropy: bool = True) -> None:
+    def __init__(self, rules: tuple[OpRule, ...] = RULES, linear_cross_entropy: bool = True, exact: bool = False,
+                 linears: tuple[Any, ...] = (F.linear,), weight_grads_in_place: bool = False) -> None:
         self.rules = rules
         self.linear_cross_entropy = linear_cross_entropy
+        self.exact = exact
+        """Only what keeps every value exact: a cross-entropy not over a wide linear call runs as plain's."""
+        self.linears = linears
+        """Torch functions with ``F.linear``'s arguments and result whose calls may be a cross-entropy's head."""
+        self.weight_grads_in_place = weight_grads_in_place
+        """A loss over a head adds the head's weight gradient into ``.grad`` itself, where it may."""
         self.local = threading.local()
         self._by_function = {f: r for r in rules for f in r.functions}
 
@@ -518,11 +526,40 @@ class OpTracer:
         if linears is not None and found is not None:
             linears.note(*found, out)
 
-    def over_linear(self, match: OpMatch) -> OpMatch:
-        """A ``cross_entropy`` match run over the linear call that made its logits, where one did."""
+    def over_linear(self, match: OpMatch) -> OpMatch | None:
+        """A ``cross_entropy`` match run over the linear call that made its logits, where one did (else the
+        match, or, ``exact``, none)."""
         linears = getattr(self.local, "linears", None)
         call = linears.take(match.targets[0]) if linears is not None else None
         if call is None:
-            return match
+            return None if self.exact else match
         keep = tuple(t for t in (call.input, call.weight, call.bias) if t is not None)
-        return replace(match, targets=(), keep=keep, call=functools.partial(cross_entropy_over_linear, call))
+        return replace(match, targets=(), keep=keep, call=functools.partial(
+            cross_entropy_over_linear, call, grad_in_place=self.weight_grads_in_place))
+
+
+# NOTE [ Exact training with the loss over the head ]
+# Of the op rules, one changes no value that backward reads: a cross-entropy over a wide linear layer's
+# output run as a function of the layer's input, weight and bias (``NOTE [ Cross-entropy over a wide linear
+# layer ]``), which saves the input exact and holds nothing of the logits' size in backward, its results
+# plain's to float rounding. ``ExactSavings`` applies that one alone, without saved-tensor hooks: what exact
+# training (``BudgetedStep``'s exact plans) can take of ``compress``'s operator-level savings. A language
+# model's logits chain (the logits' gradient, the log-probabilities and their gradient) is most of an exactly
+# checkpointed step's working set beyond the saved tensors.
+class ExactSavings:
+    """A context: inside it, a ``F.cross_entropy`` over the whole output of a wide ``F.linear`` (or of one of
+    ``linears``, functions with its arguments and result) runs over that layer (``NOTE [ Exact training with the
+    loss over the head ]``); everything else runs as plain PyTorch. With ``weight_grads_in_place`` the loss adds
+    the head's weight gradient into ``.grad`` itself where it may (``NOTE [ Weight gradients accumulated in place
+    ]`` in ``budget/weight_grads.py``). It may be entered again after it exits, on one thread at a time."""
+
+    def __init__(self, linears: tuple[Any, ...] = (), weight_grads_in_place: bool = False) -> None:
+        self._tracer = OpTracer(tuple(r for r in RULES if r.name == "cross_entropy"), exact=True,
+                                linears=(F.linear, *linears), weight_grads_in_place=weight_grads_in_place)
+
+    def __enter__(self) -> ExactSavings:
+        self._tracer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracer.stop()
