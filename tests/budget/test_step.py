@@ -302,6 +302,8 @@ def test_a_budget_the_compression_kernels_took_is_named_in_the_error(monkeypatch
     torch.manual_seed(0)
     model = mlp()
     batch = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    pulls = []
+    monkeypatch.setattr(step_module, "tighten_allocator", lambda: pulls.append(1) is None)
     step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB",
                         config=PlannerConfig(bits=(2,), compression_reserve=0, checkpoint=False))
 
@@ -309,12 +311,44 @@ def test_a_budget_the_compression_kernels_took_is_named_in_the_error(monkeypatch
         raise BudgetTooSmallError(10**9, 2 * 10**9)
 
     monkeypatch.setattr(step_module, "plan_step", no_plan)
-    with pytest.raises(BudgetTooSmallError, match="loaded the compression kernels") as info:
+    with pytest.raises(BudgetTooSmallError, match="loaded the compression kernels") as info, \
+            pytest.warns(UserWarning, match="no plan fits the budget while glibc keeps freed memory"):
         step(batch)  # the planning step measures 2-bit slices: the kernels are loaded, for good
     assert isinstance(info.value.__cause__, BudgetTooSmallError) and info.value.required_bytes == 2 * 10**9
+    assert pulls == [1]  # tried again with the allocator's lever (NOTE [ The allocator as a lever ]), once
     with pytest.raises(BudgetTooSmallError) as info:
         step(batch)  # loaded before this step: nothing to add
     assert "compression kernels" not in str(info.value)
+
+
+@pytest.mark.parametrize("tune_allocator", [None, False])
+def test_no_plan_fitting_pulls_the_allocator_lever_and_plans_again(tune_allocator, monkeypatch):
+    """NOTE [ The allocator as a lever ]: where no plan fits with glibc's own threshold, the default fixes it and
+    measures again (here the first plan fails, the second fits); ``tune_allocator=False`` raises."""
+    pulls, plans = [], []
+    monkeypatch.setattr(step_module, "tighten_allocator", lambda: pulls.append(1) is None)
+    plan_step_ = step_module.plan_step
+
+    def first_fails(*args, **kwargs):
+        plans.append(1)
+        if len(plans) == 1:
+            raise BudgetTooSmallError(10**9, 2 * 10**9)
+        return plan_step_(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "plan_step", first_fails)
+    torch.manual_seed(0)
+    model = mlp()
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB",
+                        config=PlannerConfig(bits=(None,)), tune_allocator=tune_allocator)
+    batch = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    if tune_allocator is False:
+        with pytest.raises(BudgetTooSmallError):
+            step(batch)
+        assert pulls == [] and not step.history
+        return
+    with pytest.warns(UserWarning, match="no plan fits the budget while glibc keeps freed memory"):
+        step(batch)
+    assert pulls == [1] and len(plans) == 2 and len(step.history) == 1 and step.history[0].allocator_tightened
 
 
 def test_too_small_budget_raises_naming_the_floor():

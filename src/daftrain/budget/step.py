@@ -122,9 +122,12 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # step ]). The default
 # (``tune_allocator=None``) pulls that lever only where the budget needs it, on CPU: before a step whose
 # room (budget less what the process holds, optimizer state included) is below
-# ``PlannerConfig.tighten_below`` (two of glibc's largest heap blocks), and after a step that went over
-# its budget. glibc has no call that gives its dynamic threshold back, so it stays for the process; the
-# step warns once when it pulls it and records it in ``StepRecord.allocator_tightened``.
+# ``PlannerConfig.tighten_below`` (two of glibc's largest heap blocks), after a step that went over its
+# budget, and when no plan fits the budget without it: the planning step then measures again, since what it
+# measured counted the freed memory glibc kept as the plan's own (docs/budget.md has a checkpointed forward
+# whose resident memory grew many times its live blocks). glibc has no call that gives its dynamic threshold
+# back, so it stays for the process; the step warns once when it pulls it and records it in
+# ``StepRecord.allocator_tightened``.
 # ``tune_allocator=True`` fixes it from the start, ``False`` never.
 
 # NOTE [ Bits by importance under a plan ]
@@ -376,6 +379,10 @@ class BudgetedStep:
 
     def __call__(self, batch: Any) -> float:
         """Run one planned training step on ``batch``; return the full-batch loss."""
+        return self._step(batch, self._prober.compression_loaded)
+
+    def _step(self, batch: Any, kernels_loaded: bool) -> float:
+        """``__call__``; ``kernels_loaded``: whether the compression kernels were loaded before the call."""
         samples = batch_size(batch)
         if samples < 1:
             raise InvalidArgumentError(
@@ -388,7 +395,6 @@ class BudgetedStep:
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         missing_grads = missing_grad_bytes(self.model)
-        kernels_loaded = self._prober.compression_loaded
         try:
             # 1. measure
             budget = self.budget.bytes()
@@ -412,6 +418,11 @@ class BudgetedStep:
             own, reserve = self._plan(batch, first, budget, persistent)
         except Exception as exc:
             self.optimizer.zero_grad(set_to_none=True)  # what the planning step trained is not stepped
+            if isinstance(exc, BudgetTooSmallError) and self._ddp is None and self._tighten_allocator(
+                    "no plan fits the budget while glibc keeps freed memory"):
+                self.profile = None  # measured again, the allocator's memory now following what is used
+                self._held_per_shape.clear()
+                return self._step(batch, kernels_loaded)
             kernels = isinstance(exc, BudgetTooSmallError) and self._prober.compression_loaded and not kernels_loaded
             if self._ddp is None:
                 if kernels:
@@ -672,16 +683,18 @@ class BudgetedStep:
             return lambda part: 1.0
         return lambda part: float(self.count(part)) / total if total > 0 else 0.0
 
-    def _tighten_allocator(self, reason: str | None) -> None:
+    def _tighten_allocator(self, reason: str | None) -> bool:
         """Fix glibc's mmap threshold, once, on CPU, where ``tune_allocator`` allows it; ``reason`` (for the
-        default, ``None``) is what the warning names (NOTE [ The allocator as a lever ])."""
+        default, ``None``) is what the warning names (NOTE [ The allocator as a lever ]). Whether this call
+        fixed it."""
         if self.allocator_tightened or self.tune_allocator is False or self.device.type != "cpu":
-            return
+            return False
         self.allocator_tightened = tighten_allocator()
         if self.allocator_tightened and reason is not None:
             warnings.warn(f"BudgetedStep fixed glibc's mmap threshold for this process so that its memory follows "
                           f"what it uses ({reason}): steps stay under a tight budget but run slower; pass "
                           f"tune_allocator=False to keep glibc's defaults", stacklevel=3)
+        return self.allocator_tightened
 
     def _make_room(self, ceiling: float) -> bool:
         """Return the allocator's free memory if more than ``ceiling`` bytes are held (NOTE [ Metering a

@@ -39,6 +39,9 @@ __all__ = ["weight_grads_in_place"]
 # checkpointed block recomputes its forward there and must save what its forward saved. Parameter
 # hooks that do not show on the tensor, such as DistributedDataParallel's on the AccumulateGrad node,
 # are the caller's to rule out (``BudgetedStep`` does not use the context under DDP).
+# A head whose output a cross-entropy takes over (``NOTE [ Exact training with the loss over the head ]`` in
+# ``saved/op_rules.py``) gets no gradient through this function: the loss adds the weight's gradient into
+# ``.grad`` itself, tile by tile, under the same rules (``params.grad_writable``).
 
 
 # NOTE [ The parameter itself ]
