@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import daftrain
-from daftrain.saved.op_rules import RULES, ExactSavings, OpTracer
+from daftrain.saved.op_rules import RULES, ExactSavings, OpTracer, may_have_wide_head
 from daftrain.saved.records import Derivative
 
 
@@ -545,3 +545,10 @@ def test_exact_savings_take_the_loss_over_a_wide_head_and_nothing_else() -> None
         torch.testing.assert_close(g, q, rtol=1e-5, atol=1e-7)
     assert run(savings)[0] == nodes  # entered again
     assert run(torch.enable_grad())[0] == plain_nodes  # and gone once it exits
+
+
+def test_a_model_may_have_a_wide_head_only_where_a_matrix_could_be_one() -> None:
+    # 1000 logits from 16 float32 features: 1000 bytes at 8 bits against 64 exact; a square layer is not one
+    assert may_have_wide_head(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1000)))
+    assert not may_have_wide_head(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 60)))
+    assert may_have_wide_head(torch.nn.Embedding(1000, 16))  # a tied head's weight

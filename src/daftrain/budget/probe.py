@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import CompressionConfig
 from ..saved.hooks import compress
-from ..saved.op_rules import ExactSavings
+from ..saved.op_rules import ExactSavings, may_have_wide_head
 from . import weight_grads
 from .batching import batch_size, head_copy, shapes_of, slice_copy
 from .budgets import BudgetTooSmallError
@@ -153,6 +153,7 @@ class Prober:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.segments, self.config, self.compression, self.meter = segments, config, compression, meter
         self.grads_in_place = grads_in_place
+        self.wide_head = may_have_wide_head(model)  # exact slices run as the step's exact plans do
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # Whether compressed slices ran once: their kernels' one-time footprint is then part of the process.
         self.compression_loaded = False
@@ -365,7 +366,7 @@ class Prober:
         grads_in_place = weight_grads_in_place(self.model) if self.grads_in_place else contextlib.nullcontext()
         # exact slices measure what the step's exact plans run (NOTE [ Exact training with the loss over the head ])
         exact: Any = contextlib.nullcontext()
-        if not isinstance(ctx, compress) and self.compression.linear_cross_entropy:
+        if not isinstance(ctx, compress) and self.compression.linear_cross_entropy and self.wide_head:
             exact = ExactSavings(linears=(weight_grads.linear,), weight_grads_in_place=self.grads_in_place)
         start = self.meter.start()
         try:

@@ -30,7 +30,7 @@ from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..pool import PagePool
 from ..saved.hooks import compress
-from ..saved.op_rules import ExactSavings
+from ..saved.op_rules import ExactSavings, may_have_wide_head
 from . import weight_grads
 from .batching import CountFn, balanced_sizes, batch_size, shapes_of, split_batch
 from .budgets import Budget, BudgetTooSmallError
@@ -360,7 +360,7 @@ class BudgetedStep:
         self._grads_in_place = inplace and self._ddp is None
         # exact plans take the loss over a language model's head (NOTE [ Exact training with the loss over the head ])
         self._exact = (ExactSavings(linears=(weight_grads.linear,), weight_grads_in_place=self._grads_in_place)
-                       if self._compression.linear_cross_entropy else None)
+                       if self._compression.linear_cross_entropy and may_have_wide_head(model) else None)
         self._prober = Prober(local, loss_fn, optimizer, self.segments, self.config, self._compression, self._meter,
                               grads_in_place=self._grads_in_place)
         self._warned_bn = False

@@ -23,7 +23,8 @@ from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
 from .records import ClipMask, Derivative, Encoding, Normalized, stored_numel
 
-__all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved"]
+__all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved",
+           "may_have_wide_head"]
 
 ATTENTION_MIN_BITS = 8
 WEIGHT_MIN_BITS = 8
@@ -563,3 +564,10 @@ class ExactSavings:
 
     def __exit__(self, *exc: object) -> None:
         self._tracer.stop()
+
+
+def may_have_wide_head(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a matrix that could be a wide linear layer's weight (``_wide_linear``, for an input
+    of the weight's dtype): where none is, ``ExactSavings`` would only add a mode to every torch call."""
+    return any(p.dim() == 2 and p.shape[0] * LOGITS_MIN_BITS > 8 * p.shape[1] * p.element_size()
+               for p in model.parameters())
