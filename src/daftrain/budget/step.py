@@ -379,10 +379,11 @@ class BudgetedStep:
 
     def __call__(self, batch: Any) -> float:
         """Run one planned training step on ``batch``; return the full-batch loss."""
-        return self._step(batch, self._prober.compression_loaded)
+        return self._step(batch, self._prober.compression_loaded, time.perf_counter())
 
-    def _step(self, batch: Any, kernels_loaded: bool) -> float:
-        """``__call__``; ``kernels_loaded``: whether the compression kernels were loaded before the call."""
+    def _step(self, batch: Any, kernels_loaded: bool, t0: float) -> float:
+        """``__call__``; ``kernels_loaded``: whether the compression kernels were loaded before the call, ``t0``
+        when it started (a step that plans again counts the first try's time as its own)."""
         samples = batch_size(batch)
         if samples < 1:
             raise InvalidArgumentError(
@@ -393,7 +394,6 @@ class BudgetedStep:
         own: Plan | None = None
         first: FirstStep | None = None
         self.optimizer.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
         missing_grads = missing_grad_bytes(self.model)
         try:
             # 1. measure
@@ -422,7 +422,7 @@ class BudgetedStep:
                     "no plan fits the budget while glibc keeps freed memory"):
                 self.profile = None  # measured again, the allocator's memory now following what is used
                 self._held_per_shape.clear()
-                return self._step(batch, kernels_loaded)
+                return self._step(batch, kernels_loaded, t0)
             kernels = isinstance(exc, BudgetTooSmallError) and self._prober.compression_loaded and not kernels_loaded
             if self._ddp is None:
                 if kernels:
