@@ -79,7 +79,8 @@ def _case(name: str, batch: int):
 def levers(spec: dict) -> dict:
     """``BudgetedStep``'s optional levers a spec names (``bench_levers.py``): ``bits``, the planner's
     allowed bit-widths (with no compression reserve, so that compressed plans are taken where they fit);
-    ``auto``, bits by importance at the plan's bytes; ``pool``, a ``PagePool`` under the plan's cap."""
+    ``auto``, bits by importance at the plan's bytes; ``pool``, a ``PagePool`` under the plan's cap;
+    ``tune_allocator``, glibc's mmap threshold fixed from the start (``BudgetedStep(tune_allocator=True)``)."""
     from daftrain import CompressionConfig, PagePool, PlannerConfig, PoolConfig
 
     out: dict = {}
@@ -89,6 +90,8 @@ def levers(spec: dict) -> dict:
         out["compression"] = CompressionConfig(bits="auto")
     if spec.get("pool"):
         out["pool"] = PagePool(PoolConfig(page_size=4096))
+    if spec.get("tune_allocator"):
+        out["tune_allocator"] = True
     return out
 
 
@@ -291,7 +294,7 @@ def ram_available() -> int:
     return int(line.split()[1]) * 1024
 
 
-def timing_phase(name: str, B: int, mem: dict, rounds: int, max_ram: int) -> dict:
+def timing_phase(name: str, B: int, mem: dict, rounds: int, max_ram: int, d_levers: dict | None = None) -> dict:
     """One worker per configuration that fits, and plain; as many run together (interleaved) as fit
     ``max_ram`` by their measured peaks (budgets from the smallest, plain with the first)."""
     configs = [(None, "plain", {"method": "plain"}, mem["plain_peak"])]  # (fraction, method, spec, RSS)
@@ -302,7 +305,8 @@ def timing_phase(name: str, B: int, mem: dict, rounds: int, max_ram: int) -> dic
                 spec = {"method": method, "micro": row[method]["micro"]}
                 spec.update({"memory_budget": float(f)} if method == "compile" else {})
                 configs.append((f, method, spec, row[method]["peak"]))
-        configs.append((f, "daftrain", {"method": "daftrain", "budget": row["budget_bytes"]}, row["budget_bytes"]))
+        configs.append((f, "daftrain", {"method": "daftrain", "budget": row["budget_bytes"], **(d_levers or {})},
+                        row["budget_bytes"]))
     groups: list[list] = [[]]
     for c in configs:
         if groups[-1] and sum(g[3] for g in groups[-1]) + c[3] > max_ram:
@@ -458,6 +462,8 @@ def main() -> None:
     parser.add_argument("--max-ram-gb", type=float, default=None,
                         help="RAM the workers of one timing group may hold together (default 0.7 x MemAvailable)")
     parser.add_argument("--out", default=None, help="default results/budget.json (budget_quick.json with --quick)")
+    parser.add_argument("--tune-allocator", action="store_true",
+                        help="(d) with BudgetedStep(tune_allocator=True): glibc's mmap threshold fixed from the start")
     parser.add_argument("--resummarize", metavar="JSON",
                         help="recompute the summary, targets and table of a results file from its recorded steps")
     args = parser.parse_args()
@@ -477,7 +483,7 @@ def main() -> None:
     for name in models:
         B = 64 if args.quick and name == "resnet18" else BATCH[name]
         mem = memory_phase(name, B, fractions)
-        timing = timing_phase(name, B, mem, rounds, max_ram)
+        timing = timing_phase(name, B, mem, rounds, max_ram, {"tune_allocator": True} if args.tune_allocator else None)
         results[name] = {"memory": mem, "timing": timing, "summary": summarize(mem, timing)}
         lines += table(name, results[name]["summary"])
     shutil.rmtree(ENV["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)

@@ -125,9 +125,11 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # ``PlannerConfig.tighten_below`` (two of glibc's largest heap blocks), after a step that went over its
 # budget, and when no plan fits the budget without it: the planning step then measures again, since what it
 # measured counted the freed memory glibc kept as the plan's own (docs/budget.md has a checkpointed forward
-# whose resident memory grew many times its live blocks). glibc has no call that gives its dynamic threshold
-# back, so it stays for the process; the step warns once when it pulls it and records it in
-# ``StepRecord.allocator_tightened``.
+# whose resident memory grew many times its live blocks). That retry helps only as far as the heap has not
+# grown yet: glibc serves a large request from a free chunk of its heap before it maps a new block, so blocks
+# freed before the threshold was fixed are reused, and kept, after it; ``tune_allocator=True`` fixes it before
+# any. glibc has no call that gives its dynamic threshold back, so it stays for the process; the step warns
+# once when it pulls it and records it in ``StepRecord.allocator_tightened``.
 # ``tune_allocator=True`` fixes it from the start, ``False`` never.
 
 # NOTE [ Bits by importance under a plan ]
