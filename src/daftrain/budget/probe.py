@@ -17,8 +17,7 @@ from torch import nn
 
 from ..config import CompressionConfig
 from ..saved.hooks import compress
-from ..saved.op_rules import ExactSavings, may_have_wide_head
-from . import weight_grads
+from ..saved.op_rules import ExactSavings
 from .batching import batch_size, head_copy, shapes_of, slice_copy
 from .budgets import BudgetTooSmallError
 from .memory import (
@@ -145,15 +144,17 @@ class Prober:
         compression: the base ``CompressionConfig`` of compressed slices (its ``bits`` is replaced).
         meter: the memory meter of the budget's device (``memory.meter_for``).
         grads_in_place: run every slice under ``weight_grads_in_place`` (as the step runs its micro-batches).
+        exact: the context the step's exact plans run under, for the exact slices (``None``: plain PyTorch).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                  segments: Mapping[str, nn.Module], config: PlannerConfig, compression: CompressionConfig,
-                 meter: RssMeter | CudaMeter, grads_in_place: bool = False) -> None:
+                 meter: RssMeter | CudaMeter, grads_in_place: bool = False,
+                 exact: ExactSavings | None = None) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.segments, self.config, self.compression, self.meter = segments, config, compression, meter
         self.grads_in_place = grads_in_place
-        self.wide_head = may_have_wide_head(model)  # exact slices run as the step's exact plans do
+        self.exact = exact
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # Whether compressed slices ran once: their kernels' one-time footprint is then part of the process.
         self.compression_loaded = False
@@ -365,9 +366,7 @@ class Prober:
         in_place = inplace_activations(self.model) if inplace else contextlib.nullcontext()
         grads_in_place = weight_grads_in_place(self.model) if self.grads_in_place else contextlib.nullcontext()
         # exact slices measure what the step's exact plans run (NOTE [ Exact training with the loss over the head ])
-        exact: Any = contextlib.nullcontext()
-        if not isinstance(ctx, compress) and self.compression.linear_cross_entropy and self.wide_head:
-            exact = ExactSavings(linears=(weight_grads.linear,), weight_grads_in_place=self.grads_in_place)
+        exact = self.exact if self.exact is not None and not isinstance(ctx, compress) else contextlib.nullcontext()
         start = self.meter.start()
         try:
             t0 = time.perf_counter()

@@ -364,7 +364,7 @@ class BudgetedStep:
         self._exact = (ExactSavings(linears=(weight_grads.linear,), weight_grads_in_place=self._grads_in_place)
                        if self._compression.linear_cross_entropy and may_have_wide_head(model) else None)
         self._prober = Prober(local, loss_fn, optimizer, self.segments, self.config, self._compression, self._meter,
-                              grads_in_place=self._grads_in_place)
+                              grads_in_place=self._grads_in_place, exact=self._exact)
         self._warned_bn = False
         self.inplace = inplace and not self._compression.asynchronous  # async packing reads tensors later
         self.tune_allocator = tune_allocator
