@@ -483,7 +483,13 @@ def _wide_linear(args: tuple[Any, ...], kwargs: Mapping[str, Any],
             t.dtype not in (torch.float32, out.dtype) or t.layout != torch.strided or t.device != out.device
             for t in (x, w, out, *(() if b is None else (b,)))):
         return None  # float32, or a half-precision output (under autocast, of float32 inputs)
-    return (x, w, b) if w.shape[0] * LOGITS_MIN_BITS > 8 * w.shape[1] * x.element_size() else None
+    return (x, w, b) if _wide(w, x.element_size()) else None
+
+
+def _wide(weight: torch.Tensor, input_bytes: int) -> bool:
+    """A linear layer of this weight, over inputs of ``input_bytes`` a value, has more bytes of output at
+    ``LOGITS_MIN_BITS`` than of input exact."""
+    return weight.shape[0] * LOGITS_MIN_BITS > 8 * weight.shape[1] * input_bytes
 
 
 class OpTracer:
@@ -569,5 +575,4 @@ class ExactSavings:
 def may_have_wide_head(model: torch.nn.Module) -> bool:
     """Whether ``model`` has a matrix that could be a wide linear layer's weight (``_wide_linear``, for an input
     of the weight's dtype): where none is, ``ExactSavings`` would only add a mode to every torch call."""
-    return any(p.dim() == 2 and p.shape[0] * LOGITS_MIN_BITS > 8 * p.shape[1] * p.element_size()
-               for p in model.parameters())
+    return any(p.dim() == 2 and _wide(p, p.element_size()) for p in model.parameters())
