@@ -9,7 +9,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .lineage import CAST_AND_VIEW_NODES, reaches
 
-__all__ = ["ParameterRegistry", "grad_writable", "has_grad_hooks", "is_parameter_like", "is_parameter_or_view"]
+__all__ = ["ParameterRegistry", "grad_leaf", "grad_writable", "is_parameter_like", "is_parameter_or_view"]
 
 
 class ParameterRegistry:
@@ -60,10 +60,16 @@ def _is_cast_or_view_of_leaf(node: object) -> bool:
     return reaches(node, lambda n: type(n).__name__ == "AccumulateGrad", CAST_AND_VIEW_NODES, 4)
 
 
-def has_grad_hooks(weight: torch.Tensor) -> bool:
+def _has_grad_hooks(weight: torch.Tensor) -> bool:
     """Hooks on ``weight``'s gradient that autograd's AccumulateGrad would run."""
     return bool(getattr(weight, "_backward_hooks", None)) or bool(
         getattr(weight, "_post_accumulate_grad_hooks", None))
+
+
+def grad_leaf(weight: torch.Tensor) -> bool:
+    """A leaf that takes a gradient, with no hook on it: all autograd does with its gradient is add it into
+    ``.grad``, which a backward may then do itself (``grad_writable``)."""
+    return weight.is_leaf and weight.requires_grad and not _has_grad_hooks(weight)
 
 
 def grad_writable(weight: torch.Tensor, like: torch.Tensor) -> bool:
@@ -71,7 +77,7 @@ def grad_writable(weight: torch.Tensor, like: torch.Tensor) -> bool:
     rather than return it to autograd (``NOTE [ Weight gradients accumulated in place ]`` in
     ``budget/weight_grads.py``): no graph is being built, no hook waits for it, and ``.grad`` is absent or a
     strided tensor of that dtype and device."""
-    if torch.is_grad_enabled() or has_grad_hooks(weight):
+    if torch.is_grad_enabled() or _has_grad_hooks(weight):
         return False
     grad = weight.grad
     return grad is None or (grad.layout == torch.strided and grad.dtype == like.dtype and grad.device == like.device)

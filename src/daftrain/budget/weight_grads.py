@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
-from ..params import grad_writable, has_grad_hooks
+from ..params import grad_leaf, grad_writable
 
 __all__ = ["weight_grads_in_place"]
 
@@ -52,8 +52,7 @@ __all__ = ["weight_grads_in_place"]
 
 
 def _eligible(weight: torch.Tensor) -> bool:
-    return (torch.is_grad_enabled() and weight.is_leaf and weight.requires_grad and not has_grad_hooks(weight)
-            and not torch.is_autocast_enabled(weight.device.type))
+    return torch.is_grad_enabled() and grad_leaf(weight) and not torch.is_autocast_enabled(weight.device.type)
 
 
 class _LinearInPlace(torch.autograd.Function):

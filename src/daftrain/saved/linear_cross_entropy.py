@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedError
-from ..params import grad_writable, has_grad_hooks
+from ..params import grad_leaf, grad_writable
 from .cross_entropy import REDUCTIONS
 
 __all__ = ["CHUNK_BYTES", "LinearCall", "LinearOutputs", "cross_entropy_over_linear"]
@@ -148,8 +148,7 @@ def cross_entropy_over_linear(call: LinearCall, input: torch.Tensor, target: tor
     w = call.weight
     early = (torch.is_grad_enabled() and call.input.requires_grad and not w.requires_grad
              and call.dtype in _EARLY_DTYPES)
-    param = w if (grad_in_place and w.is_leaf and w.requires_grad and not has_grad_hooks(w)
-                  and call.dtype == w.dtype) else None
+    param = w if grad_in_place and grad_leaf(w) and call.dtype == w.dtype else None
     return _OverLinear.apply(call.input, w, call.bias, input.detach(), target, ignore_index, reduction,
                              call.output, call.versions[0], call.dtype, early, param)
 
