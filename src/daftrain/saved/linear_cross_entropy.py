@@ -180,7 +180,7 @@ class _OverLinear(torch.autograd.Function):
         rows, classes = logits.shape
         step = max(1, CHUNK_BYTES.get(logits.device.type, CHUNK_BYTES["cpu"]) // (classes * logits.element_size()))
         log_probs = logits.new_empty((min(step, rows), classes))
-        logsumexp = logits.new_empty(rows)
+        logsumexp = logits.new_empty(0 if early else rows)  # read by the tiled backward alone, not an early one's
         total = logits.new_zeros(())
         # nll_loss's total weight without class weights: the rows not ignored
         valid = target != ignore_index
@@ -196,8 +196,9 @@ class _OverLinear(torch.autograd.Function):
             part, _ = torch.ops.aten.nll_loss_forward(log_probs[:n], target[s:s + n], None, REDUCTIONS["sum"],
                                                       ignore_index)  # checks the targets as plain's does
             total += part
-            torch.logsumexp(logits[s:s + n], 1, out=logsumexp[s:s + n])
-            if early:
+            if not early:
+                torch.logsumexp(logits[s:s + n], 1, out=logsumexp[s:s + n])
+            else:
                 sc = scale[s:s + n, None]
                 d = log_probs[:n].exp_().mul_(sc)  # the softmax from the log-probabilities, its nll taken
                 _subtract_one_hot(d, target[s:s + n], 0, sc)
