@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import daftrain
+from daftrain.saved import attention_precision
 from daftrain.saved.op_rules import RULES, ExactSavings, OpTracer, may_have_wide_head
 from daftrain.saved.records import Derivative
 
@@ -202,21 +203,62 @@ def test_clip_masks_of_permuted_inputs_are_exact() -> None:
     assert ctx.stats.bool_packed == 1 and ctx.stats.kept == 0
 
 
-def test_sdpa_with_qk_norm_keeps_q_and_k_at_eight_bits() -> None:
+def _qk_norm_attention(gain: float):
     b, h, t, d = 2, 4, 64, 16
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, t, d, generator=gen) for _ in range(3))
-    gain = torch.full((d,), 4.0)  # a learned QK-norm gain makes logits large
+    inputs = [torch.randn(b, h, t, d, generator=gen) for _ in range(3)]
+    weight = torch.full((d,), gain)  # a learned QK-norm gain: the larger, the larger the logits
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        qn, kn = F.rms_norm(q * 1.0, (d,), gain), F.rms_norm(k * 1.0, (d,), gain)
+        qn, kn = F.rms_norm(q * 1.0, (d,), weight), F.rms_norm(k * 1.0, (d,), weight)
         return F.scaled_dot_product_attention(qn, kn, v * 1.0, is_causal=True)
 
-    ref = torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], None)])
-    with_rule = _cos(torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], _ctx(4))]), ref)
-    without = _cos(torch.cat([g.reshape(-1) for g in _grads(fn, [q, k, v], _ctx(4, rules=False))]), ref)
-    # q and k at 8 bits; the rest of the error is v's and the norms' 4-bit rounding.
-    assert with_rule >= 0.5 and without < 0.3, (with_rule, without)
+    return fn, inputs
+
+
+def _flat_grads(fn, inputs: list[torch.Tensor], ctx: daftrain.compress | None) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in _grads(fn, inputs, ctx)])
+
+
+def test_sdpa_with_qk_norm_keeps_q_and_k_at_eight_bits() -> None:
+    fn, inputs = _qk_norm_attention(gain=1.0)  # logits of std ~1: an 8-bit q and k err them by ~0.01 nats
+    ref = _flat_grads(fn, inputs, None)
+    ctx = _ctx(4)
+    with_rule = 1 - _cos(_flat_grads(fn, inputs, ctx), ref)
+    without = 1 - _cos(_flat_grads(fn, inputs, _ctx(4, rules=False)), ref)
+    # q and k at 8 bits; the rest of the error is v's and the norms' 4-bit rounding. Kept: the norms' statistics.
+    assert ctx.stats.kept_reasons["op_rule"] == 4 and ctx.stats.compressed == 7
+    assert with_rule < 0.5 * without, (with_rule, without)
+
+
+def test_sdpa_with_large_logits_keeps_what_it_saves_exact() -> None:
+    # NOTE [ Attention logits that need more than 8 bits ]: a gain of 4 makes logits of std ~16, which
+    # 8-bit q and k would err by ~0.2 nats; q, k, v and the output are kept exact, the norms' inputs quantized.
+    fn, inputs = _qk_norm_attention(gain=4.0)
+    ref = _flat_grads(fn, inputs, None)
+    ctx = _ctx(4)
+    with_rule = _cos(_flat_grads(fn, inputs, ctx), ref)
+    without = _cos(_flat_grads(fn, inputs, _ctx(4, rules=False)), ref)
+    # q, k, v and the output kept beside the norms' four statistics; the norms' inputs and v's input quantized
+    assert ctx.stats.kept_reasons["op_rule"] == 8 and ctx.stats.compressed == 3
+    assert with_rule >= 0.99 and without < 0.3, (with_rule, without)
+
+
+def test_sdpa_logits_estimate_is_made_once_per_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    fn, inputs = _qk_norm_attention(gain=4.0)
+    ctx = _ctx(8)
+    calls = []
+    estimate = attention_precision.logit_error
+
+    def counted(*args: object, **kwargs: object) -> float:
+        calls.append(1)
+        return estimate(*args, **kwargs)
+
+    monkeypatch.setattr(attention_precision, "logit_error", counted)
+    for _ in range(3):
+        _grads(fn, inputs, ctx)
+        assert ctx.stats.kept_reasons["op_rule"] == 8
+    assert len(calls) == 1  # one forward position, its shapes unchanged: estimated on the first step only
 
 
 def test_relu6_and_clamp_masks_are_exact() -> None:

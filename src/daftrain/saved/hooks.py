@@ -83,7 +83,7 @@ _Key = tuple[Any, ...]
 class _NoTracer:
     """Exact mode: no op rule applies, nothing is traced."""
 
-    def start(self) -> None:
+    def start(self, step: int = 0) -> None:
         pass
 
     def stop(self) -> None:
@@ -201,7 +201,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._compile_warned = False
         self._hooks: CompiledHooks = hooks_for(self.config, traceable=self._untraceable is None)
         # NOTE [ Tracing the saving op ] in op_rules.py: only while quantizing (never in exact mode).
-        self._op_tracer = (OpTracer(linear_cross_entropy=self.config.linear_cross_entropy)
+        self._op_tracer = (OpTracer(linear_cross_entropy=self.config.linear_cross_entropy,
+                                    group_size=self.config.group_size)
                            if self.config.bits is not None else _NO_TRACER)
         # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
 
@@ -236,7 +237,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         warn_if_nested(self)  # NOTE [ Only the innermost saved-tensor hooks apply ] in nesting.py
         super().__enter__()
         self._hooks.activate(self)
-        self._op_tracer.start()
+        self._op_tracer.start(self.step)
         self._bit_policy.enter(self.step)
         if self._bit_policy.wants_calibration(pending=True):  # NOTE [ A variance target ] in auto/policy.py
             self._loss_catcher = LossCatcher()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..lineage import copy_of
+from .attention_precision import AttentionPrecision
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
 from .records import ClipMask, Derivative, Encoding, Normalized, stored_numel
@@ -52,7 +53,9 @@ class OpRule:
 #      (a class token of zeros under LayerNorm with eps 1e-12: rstd 1e6) is restored exactly;
 #   2. fused attention (SDPA flash / efficient kernels) recomputes ``exp(q k^T * scale - lse)`` from the
 #      saved q and k with the exact logsumexp: an error ``e`` in a logit becomes a factor ``exp(e)``,
-#      a bias that does not average out (at least ``ATTENTION_MIN_BITS``);
+#      a bias that does not average out (at least ``ATTENTION_MIN_BITS``); where even 8 bits would err
+#      the logits by more than ``LOGIT_ERROR_LIMIT``, everything the call saves is kept exact (``NOTE
+#      [ Attention logits that need more than 8 bits ]`` in ``attention_precision.py``);
 #   3. clips that save their input (hardtanh, relu6, clamp, threshold, hardsigmoid) read it only through
 #      the mask of values inside their bounds, and a leaky ReLU reads its input (or, in place, its output)
 #      only through its sign; a rounded value near a bound flips it (``ClipMask`` encoding: the mask,
@@ -95,7 +98,10 @@ RULES: tuple[OpRule, ...] = (
            "rsqrt(var) (one value per row, rows of very different scale in one group) kept exact"),
     OpRule("attention_qk", (F.scaled_dot_product_attention,),
            "flash/efficient backward recomputes exp(q k^T * scale - logsumexp) from q and k with the exact "
-           "logsumexp: a logit error e becomes a factor exp(e), so q and k get at least 8 bits",
+           "logsumexp: a logit error e becomes a factor exp(e), so q and k get at least 8 bits; where 8 bits "
+           "would err the logits by more than 0.05 nats (logits of large spread, whose peaked probabilities also "
+           "make the backward's P (dP - rowsum(dO O)) a small remainder of v's and the output's terms), every "
+           "tensor the call saves is kept exact",
            min_bits=ATTENTION_MIN_BITS),
     OpRule("clip_mask",
            (F.hardtanh, F.relu6, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip,
@@ -450,6 +456,8 @@ class _RuleMode(TorchFunctionMode):
         found = _match(rule, func, args, kwargs) if rule is not None else None
         if found is not None and found.rule.name == "cross_entropy":
             found = self.tracer.over_linear(found)
+        elif found is not None and found.rule.name == "attention_qk":
+            found = self.tracer.attention(found, args, kwargs)
         if found is None:
             out = func(*args, **kwargs)
         else:
@@ -498,7 +506,8 @@ class OpTracer:
     linear call (``NOTE [ Cross-entropy over a wide linear layer ]``)."""
 
     def __init__(self, rules: tuple[OpRule, ...] = RULES, linear_cross_entropy: bool = True, exact: bool = False,
-                 linears: tuple[Any, ...] = (F.linear,), weight_grads_in_place: bool = False) -> None:
+                 linears: tuple[Any, ...] = (F.linear,), weight_grads_in_place: bool = False,
+                 group_size: int = 256) -> None:
         self.rules = rules
         self.linear_cross_entropy = linear_cross_entropy
         self.exact = exact
@@ -509,13 +518,17 @@ class OpTracer:
         """A loss over a head adds the head's weight gradient into ``.grad`` itself, where it may."""
         self.local = threading.local()
         self._by_function = {f: r for r in rules for f in r.functions}
+        self._attention = AttentionPrecision(ATTENTION_MIN_BITS, group_size)
+        self._step = 0
 
-    def start(self) -> None:
+    def start(self, step: int = 0) -> None:
+        """Trace the calls of ``step``'s forward on this thread until ``stop``."""
         self.stop()
         mode = _RuleMode(self, self._by_function)
         mode.__enter__()
         self.local.mode, self.local.current = mode, None
         self.local.linears = LinearOutputs() if self.linear_cross_entropy else None
+        self.local.attention_calls, self._step = 0, step
 
     def stop(self) -> None:
         mode = getattr(self.local, "mode", None)
@@ -532,6 +545,18 @@ class OpTracer:
         found = _wide_linear(args, kwargs, out) if linears is not None else None
         if linears is not None and found is not None:
             linears.note(*found, out)
+
+    def attention(self, match: OpMatch, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch:
+        """An ``attention_qk`` match, or one that keeps its q and k exact where rounding them at 8 bits would
+        err the logits too much (``NOTE [ Attention logits that need more than 8 bits ]``)."""
+        index = getattr(self.local, "attention_calls", 0)
+        self.local.attention_calls = index + 1
+        if len(match.targets) != 2:
+            return match
+        q, k = match.targets
+        if not self._attention.keep_exact(self._step, index, q, k, _arg(args, kwargs, 6, "scale")):
+            return match
+        return replace(match, targets=(), keep_all=True)
 
     def over_linear(self, match: OpMatch) -> OpMatch | None:
         """A ``cross_entropy`` match run over the linear call that made its logits, where one did (else the
