@@ -167,3 +167,36 @@ def test_rows_holding_whole_groups_are_quantized_as_they_are_with_the_same_round
     assert bool(((ratio > 0.9) & (ratio < 1.1)).all()) and abs(float(ratio.mean()) - 1) < 0.03, ratio
     # other dtypes keep the normalised encoding (float32 x_hat gets a fitted grid on the CPU, they would not)
     assert isinstance(enc.encode(flat.bfloat16(), 2, 256, seed=0), NormalizedRecord)
+
+
+def _outlier_rows(rows: int = 512, cols: int = 96) -> torch.Tensor:
+    """A ``[tokens, features]`` activation with three outlier features, 30x the rest in every token."""
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    x[:, [5, 40, 77]] *= 30.0
+    return x
+
+
+def test_normalized_values_down_the_columns_round_trip_with_less_error() -> None:
+    x = _outlier_rows()
+    rows_enc = Normalized((512, 1, 96), (2,))
+    cols_enc = rows_enc.down_columns(96)
+    assert cols_enc is not None and cols_enc.cols == 96
+    flat = x.reshape(-1)
+    errors = {}
+    for name, enc in (("rows", rows_enc), ("cols", cols_enc)):
+        record = records.encode(flat, "quantize", 4, 256, seed=3, encoding=enc)
+        assert isinstance(record, NormalizedRecord)
+        restored = record.decode()
+        assert restored.shape == flat.shape and restored.dtype == flat.dtype
+        normal = torch.ones(96, dtype=torch.bool)
+        normal[[5, 40, 77]] = False
+        errors[name] = float((restored.view(512, 96) - x)[:, normal].pow(2).mean())
+    # the ordinary features are rounded in their own column's steps, not in the outliers' (30x wider)
+    assert errors["cols"] < errors["rows"] / 20, errors
+    assert record.nbytes == records.encode(flat, "quantize", 4, 256, seed=3, encoding=rows_enc).nbytes
+
+
+def test_normalized_down_columns_only_for_row_statistics() -> None:
+    assert Normalized((512, 1, 96), (2,)).down_columns(48) is None  # not the rows' length
+    assert Normalized((8, 16, 64), (0, 2)).down_columns(64) is None  # a batch norm's channels
+    assert Normalized((8, 16, 64), (1,)).down_columns(64) is None  # F.normalize's vectors along dim 1

@@ -30,15 +30,15 @@ logits that need more than 8 bits ]``)."""
 # every tensor the call saves exact: q and k, and v and the output too. Logits of large spread make the
 # probabilities peaked, and the backward's ``dS = P (dO v^T - rowsum(dO * out))`` is then a small
 # remainder of two large terms, one read from v, one from the output, whose rounding errors do not cancel
-# (the same text encoder at 4 bits, both its calls so kept: 0.66 with q and k alone, 0.98 with all four). The limit, 0.05 nats
-# (``exp(e)``'s mean off by ``e**2 / 2``, about 0.1 %), is where keeping them stops being cheap: the
-# attention of a pretrained MiniLM (with SDPA) errs by 0.011-0.027 at 8 bits, its gradient's cosine 0.9994,
-# and kept exact, its saved bytes grew 1.6x for 0.9995. No architecture of the zoo reaches 0.02; the text
-# encoder's two calls are at 0.047 and 0.29 (docs/zoo.md). The estimate reads values (a host sync on a
-# GPU): it is made once per forward position and kept for ``REESTIMATE_STEPS`` steps, or until the call's
-# shapes change (``PerPosition``).
-# Its groups are runs of ``group_size`` values along q's rows in logical order, each row's range taken
-# whole: where a row is longer than a group the estimate is high, never low.
+# (the same text encoder at 4 bits, both its calls so kept: 0.66 with q and k alone, 0.98 with all
+# four). The limit, 0.05 nats (``exp(e)``'s mean off by ``e**2 / 2``, about 0.1 %), is where keeping
+# them stops being cheap: the attention of a pretrained MiniLM (with SDPA) errs by 0.011-0.027 at 8 bits,
+# its gradient's cosine 0.9994, and kept exact, its saved bytes grew 1.6x for 0.9995. No architecture of
+# the zoo reaches 0.02; the text encoder's two calls are at 0.047 and 0.29 (docs/zoo.md). The estimate
+# reads values (a host sync on a GPU): it is made once per forward position and kept for
+# ``REESTIMATE_STEPS`` steps, or until the call's shapes change (``PerPosition``). Its groups are runs
+# of ``group_size`` values along q's rows in logical order, each row's range taken whole: where a row is
+# longer than a group the estimate is high, never low.
 def _noise_variance(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Mean variance per value that stochastic rounding at ``bits`` adds to ``x`` in groups of ``group_size``."""
     x = x.detach()

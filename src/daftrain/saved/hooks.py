@@ -446,11 +446,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         kind = _KINDS[decision.treatment]
         index = self._num_records
         if decision.treatment is Treatment.QUANTIZE:
-            if (self.config.column_groups and source is not None  # NOTE [ Groups down the columns ]
-                    and (decision.encoding is None or isinstance(decision.encoding, Derivative))):
-                layout = self._column_choice.layout(self.step, index, flat, source, decision.encoding)
-                if layout is not None:
-                    decision = dataclasses.replace(decision, encoding=layout)
+            if self.config.column_groups and source is not None:  # NOTE [ Groups down the columns ]
+                decision = self._down_columns(decision, index, flat, source)
             # bits="auto" observes what the record stores (NOTE [ Derivative encoding under bits="auto" ])
             stored_as = (decision.encoding.stored if isinstance(decision.encoding, (Derivative, ByColumns))
                          else None)
@@ -477,6 +474,19 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             if decision.encoding is not None:  # calibration perturbs it as the encoding stores it
                 self._record_encoding[record] = decision.encoding
         return record
+
+    def _down_columns(self, decision: Decision, index: int, flat: torch.Tensor, source: torch.Tensor) -> Decision:
+        """``decision`` with its groups down the columns where ``ColumnChoice`` finds them clearly narrower: plain
+        values, a derivative, or a row normalisation's x_hat (``NOTE [ Normalised values down the columns ]``)."""
+        encoding = decision.encoding
+        if encoding is None or isinstance(encoding, Derivative):
+            layout = self._column_choice.layout(self.step, index, flat, source, encoding)
+            return decision if layout is None else dataclasses.replace(decision, encoding=layout)
+        if isinstance(encoding, Normalized) and source.dim() >= 2 and encoding.down_columns(source.shape[-1]):
+            layout = self._column_choice.layout(self.step, index, flat, source, None)
+            down = None if layout is None else encoding.down_columns(layout.cols)
+            return decision if down is None else dataclasses.replace(decision, encoding=down)
+        return decision
 
     def _encode(self, flat: torch.Tensor, decision: Decision, kind: str, assignment: Assignment,
                 index: int, constant_at: tuple[int, Any] | None = None) -> Record | PendingRecord:
