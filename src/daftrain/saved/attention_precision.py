@@ -63,15 +63,16 @@ def logit_error(q: torch.Tensor, k: torch.Tensor, scale: float | None, bits: int
 
 
 class AttentionPrecision:
-    """Per attention call of a forward (by its position), whether its q and k need more than ``bits``
-    (``NOTE [ Attention logits that need more than 8 bits ]``)."""
+    """Per attention call of a forward (by its position), whether rounding its q and k at ``bits`` would err
+    its logits by more than ``limit``, so that what it saves is kept exact (``NOTE [ Attention logits that
+    need more than 8 bits ]``)."""
 
     def __init__(self, bits: int, group_size: int, limit: float = LOGIT_ERROR_LIMIT) -> None:
         self.bits, self.group_size, self.limit = bits, group_size, limit
         self._exact: PerPosition[bool] = PerPosition()
 
     def keep_exact(self, step: int, index: int, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> bool:
-        """Whether the ``index``-th attention call of ``step``'s forward keeps ``q`` and ``k`` exact."""
+        """Whether the ``index``-th attention call of ``step``'s forward keeps what it saves exact."""
         key: Hashable = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, scale)
         return self._exact.get(step, index, key,
                                lambda: logit_error(q, k, scale, self.bits, self.group_size) > self.limit)

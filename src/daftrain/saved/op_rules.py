@@ -547,8 +547,8 @@ class OpTracer:
             linears.note(*found, out)
 
     def attention(self, match: OpMatch, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch:
-        """An ``attention_qk`` match, or one that keeps its q and k exact where rounding them at 8 bits would
-        err the logits too much (``NOTE [ Attention logits that need more than 8 bits ]``)."""
+        """An ``attention_qk`` match, or one that keeps everything the call saves exact where rounding its q and
+        k at 8 bits would err the logits too much (``NOTE [ Attention logits that need more than 8 bits ]``)."""
         index = getattr(self.local, "attention_calls", 0)
         self.local.attention_calls = index + 1
         if len(match.targets) != 2:
