@@ -7,6 +7,7 @@ from collections.abc import Hashable
 
 import torch
 
+from ..auto.allocation import NoiseProfile
 from .per_position import PerPosition
 
 __all__ = ["LOGIT_ERROR_LIMIT", "AttentionPrecision", "logit_error"]
@@ -39,16 +40,17 @@ logits that need more than 8 bits ]``)."""
 # ``REESTIMATE_STEPS`` steps, or until the call's shapes change (``PerPosition``). Its groups are runs
 # of ``group_size`` values along q's rows in logical order, each row's range taken whole: where a row is
 # longer than a group the estimate is high, never low.
-def _noise_variance(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Mean variance per value that stochastic rounding at ``bits`` adds to ``x`` in groups of ``group_size``."""
+def _noise_variance(x: torch.Tensor, bits: int, group_size: int) -> float:
+    """Mean variance per value that stochastic rounding at ``bits`` adds to ``x`` in groups of ``group_size``
+    (``NoiseProfile``'s analytic energy of those groups, per value)."""
     x = x.detach()
     lo, hi = x.amin(-1).reshape(-1).float(), x.amax(-1).reshape(-1).float()
     rows = max(1, group_size // max(1, x.shape[-1]))  # rows of x in one group
     pad = (-lo.numel()) % rows
     if pad:
         lo, hi = torch.cat([lo, lo[-1:].expand(pad)]), torch.cat([hi, hi[-1:].expand(pad)])
-    step = (hi.view(-1, rows).amax(1) - lo.view(-1, rows).amin(1)) / (2**bits - 1)
-    return step.pow(2).mean() / 6
+    ranges = hi.view(-1, rows).amax(1) - lo.view(-1, rows).amin(1)
+    return NoiseProfile(plain_r2=float(ranges.double().square().mean()), zero_r2=0.0).energy(bits)
 
 
 def logit_error(q: torch.Tensor, k: torch.Tensor, scale: float | None, bits: int, group_size: int) -> float:
@@ -56,10 +58,10 @@ def logit_error(q: torch.Tensor, k: torch.Tensor, scale: float | None, bits: int
     (``NOTE [ Attention logits that need more than 8 bits ]``); ``scale`` None is SDPA's ``1/sqrt(d)``."""
     d = q.shape[-1]
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    mean_sq = [t.detach().float().pow(2).mean() for t in (q, k)]
+    mean_sq = [float(t.detach().float().pow(2).mean()) for t in (q, k)]
     variance = s * s * d * (_noise_variance(q, bits, group_size) * mean_sq[1]
                             + _noise_variance(k, bits, group_size) * mean_sq[0])
-    return float(variance.sqrt())
+    return math.sqrt(variance)
 
 
 class AttentionPrecision:

@@ -482,11 +482,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if encoding is None or isinstance(encoding, Derivative):
             layout = self._column_choice.layout(self.step, index, flat, source, encoding)
             return decision if layout is None else dataclasses.replace(decision, encoding=layout)
-        if isinstance(encoding, Normalized) and source.dim() >= 2 and encoding.down_columns(source.shape[-1]):
-            layout = self._column_choice.layout(self.step, index, flat, source, None)
-            down = None if layout is None else encoding.down_columns(layout.cols)
-            return decision if down is None else dataclasses.replace(decision, encoding=down)
-        return decision
+        down = encoding.down_columns(source.shape[-1]) if isinstance(encoding, Normalized) and source.dim() else None
+        if down is None or self._column_choice.layout(self.step, index, flat, source, None) is None:
+            return decision
+        return dataclasses.replace(decision, encoding=down)
 
     def _encode(self, flat: torch.Tensor, decision: Decision, kind: str, assignment: Assignment,
                 index: int, constant_at: tuple[int, Any] | None = None) -> Record | PendingRecord:
