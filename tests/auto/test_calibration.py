@@ -188,7 +188,8 @@ def test_without_a_model_calibrate_measures_the_gradients_of_the_loss_graphs_lea
 def test_calibration_noise_is_the_rounding_error_real_quantization_adds():
     # NOTE [ Calibration ]: the noise is the error of re-rounding the decoded values to 2 bits (as much as the
     # measured 2-bit energy of NOTE [ Measured rounding noise ], one draw of 16 Ki values: within 5 %); on
-    # values that already sit on a 1-bit grid, where that adds nothing, uniform noise of the 2-bit step.
+    # values of a record stored at 1 bit, which sit on its grid and re-round to themselves, uniform noise of
+    # the 2-bit step.
     from daftrain.auto.calibration import CalibrationPass
     from daftrain.auto.report import SlotKey
     from daftrain.auto.tracing import observe
@@ -196,10 +197,37 @@ def test_calibration_noise_is_the_rounding_error_real_quantization_adds():
     g = torch.Generator().manual_seed(0)
     gelu_out = nn.functional.gelu(torch.randn(64 * 256, generator=g))
     on_grid = torch.where(torch.rand(64 * 256, generator=g) < 0.5, -1.0, 1.0)
-    for values, expected in ((gelu_out, observe(SlotKey(0, gelu_out.numel(), "float32"), gelu_out, gelu_out, 1,
-                                                256).noise.energy(2)),
-                             (on_grid, on_grid.numel() * (2.0 / 3) ** 2 / 12)):
+    for values, stored_bits, expected in (
+            (gelu_out, 4, observe(SlotKey(0, gelu_out.numel(), "float32"), gelu_out, gelu_out, 1,
+                                  256).noise.energy(2)),
+            (on_grid, 1, on_grid.numel() * (2.0 / 3) ** 2 / 12)):
         calibration = CalibrationPass({0: values.numel()}, group_size=256, base_seed=1, step=2)
-        out = calibration.perturb(0, values, requantize=None)
+        out = calibration.perturb(0, values, requantize=None, stored_bits=stored_bits)
         assert calibration.noise[0] == pytest.approx(expected, rel=0.05)
         assert float((out - values).pow(2).sum()) == pytest.approx(calibration.noise[0], rel=1e-6)
+
+
+def test_values_crowding_a_level_get_their_rounding_error_unless_stored_as_coarsely():
+    # NOTE [ Calibration ]: peaked attention probabilities (most values far below their group's 2-bit step)
+    # re-round to 2 bits with little energy, like values on a coarser grid. Stored at 4 bits or exact they get
+    # that re-rounding error, bit for bit; only a record stored at 2 bits or fewer gets the uniform step.
+    from daftrain.auto.calibration import CalibrationPass
+    from daftrain.layout import record_seed
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(128, 128, generator=g)
+    logits[:, 0] += 12.0  # every row attends to its first position, as trained heads do to a separator
+    peaked = torch.softmax(logits, dim=-1).view(-1)
+    codes, lo, scale = torch.ops.daftrain.quantize_pack(peaked, 2, 256, record_seed(1, 2, 0))
+    rounded = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, 2, 256, peaked.numel(), torch.float32)
+    rounding = float((rounded - peaked).double().pow(2).sum())
+    groups = peaked.view(-1, 256)
+    uniform_step = float((((groups.amax(1) - groups.amin(1)) / 3).double() ** 2).sum()) * 256 / 12
+    assert rounding < uniform_step / 20
+    for stored_bits, expected in ((4, rounding), (8, rounding), (None, rounding), (2, uniform_step),
+                                  (1, uniform_step)):
+        calibration = CalibrationPass({0: peaked.numel()}, group_size=256, base_seed=1, step=2)
+        out = calibration.perturb(0, peaked, requantize=None, stored_bits=stored_bits)
+        assert calibration.noise[0] == pytest.approx(expected, rel=1e-6 if expected == rounding else 0.05)
+        if expected == rounding:  # values + (rounded - values): rounded to float32's last bit
+            torch.testing.assert_close(out, rounded, rtol=2 ** -23, atol=2 ** -30)

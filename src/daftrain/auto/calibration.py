@@ -37,8 +37,14 @@ __all__ = ["CalibrationPass", "LossCatcher", "StoredQuantity", "calibrate", "gra
 #      (little on values near a level, as GELU outputs crowd their minimum: see ``NOTE [ Measured
 #      rounding noise ]`` in allocation.py, whose energy the allocation multiplies by the correction);
 #      a fixed seed per record, so two consumers of one record see the same values. Where the values
-#      already sit on a coarser grid (a record at 1 bit, whose 2-bit re-rounding adds almost nothing)
-#      the noise is uniform over the group's 2-bit step instead. The decodes are otherwise what the step's own
+#      already sit on a grid as coarse (a record stored at 1 or 2 bits, whose 2-bit re-rounding adds
+#      almost nothing) the noise is uniform over the group's 2-bit step instead. Only there: values that
+#      crowd a level (a trained model's peaked attention probabilities, most of them far below their
+#      group's 2-bit step) also re-round with little energy, and uniform noise of the whole step on each
+#      of them is orders of magnitude more than rounding puts there, far outside where the backward is
+#      linear in the noise: its measured variance, divided by that noise, made the correction of
+#      pretrained MiniLM's softmax outputs 2000x what their real rounding noise gives, and kept them
+#      exact at every bit-width (docs/auto.md). The decodes are otherwise what the step's own
 #      backward will see, so the difference from the base is the added noise's effect alone, and its
 #      squared norm is the gradient variance that noise adds (one draw; it sums over every trainable
 #      parameter, so it concentrates);
@@ -51,8 +57,11 @@ __all__ = ["CalibrationPass", "LossCatcher", "StoredQuantity", "calibrate", "gra
 # ``benchmarks/bench_importance_overhead.py`` measures it. The passes leave ``.grad``, the RNG, the
 # step counter and the records untouched: the step's own ``loss.backward()`` is what it would have been.
 _COARSER_GRID = 0.25
-"""Re-rounding to 2 bits adds less than this share of uniform noise's energy: the values already sit on a
-coarser grid (a record at 1 bit), and the calibration adds uniform noise instead (``NOTE [ Calibration ]``)."""
+"""Re-rounding a record stored at ``_COARSE_BITS`` or fewer to 2 bits adds less than this share of uniform
+noise's energy: its values already sit on a grid as coarse, and the calibration adds uniform noise instead
+(``NOTE [ Calibration ]``)."""
+_COARSE_BITS = 2
+"""Records stored at this many bits or fewer may sit on a grid that 2-bit re-rounding leaves as it is."""
 _CALIBRATION_SEED = 0x5EEDCA1B  # calibrate()'s noise draws differ from the records' rounding draws
 
 
@@ -80,12 +89,12 @@ class CalibrationPass:
 
     def perturb(self, index: int | None, flat: torch.Tensor,
                 requantize: Callable[[torch.Tensor, int, int], torch.Tensor],
-                quantity: StoredQuantity | None = None) -> torch.Tensor:
+                quantity: StoredQuantity | None = None, stored_bits: int | None = None) -> torch.Tensor:
         """``flat`` with this pass's noise when it is the record at ``index`` of a measured class;
         ``requantize(flat, bits, seed)`` stores and restores ``flat`` the way its record was (used by a
         verification pass). Where the record stores another ``quantity`` of the values, the noise is
         added to that and measured there (NOTE [ Derivative encoding under bits="auto" ] in
-        saved/decide.py)."""
+        saved/decide.py). ``stored_bits``: the bits the record is stored at (``None``: exact)."""
         if index is None or self.indices.get(index) != flat.numel() or not flat.is_floating_point():
             return flat
         if self.bits is not None:
@@ -99,7 +108,8 @@ class CalibrationPass:
         mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
         step = (mx - mn) / 3  # the 2-bit step of each group
         uniform_energy = float((step.double() ** 2).sum()) * group / 12
-        if float(noise.double().pow(2).sum()) < _COARSER_GRID * uniform_energy:
+        coarse = stored_bits is not None and stored_bits <= _COARSE_BITS
+        if coarse and float(noise.double().pow(2).sum()) < _COARSER_GRID * uniform_energy:
             gen = torch.Generator(device=values.device).manual_seed(seed)
             uniform = torch.rand((step.numel(), group), generator=gen, device=values.device) - 0.5
             noise = (uniform * step[:, None]).view(-1)[:n].view_as(values) * (values != 0)

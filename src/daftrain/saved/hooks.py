@@ -412,7 +412,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             requantize = functools.partial(_requantize, group_size=self.config.group_size, encoding=encoding)
             stored = encoding.values if isinstance(encoding, ByColumns) else encoding  # what, not in which order
             quantity = stored if isinstance(stored, Derivative) else None
-            return packed.restore(self._calibration_pass.perturb(index, flat, requantize, quantity))
+            bits = self._record_bits.get(packed.record)
+            return packed.restore(self._calibration_pass.perturb(index, flat, requantize, quantity, bits))
         shared = self._shared.get(packed.record)
         if shared is not None and shared.flat is not None:
             flat = shared.flat
