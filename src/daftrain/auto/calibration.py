@@ -42,9 +42,9 @@ __all__ = ["CalibrationPass", "LossCatcher", "StoredQuantity", "calibrate", "gra
 #      crowd a level (a trained model's peaked attention probabilities, most of them far below their
 #      group's 2-bit step) also re-round with little energy, and uniform noise of the whole step on each
 #      of them is orders of magnitude more than rounding puts there, far outside where the backward is
-#      linear in the noise: its measured variance, divided by that noise, made the correction of
-#      pretrained MiniLM's softmax outputs 2000x what their real rounding noise gives, and kept them
-#      exact at every bit-width (docs/auto.md). The decodes are otherwise what the step's own
+#      linear in the noise: the variance it measures, divided by that noise, overstates the class's
+#      correction by orders of magnitude, and the allocation then keeps such tensors exact at every
+#      bit-width (docs/auto.md has the measurement). The decodes are otherwise what the step's own
 #      backward will see, so the difference from the base is the added noise's effect alone, and its
 #      squared norm is the gradient variance that noise adds (one draw; it sums over every trainable
 #      parameter, so it concentrates);
