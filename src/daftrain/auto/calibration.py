@@ -105,14 +105,14 @@ class CalibrationPass:
         codes, lo, scale = torch.ops.daftrain.quantize_pack(values.contiguous().view(-1), 2, group, seed)
         restored = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, 2, group, n, torch.float32)
         noise = restored.view_as(values) - values
-        mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
-        step = (mx - mn) / 3  # the 2-bit step of each group
-        uniform_energy = float((step.double() ** 2).sum()) * group / 12
-        coarse = stored_bits is not None and stored_bits <= _COARSE_BITS
-        if coarse and float(noise.double().pow(2).sum()) < _COARSER_GRID * uniform_energy:
-            gen = torch.Generator(device=values.device).manual_seed(seed)
-            uniform = torch.rand((step.numel(), group), generator=gen, device=values.device) - 0.5
-            noise = (uniform * step[:, None]).view(-1)[:n].view_as(values) * (values != 0)
+        if stored_bits is not None and stored_bits <= _COARSE_BITS:  # values that may sit on a grid as coarse
+            mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
+            step = (mx - mn) / 3  # the 2-bit step of each group
+            uniform_energy = float((step.double() ** 2).sum()) * group / 12
+            if float(noise.double().pow(2).sum()) < _COARSER_GRID * uniform_energy:
+                gen = torch.Generator(device=values.device).manual_seed(seed)
+                uniform = torch.rand((step.numel(), group), generator=gen, device=values.device) - 0.5
+                noise = (uniform * step[:, None]).view(-1)[:n].view_as(values) * (values != 0)
         if not bool(torch.isfinite(noise).all()):
             return flat
         noisy = values + noise
