@@ -25,21 +25,20 @@ logits that need more than 8 bits ]``)."""
 # ``v`` the rounding noise's variance per value (a group's step squared over 6), ``d`` the head size:
 # in proportion to the logits' own size. For most models at 8 bits that is a few thousandths of a nat,
 # but logits of large spread (a model without the 1/sqrt(d) scale, a wide head, a large QK-norm gain)
-# make it tenths: a text encoder of Hugging Face's with a 512-wide head and scale 1 had logits of std 23,
-# an 8-bit error of 0.29 and a gradient cosine of 0.957 at 8 bits (docs/zoo.md). So the attention rule
-# estimates that error for each call from its q and k and, where it is above ``LOGIT_ERROR_LIMIT``, keeps
-# every tensor the call saves exact: q and k, and v and the output too. Logits of large spread make the
+# make it tenths, and a gradient far off at 8 bits (a text encoder of Hugging Face's with a 512-wide
+# head and scale 1: docs/zoo.md). So the attention rule estimates that error for each call from its q
+# and k and, where it is above ``LOGIT_ERROR_LIMIT``, keeps every tensor the call saves exact: q and k,
+# and v and the output too. Logits of large spread make the
 # probabilities peaked, and the backward's ``dS = P (dO v^T - rowsum(dO * out))`` is then a small
 # remainder of two large terms, one read from v, one from the output, whose rounding errors do not cancel
-# (the same text encoder at 4 bits, both its calls so kept: 0.66 with q and k alone, 0.98 with all
-# four). The limit, 0.05 nats (``exp(e)``'s mean off by ``e**2 / 2``, about 0.1 %), is where keeping
-# them stops being cheap: the attention of a pretrained MiniLM (with SDPA) errs by 0.011-0.027 at 8 bits,
-# its gradient's cosine 0.9994, and kept exact, its saved bytes grew 1.6x for 0.9995. No architecture of
-# the zoo reaches 0.02; the text encoder's two calls are at 0.047 and 0.29 (docs/zoo.md). The estimate
-# reads values (a host sync on a GPU): it is made once per forward position and kept for
-# ``REESTIMATE_STEPS`` steps, or until the call's shapes change (``PerPosition``). Its groups are runs
-# of ``group_size`` values along q's rows in logical order, each row's range taken whole: where a row is
-# longer than a group the estimate is high, never low.
+# (keeping q and k alone exact left that text encoder far off at 4 bits). The limit, 0.05 nats
+# (``exp(e)``'s mean off by ``e**2 / 2``, about 0.1 %), is where keeping them stops being cheap: a
+# pretrained MiniLM's attention errs by a few hundredths of a nat at 8 bits, and keeping it exact grew
+# its saved bytes by much for almost no gradient; no architecture of the zoo comes near the limit
+# (docs/zoo.md has these measurements). The estimate reads values (a host sync on a GPU): it is made
+# once per forward position and kept for ``REESTIMATE_STEPS`` steps, or until the call's shapes change
+# (``PerPosition``). Its groups are runs of ``group_size`` values along q's rows in logical order, each
+# row's range taken whole: where a row is longer than a group the estimate is high, never low.
 def _noise_variance(x: torch.Tensor, bits: int, group_size: int) -> float:
     """Mean variance per value that stochastic rounding at ``bits`` adds to ``x`` in groups of ``group_size``
     (``NoiseProfile``'s analytic energy of those groups, per value)."""

@@ -491,12 +491,12 @@ class Normalized(_Encoding):
     # A normalisation over the rows of a ``[tokens, features]`` input (a layer or RMS norm) is where a
     # pretrained transformer's outlier features are: a few features tens of times larger than the rest in
     # every token, in x and so in x_hat, set the range of every group along the rows that holds one, and the
-    # other features are rounded in their steps. A pretrained MiniLM's last LayerNorm input alone took its
-    # 4-bit gradient's cosine to 0.92. Groups down the columns (``NOTE [ Groups down the columns ]`` in
-    # ``grouping.py``) hold one feature over ``group_size`` tokens; normalising first still pays there, since
-    # a column's group holds values of many rows. So x_hat is stored down its columns where the input's
-    # ranges say they are clearly narrower (``ColumnChoice``, as for a derivative, chosen on the input), same
-    # bytes: the MiniLM's 4-bit cosine went from 0.89 to 0.98 (docs/zoo.md).
+    # other features are rounded in their steps (on a pretrained MiniLM its last LayerNorm's input carried
+    # most of the 4-bit gradient error: docs/zoo.md). Groups down the columns hold one feature over
+    # ``group_size`` tokens (``NOTE [ Groups down the columns ]`` in ``grouping.py``); normalising first
+    # still pays there, since a column's group holds values of many rows. So x_hat is stored down its
+    # columns where the input's ranges say they are clearly narrower (``ColumnChoice``, as for a
+    # derivative, chosen on the input), same bytes (the MiniLM before and after: docs/zoo.md).
     def normalized_candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
                              grids: Grids | None = None) -> tuple[NormalizedRecord, Checks]:
         """``candidate`` as x_hat with exact statistics, wherever the groups lie."""
