@@ -72,12 +72,12 @@ def main() -> None:
             print(row, flush=True)
         if args.error_share:
             grad, ctx = share_gradient(model, batch, args.error_share)
+            slots = ctx.report().slots
             row = {"attention": attention, "bits": f"auto, error_share={args.error_share}",
                    "cosine": float(torch.nn.functional.cosine_similarity(grad, ref, dim=0)),
                    "ratio": ctx.stats.ratio,
-                   "calibration": {a.slot_class: a.calibration for a in ctx.report().slots},
-                   "slots_by_class_and_bits": dict(collections.Counter(
-                       f"{a.slot_class} @ {a.bits}" for a in ctx.report().slots))}
+                   "calibration": {a.slot_class: a.calibration for a in slots},
+                   "slots_by_class_and_bits": dict(collections.Counter(f"{a.slot_class} @ {a.bits}" for a in slots))}
             rows.append(row)
             print(row, flush=True)
     write_json(args.out, {"command": "flock /tmp/daftrain-bench.lock .venv/bin/python "
