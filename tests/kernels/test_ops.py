@@ -297,3 +297,59 @@ def test_argument_errors_derive_from_daftrain_errors():
         Q.pack_bool(x)
     with pytest.raises(DaftrainError, match="group_size"):
         Q.group_minmax(x, 48)
+
+
+@pytest.mark.parametrize("backend", ["fast", "reference"])
+def test_eager_calls_run_the_kernel_the_dispatcher_would(monkeypatch, backend):
+    """``NOTE [ Eager calls skip the dispatcher ]``: an ``Op`` called on a plain tensor runs the device's
+    checked kernel directly (the same bytes as through the dispatcher, the same argument check, the
+    version of what it writes bumped); under a dispatch mode or on a fake tensor it goes through the
+    dispatcher, which the mode sees."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from daftrain.kernels import ops, registry
+
+    registry.load_fast_kernels()
+    if backend == "reference":
+        monkeypatch.setattr(registry._status, "cpu", "reference")
+    direct: list[int] = []
+    kernel = ops.quantize_pack.eager_kernels["cpu"]
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        direct.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setitem(ops.quantize_pack.eager_kernels, "cpu", counted)
+    x = torch.randn(1000) * 3
+    grid = torch.tensor([0.0, 1.25, 2.0, 3.0])
+    for g in (None, grid):
+        got, expected = ops.quantize_pack(x, 2, 256, 5, g), Q.quantize_pack(x, 2, 256, 5, g)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert len(direct) == 2
+    with pytest.raises(ValueError, match="bits"):
+        ops.quantize_pack(x, 3, 256, 0)
+    codes, lo, scale = got
+    out = torch.zeros(1000)
+    before = out._version
+    ops.unpack_dequantize_into(out, codes, lo, scale, 2, 256, grid)
+    assert out._version > before
+    assert torch.equal(out, Q.unpack_dequantize(codes, lo, scale, 2, 256, 1000, torch.float32, grid))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    direct.clear()
+    with Seen() as seen:
+        ops.quantize_pack(x, 2, 256, 5)
+    assert "daftrain.quantize_pack.default" in seen.ops and not direct
+    with FakeTensorMode() as fake_mode:
+        fake = fake_mode.from_tensor(x)
+        fake_codes, fake_lo, _ = ops.quantize_pack(fake, 2, 256, 5)
+    assert tuple(fake_codes.shape) == tuple(codes.shape) and fake_lo.dtype == torch.float32 and not direct

@@ -15,7 +15,6 @@ import torch
 from pool_helpers import PS, G, assert_empty, assert_same, demoter, pool, quantized, raw
 
 import daftrain  # noqa: F401  (registers the ops)
-from daftrain.layout import PackedLayout
 from daftrain.pool import AdaptiveGrowth, FixedGrowth, PoolConfig, PoolError, RecordState, TrackingGrowth
 from daftrain.saved.records import PackedRecord
 
@@ -104,8 +103,8 @@ def test_quantized_and_bool_record_payloads_round_trip():
         b = p.store((packed,), importance=1.0)
         codes2, lo2, scale2 = q.load()
         assert_same((codes2, lo2, scale2), (codes, lo, scale))
-        rec = PackedRecord.quantized(codes2, lo2, scale2, PackedLayout(2, G, x.numel()), x.dtype)
-        want = PackedRecord.quantized(codes, lo, scale, PackedLayout(2, G, x.numel()), x.dtype)
+        rec = PackedRecord.quantized((codes2, lo2, scale2), x.numel(), G, x.dtype)
+        want = PackedRecord.quantized((codes, lo, scale), x.numel(), G, x.dtype)
         assert torch.equal(rec.decode(), want.decode())
         (packed2,) = b.load()
         assert torch.equal(PackedRecord.bitmap(packed2, x.numel()).decode(), x > 0)

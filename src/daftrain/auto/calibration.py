@@ -11,6 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..errors import InvalidArgumentError, UnsupportedError
+from ..kernels import ops as kernel_ops
 from ..layout import record_seed
 from .policy import AutoBits, BitPolicy
 from .report import SlotAllocation
@@ -102,11 +103,11 @@ class CalibrationPass:
         values = flat.detach().float() if quantity is None else quantity.stored(flat)
         n, group = values.numel(), self.group_size
         seed = record_seed(self.base_seed, self.step, index)
-        codes, lo, scale = torch.ops.daftrain.quantize_pack(values.contiguous().view(-1), 2, group, seed)
-        restored = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, 2, group, n, torch.float32)
+        codes, lo, scale = kernel_ops.quantize_pack(values.contiguous().view(-1), 2, group, seed)
+        restored = kernel_ops.unpack_dequantize(codes, lo, scale, 2, group, n, torch.float32)
         noise = restored.view_as(values) - values
         if stored_bits is not None and stored_bits <= _COARSE_BITS:  # values that may sit on a grid as coarse
-            mn, mx, _ = torch.ops.daftrain.group_minmax(values, group).unbind(1)
+            mn, mx, _ = kernel_ops.group_minmax(values, group).unbind(1)
             step = (mx - mn) / 3  # the 2-bit step of each group
             uniform_energy = float((step.double() ** 2).sum()) * group / 12
             if float(noise.double().pow(2).sum()) < _COARSER_GRID * uniform_energy:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..kernels import ops as kernel_ops
 from ..lineage import copy_of
 from ..params import ParameterRegistry, is_parameter_like
 from .allocation import MEASURED_BITS, NoiseProfile
@@ -55,7 +56,7 @@ def observe(key: SlotKey, source: torch.Tensor | None, flat: torch.Tensor, min_b
     """Measure one record on an adaptation step: its group ranges, the rounding noise of its plain groups
     (``NOTE [ Measured rounding noise ]`` in ``allocation.py``) and its producer."""
     with torch.no_grad():
-        stats = torch.ops.daftrain.group_minmax(flat.detach(), group_size).double()
+        stats = kernel_ops.group_minmax(flat.detach(), group_size).double()
         mn, mx, min_pos = stats.unbind(1)
         sizes = torch.full_like(mn, group_size)
         sizes[-1] = flat.numel() - group_size * (mn.numel() - 1)

@@ -708,12 +708,23 @@ def _minmax_two_level(xb, n, group_size, tile, out):  # type: ignore[no-untyped-
         out[g, 2] = mp
 
 
+@njit(**_JIT)
+def _grid_widths(grid):  # type: ignore[no-untyped-def]
+    """``reference.grid_widths`` of a fitted grid's float32 values (none for an empty grid), computed where
+    the kernel starts: a few values, cheaper here than any array call on the host."""
+    widths = np.empty(max(grid.shape[0] - 1, 0), np.float32)
+    for k in range(widths.shape[0]):
+        widths[k] = np.float32(1.0) / (grid[k + 1] - grid[k])
+    return widths
+
+
 @njit(**_PJIT)
 def _quantize_per_group(  # type: ignore[no-untyped-def]
-    xb, n, group_size, bits, seed, grid, widths, codes, lo_out, scale_out, nchunks
+    xb, n, group_size, bits, seed, grid, codes, lo_out, scale_out, nchunks
 ):
     """Fused: stats, params, codes and packing of each group in one visit, parallel over runs of groups; on
     the fitted ``grid`` unless it is empty."""
+    widths = _grid_widths(grid)
     ng = lo_out.shape[0]
     nbytes = group_size * bits // 8
     per = (ng + nchunks - 1) // nchunks
@@ -1384,9 +1395,10 @@ def _quantize_column_block(  # type: ignore[no-untyped-def]
 
 @njit(**_PJIT)
 def _quantize_columns(  # type: ignore[no-untyped-def]
-    xb, rows, cols, group_size, bits, seed, grid, widths, codes, lo_out, scale_out
+    xb, rows, cols, group_size, bits, seed, grid, codes, lo_out, scale_out
 ):
     """``quantize_pack_columns``: one task per block of ``group_size`` rows (``NOTE [ Column kernels ]``)."""
+    widths = _grid_widths(grid)
     for block in prange(rows // group_size):
         _quantize_column_block(xb, cols, group_size, bits, seed, grid, widths, codes, lo_out, scale_out, block)
 
@@ -1563,12 +1575,6 @@ STRATEGIES = {PER_GROUP: minmax_per_group, TWO_LEVEL: minmax_two_level}
 _NO_GRID = np.empty(0, np.float32)
 
 
-def _grid_widths(grid: np.ndarray) -> np.ndarray:
-    """``reference.grid_widths`` of a fitted grid's float32 values, in numpy (a few values: tensor ops on
-    them cost more than the kernel call)."""
-    return np.float32(1.0) / np.diff(grid)
-
-
 def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
     """The op kernels by op name, ``group_minmax`` / ``quantize_pack`` scheduled by ``selector``;
     they trust their arguments (``NOTE [ What the kernels trust ]``)."""
@@ -1599,10 +1605,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         # one cannot keep the threads busy: few groups per thread. There the selector decides.
         strategy = PER_GROUP if ng >= 8 * threads() else selector.choose(n, group_size, flat.dtype)
         if grid is not None:  # one schedule: a grid's record reads its groups once, whatever their number
-            grid_np = grid.numpy()
-            widths_np = _grid_widths(grid_np)
             with _Guard(n) as nt:
-                _quantize_per_group(xb, n, group_size, bits, seed32, grid_np, widths_np, codes_np, lo_np, sc_np,
+                _quantize_per_group(xb, n, group_size, bits, seed32, grid.numpy(), codes_np, lo_np, sc_np,
                                     _chunks(ng, nt))
         elif strategy == TWO_LEVEL:
             stats = minmax_two_level(flat, group_size)
@@ -1612,8 +1616,7 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
                 _quantize_tiles(xb, n, group_size, bits, seed32, tile, lo_np, sc_np, codes_np)
         else:
             with _Guard(n) as nt:
-                _quantize_per_group(xb, n, group_size, bits, seed32, _NO_GRID, _NO_GRID, codes_np, lo_np, sc_np,
-                                    _chunks(ng, nt))
+                _quantize_per_group(xb, n, group_size, bits, seed32, _NO_GRID, codes_np, lo_np, sc_np, _chunks(ng, nt))
         return codes, lo, scale
 
     return {fn.__name__: fn for fn in (group_minmax, quantize_pack, reference.seeded(quantize_pack), unpack_dequantize,
@@ -1660,12 +1663,10 @@ def quantize_pack_columns(
     scale = torch.empty(ng, dtype=torch.bfloat16)
     if ng == 0:
         return codes, lo, scale
-    grid_np = _NO_GRID if grid is None else grid.numpy()
-    widths_np = _NO_GRID if grid is None else _grid_widths(grid_np)
     with _Guard(n):
-        _quantize_columns(_raw(flat), n // cols, cols, group_size, bits, np.uint32(seed & 0xFFFFFFFF), grid_np,
-                          widths_np, codes.view(-1).numpy(), lo.view(torch.int32).numpy(),
-                          scale.view(torch.int16).numpy())
+        _quantize_columns(_raw(flat), n // cols, cols, group_size, bits, np.uint32(seed & 0xFFFFFFFF),
+                          _NO_GRID if grid is None else grid.numpy(), codes.view(-1).numpy(),
+                          lo.view(torch.int32).numpy(), scale.view(torch.int16).numpy())
     return codes, lo, scale
 
 

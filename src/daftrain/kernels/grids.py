@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import GRID_BITS, check_grid
+from . import ops as kernel_ops
 from . import reference
 
 __all__ = ["GRID_GAIN", "GRID_RESOLUTION", "fit_grid"]
@@ -62,7 +63,7 @@ def fit_grid(values: torch.Tensor, bits: int, group_size: int) -> torch.Tensor |
     with torch.no_grad():
         picks = torch.linspace(0, num_groups - 1, min(num_groups, _SAMPLE_GROUPS), device=flat.device).round().long()
         sample = flat[: num_groups * group_size].view(num_groups, group_size).index_select(0, picks).float()
-        lo, scale = reference.group_params(torch.ops.daftrain.group_minmax(sample.reshape(-1), group_size), bits)
+        lo, scale = reference.group_params(kernel_ops.group_minmax(sample.reshape(-1), group_size), bits)
         step = scale.float().abs()
         plain = ~torch.signbit(scale) & torch.isfinite(lo) & torch.isfinite(step) & (step > 0)
         t = ((sample - lo[:, None]) / torch.where(plain, step, 1.0)[:, None])[plain]

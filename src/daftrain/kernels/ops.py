@@ -68,6 +68,9 @@ class Op:
         arguments = self.default._schema.arguments
         self.mutated = tuple(i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
         """Positions of the arguments the op writes into: its schema's ``Tensor(a!)``."""
+        self.eager_kernels: dict[str, Callable[..., Any]] = {}
+        """The checked fast kernel per device type, which eager calls reach without the dispatcher (``NOTE [
+        Eager calls skip the dispatcher ]``); ``kernels/registry.py`` fills it as it registers them."""
         functools.update_wrapper(self, reference)
         OPS[self.name] = self
 
@@ -81,8 +84,20 @@ class Op:
 
         return checked
 
+    # NOTE [ Eager calls skip the dispatcher ]
+    # A call on a plain tensor, outside any tracing and with no ``TorchDispatchMode`` active, runs the
+    # kernel the dispatcher would pick for its device (the same checked function it has registered) directly:
+    # the dispatcher's way to a Python kernel (into C++, boxing the arguments, back into Python) costs more
+    # host time than the kernel itself on a small record, and the hooks call these ops once or twice for
+    # every tensor they save. Anything else goes through the dispatcher: a fake or functional tensor, any
+    # dispatch mode (``FakeTensorMode``, a flop counter, ``torch.compile``'s tracing), a device whose fast
+    # kernels are not loaded (the reference runs there). A ``TorchFunctionMode`` does not see these calls.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.default(*args, **kwargs)
+        first = args[0]
+        kernel = self.eager_kernels.get(first.device.type) if type(first) is torch.Tensor else None
+        if kernel is None or torch._C._len_torch_dispatch_stack() or torch._is_functional_tensor(first):
+            return self.default(*args, **kwargs)
+        return kernel(*args, **kwargs)
 
 
 OPS: dict[str, Op] = {}
@@ -90,7 +105,8 @@ OPS: dict[str, Op] = {}
 
 
 def _require(cond: Any, message: Callable[[], str], error: type[Exception] = KernelArgumentError) -> None:
-    torch._check_with(error, cond, message)
+    if cond is not True:  # a plain bool that holds needs no more; a symbolic one under tracing goes to torch
+        torch._check_with(error, cond, message)
 
 
 def _check_float(x: torch.Tensor) -> None:
@@ -108,7 +124,7 @@ def _check_grid(grid: torch.Tensor | None, bits: int, device: torch.device) -> N
     if grid is not None:
         _require(grid.device == device, lambda: f"grid must be on {device}, got {grid.device}")
         # raises LayoutError (a ValueError); a fake tensor (tracing, the fake kernel) has no values to read
-        check_grid(grid, bits, values=not is_fake(grid))
+        check_grid(grid, bits, values=type(grid) is torch.Tensor or not is_fake(grid))
 
 
 def _check_quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int,

@@ -196,6 +196,7 @@ def _register(backend: Backend, status: KernelStatus) -> str | None:
         for op in ops.OPS.values():
             kernel = op.at_boundary(_guarded(backend, op, kernels[op.name]))
             library.impl(op.name, kernel, torch._C._dispatch_key_for_device(backend.key))
+            op.eager_kernels[backend.key] = kernel  # NOTE [ Eager calls skip the dispatcher ] in ops.py
         _libraries.append(library)  # a Library unregisters its kernels when collected
     except Exception as exc:
         setattr(status, backend.key, "reference")

@@ -95,6 +95,8 @@ def is_traced(value: Any) -> bool:
     """True when ``value`` (a tensor, or what a pack hook returned) is being traced, not computed."""
     if isinstance(value, tuple):
         value = value[0]
+    if not torch._C._len_torch_dispatch_stack() and type(value) in _PLAIN:  # no dispatch mode, no tensor subclass
+        return False
     return (isinstance(value, FakeTensor | FunctionalTensor)
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
@@ -394,6 +396,10 @@ class _Owned:
 
     def __init__(self, ctx: Any, handle: Any) -> None:
         self.ctx, self.handle = ctx, handle
+
+
+_PLAIN = (torch.Tensor, _Owned, KeptTensor)
+"""What an eager pack hook is given or returns: never traced while no dispatch mode is active."""
 
 
 class CompiledHooks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import ops as kernel_ops
 from .per_position import PerPosition
 from .records import ByColumns, Derivative
 
@@ -44,7 +45,7 @@ def by_columns_if_better(flat: torch.Tensor, source: torch.Tensor, group_size: i
     if rows % group_size:
         return None
     with torch.no_grad():
-        stats = torch.ops.daftrain.group_minmax(flat, group_size)
+        stats = kernel_ops.group_minmax(flat, group_size)
         along_rows = (stats[:, 1] - stats[:, 0]).double().square().sum()
         blocks = flat.view(rows // group_size, group_size, cols)
         down_columns = (blocks.amax(1) - blocks.amin(1)).double().square().sum()

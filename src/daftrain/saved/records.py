@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from ..errors import InPlaceModificationError
+from ..kernels import ops as kernel_ops
 from ..kernels.reference import columns_first
-from ..layout import GRID_BITS, PackedLayout
+from ..layout import GRID_BITS
 from .checks import Checks, DeviceVerdict, all_finite, first_failed
 
 if TYPE_CHECKING:
@@ -43,11 +44,11 @@ def _dequantize(payload: tuple[torch.Tensor, ...], grid: torch.Tensor | None, gr
     elif cols:
         out = torch.empty(numel, dtype=dtype, device=codes.device)
     else:
-        return torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, grid)
+        return kernel_ops.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, grid)
     if cols:
-        torch.ops.daftrain.unpack_dequantize_columns_into(out, codes, lo, scale, cols, bits, group_size, grid)
+        kernel_ops.unpack_dequantize_columns_into(out, codes, lo, scale, cols, bits, group_size, grid)
     else:
-        torch.ops.daftrain.unpack_dequantize_into(out, codes, lo, scale, bits, group_size, grid)
+        kernel_ops.unpack_dequantize_into(out, codes, lo, scale, bits, group_size, grid)
     return out
 
 
@@ -112,10 +113,10 @@ class PackedRecord:
         self.dtype, self.group_size, self.grid = dtype, group_size, grid
 
     @classmethod
-    def quantized(cls, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, layout: PackedLayout,
+    def quantized(cls, payload: tuple[torch.Tensor, torch.Tensor, torch.Tensor], numel: int, group_size: int,
                   dtype: torch.dtype, grid: torch.Tensor | None = None) -> PackedRecord:
-        return cls(InMemory((codes, lo, scale)), is_bool=False, numel=layout.numel, dtype=dtype,
-                   group_size=layout.group_size, grid=grid)
+        """The record of ``(codes, lo, scale)`` as ``quantize_pack`` wrote them (the op checked their layout)."""
+        return cls(InMemory(payload), is_bool=False, numel=numel, dtype=dtype, group_size=group_size, grid=grid)
 
     @classmethod
     def bitmap(cls, packed: torch.Tensor, numel: int) -> PackedRecord:
@@ -128,7 +129,7 @@ class PackedRecord:
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         with self.storage.borrow() as parts:
             if self.is_bool:
-                return torch.ops.daftrain.unpack_bool(parts[0], self.numel)
+                return kernel_ops.unpack_bool(parts[0], self.numel)
             return _dequantize(parts, self.grid, self.group_size, self.numel, self.dtype, buffers)
 
     def to_pool(self, pool: PagePool, importance: float, seed: int) -> PackedRecord:
@@ -177,7 +178,7 @@ def demote_payload(
     if bits <= 1:
         return None
     values = _dequantize(payload, grid, group_size, numel, torch.float32, None)
-    new = torch.ops.daftrain.quantize_pack(values, bits // 2, group_size, seed ^ (0x9E3779B9 * bits))
+    new = kernel_ops.quantize_pack(values, bits // 2, group_size, seed ^ (0x9E3779B9 * bits))
     if not bool(torch.isfinite(new[1]).all() and torch.isfinite(new[2]).all()):
         return None
     return new
@@ -199,17 +200,17 @@ def pack_candidate(flat: torch.Tensor, kind: str, bits: int, group_size: int, se
     if encoding is not None and kind in ("quantize", "bool"):
         return encoding.candidate(flat, bits, group_size, seed, grids)
     if kind == "bool":
-        return PackedRecord.bitmap(torch.ops.daftrain.pack_bool(flat), flat.numel()), ()
+        return PackedRecord.bitmap(kernel_ops.pack_bool(flat), flat.numel()), ()
     checks: Checks = ()
     if kind == "lossless":
         # See NOTE [ Constants are stored losslessly or kept ] in decide.py.
-        mn, mx, min_pos = torch.ops.daftrain.group_minmax(flat, group_size).unbind(1)
+        mn, mx, min_pos = kernel_ops.group_minmax(flat, group_size).unbind(1)
         checks = ((((mn == mx) | ((mn == 0) & (min_pos == mx))).all(), "constant"),)
         if not reads_wait(flat.device) and first_failed(checks) is not None:  # read at once: skip the packing
             return ExactRecord(flat, "constant"), ()
         bits = 1
     grid = grids(flat, bits) if grids is not None and kind == "quantize" and bits in GRID_BITS else None
-    record, finite = quantized(torch.ops.daftrain.quantize_pack(flat, bits, group_size, seed, grid), flat, bits,
+    record, finite = quantized(kernel_ops.quantize_pack(flat, bits, group_size, seed, grid), flat, bits,
                                group_size, grid)
     return record, checks + finite
 
@@ -217,13 +218,12 @@ def pack_candidate(flat: torch.Tensor, kind: str, bits: int, group_size: int, se
 def quantized(payload: tuple[torch.Tensor, torch.Tensor, torch.Tensor], values: torch.Tensor, bits: int,
               group_size: int, grid: torch.Tensor | None) -> tuple[PackedRecord, Checks]:
     """The record of ``payload`` (``values`` quantized), and the check that it holds finite values."""
-    codes, lo, scale = payload
+    _, lo, scale = payload
     # NOTE [ Non-finite activations ]: a NaN or Inf anywhere in a group shows in that group's lo or
     # scale. Such a tensor is kept exact, so backward sees exactly what plain PyTorch would: values
     # are never silently replaced. The check reads num_groups values, not the tensor (``NOTE [ One sum for
     # every value finite ]`` in ``checks.py``).
-    record = PackedRecord.quantized(codes, lo, scale, PackedLayout(bits, group_size, values.numel()), values.dtype,
-                                    grid)
+    record = PackedRecord.quantized(payload, values.numel(), group_size, values.dtype, grid)
     return record, ((all_finite(lo, scale), "nonfinite"),)
 
 
@@ -664,7 +664,7 @@ class ClipMask(_Encoding):
                   grids: Grids | None = None) -> tuple[ClipMaskRecord, Checks]:
         with torch.no_grad():
             mask = self.mask(flat) if self.tie is None else torch.cat([self.mask(flat), flat == self.tie])
-            bitmap = PackedRecord.bitmap(torch.ops.daftrain.pack_bool(mask), mask.numel())
+            bitmap = PackedRecord.bitmap(kernel_ops.pack_bool(mask), mask.numel())
             # a NaN compares false both ways, and a maximum's backward sends it the gradient on both sides:
             # no ordered value restores it (NOTE [ Non-finite activations ])
             checks: Checks = () if self.tie is None else ((~flat.isnan().any(), "nonfinite"),)
@@ -805,7 +805,7 @@ class ByColumns(_Encoding):
             # the grid is fitted on the stored order's groups: a view, copied only when a grid is fitted
             in_groups = values.view(-1, group_size, self.cols).transpose(1, 2)
             grid = grids(in_groups, bits) if grids is not None and bits in GRID_BITS else None
-            payload = torch.ops.daftrain.quantize_pack_columns(values, self.cols, bits, group_size, seed, grid)
+            payload = kernel_ops.quantize_pack_columns(values, self.cols, bits, group_size, seed, grid)
         inner, checks = quantized(payload, values, bits, group_size, grid)
         return ByColumnsRecord(inner, self, flat.dtype), checks
 
