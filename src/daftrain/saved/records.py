@@ -7,7 +7,7 @@ import contextlib
 import functools
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Self
@@ -69,9 +69,8 @@ class InMemory:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    @contextlib.contextmanager
-    def borrow(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        yield self.parts
+    def borrow(self) -> contextlib.AbstractContextManager[tuple[torch.Tensor, ...]]:
+        return contextlib.nullcontext(self.parts)  # nothing to pin or release: no generator frame per decode
 
 
 class Paged:
