@@ -58,28 +58,36 @@ NONLINEAR_MIN_BITS = 8
 _NONLINEAR_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
 
 
+# Decisions without a per-tensor argument, made once (``Decision`` is frozen): ``decide`` runs for every save.
+_KEEP = {reason: Decision(Treatment.KEEP, reason)
+         for reason in ("layout", "parameter", "empty", "tiny", "bool", "integer", "dtype", "exact")}
+_CONSTANT = Decision(Treatment.QUANTIZE_IF_LOSSLESS, "constant")
+_PACK_BOOL = Decision(Treatment.PACK_BOOL, "")
+_QUANTIZE = Decision(Treatment.QUANTIZE, "")
+
+
 def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegistry,
            call: OpMatch | None = None) -> Decision:
     """The treatment of one saved tensor; see ``NOTE [ Recognising parameters ]``. ``call`` is the
     rule-matched op call in progress (``op_rules.OpTracer.current()``), if any."""
     if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
-        return Decision(Treatment.KEEP, "layout")
+        return _KEEP["layout"]
     if is_parameter_like(t, registry):
-        return Decision(Treatment.KEEP, "parameter")
+        return _KEEP["parameter"]
     if t.numel() == 0:
-        return Decision(Treatment.KEEP, "empty")
+        return _KEEP["empty"]
     if stored_numel(t) < config.min_numel:  # an expanded view is stored at its real size
-        return Decision(Treatment.KEEP, "tiny")
+        return _KEEP["tiny"]
     if t.dtype == torch.bool:
-        return Decision(Treatment.PACK_BOOL, "") if config.pack_bool else Decision(Treatment.KEEP, "bool")
+        return _PACK_BOOL if config.pack_bool else _KEEP["bool"]
     if not (t.is_floating_point() or t.is_complex()):
-        return Decision(Treatment.KEEP, "integer")
+        return _KEEP["integer"]
     if t.dtype not in QUANTIZABLE_DTYPES:
-        return Decision(Treatment.KEEP, "dtype")
+        return _KEEP["dtype"]
     if config.bits is None:
-        return Decision(Treatment.KEEP, "exact")
+        return _KEEP["exact"]
     if t.grad_fn is None:
-        return Decision(Treatment.QUANTIZE_IF_LOSSLESS, "constant")
+        return _CONSTANT
     if type(t.grad_fn).__name__ in _NONLINEAR_OUTPUT_NODES:
         return Decision(Treatment.QUANTIZE, "", min_bits=NONLINEAR_MIN_BITS)
     if keeps(call, t):
@@ -87,7 +95,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     match = match_saved(call, t)
     if match is not None:
         return _by_rule(t, match, config)
-    return Decision(Treatment.QUANTIZE, "")
+    return _QUANTIZE
 
 
 # NOTE [ Derivative encoding under bits="auto" ]
