@@ -353,3 +353,11 @@ def test_eager_calls_run_the_kernel_the_dispatcher_would(monkeypatch, backend):
         fake = fake_mode.from_tensor(x)
         fake_codes, fake_lo, _ = ops.quantize_pack(fake, 2, 256, 5)
     assert tuple(fake_codes.shape) == tuple(codes.shape) and fake_lo.dtype == torch.float32 and not direct
+
+
+def test_an_op_called_with_keywords_only_goes_through_the_dispatcher():
+    from daftrain.kernels import ops
+
+    x = torch.randn(1000)
+    got = ops.quantize_pack(x=x, bits=2, group_size=256, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(got, Q.quantize_pack(x, 2, 256, 5), strict=True))

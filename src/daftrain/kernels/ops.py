@@ -93,7 +93,7 @@ class Op:
     # dispatch mode (``FakeTensorMode``, a flop counter, ``torch.compile``'s tracing), a device whose fast
     # kernels are not loaded (the reference runs there). A ``TorchFunctionMode`` does not see these calls.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        first = args[0]
+        first = args[0] if args else None
         kernel = self.eager_kernels.get(first.device.type) if type(first) is torch.Tensor else None
         if kernel is None or torch._C._len_torch_dispatch_stack() or torch._is_functional_tensor(first):
             return self.default(*args, **kwargs)
