@@ -50,7 +50,8 @@ class KernelDtypeError(ArgumentTypeError, RuntimeError):
 _LIB = torch.library.Library("daftrain", "DEF")
 
 class Op:
-    """A ``daftrain::`` operator: calling it dispatches through ``torch.ops.daftrain``.
+    """A ``daftrain::`` operator: calling it runs ``torch.ops.daftrain``'s op, on a plain tensor outside any
+    tracing as a direct call of its device's kernel (``NOTE [ Eager calls skip the dispatcher ]``).
 
     ``check(*args)`` validates the op's arguments (raises a ``DaftrainError``), ``fake`` computes the
     output metadata, ``reference`` is the spec. Defining one registers it and adds it to ``OPS``.
