@@ -28,17 +28,17 @@ logits that need more than 8 bits ]``)."""
 # make it tenths, and a gradient far off at 8 bits (a text encoder of Hugging Face's with a 512-wide
 # head and scale 1: docs/zoo.md). So the attention rule estimates that error for each call from its q
 # and k and, where it is above ``LOGIT_ERROR_LIMIT``, keeps every tensor the call saves exact: q and k,
-# and v and the output too. Logits of large spread make the
-# probabilities peaked, and the backward's ``dS = P (dO v^T - rowsum(dO * out))`` is then a small
-# remainder of two large terms, one read from v, one from the output, whose rounding errors do not cancel
-# (keeping q and k alone exact left that text encoder far off at 4 bits). The limit, 0.05 nats
-# (``exp(e)``'s mean off by ``e**2 / 2``, about 0.1 %), is where keeping them stops being cheap: a
-# pretrained MiniLM's attention errs by a few hundredths of a nat at 8 bits, and keeping it exact grew
-# its saved bytes by much for almost no gradient; no architecture of the zoo comes near the limit
-# (docs/zoo.md has these measurements). The estimate reads values (a host sync on a GPU): it is made
-# once per forward position and kept for ``REESTIMATE_STEPS`` steps, or until the call's shapes change
-# (``PerPosition``). Its groups are runs of ``group_size`` values along q's rows in logical order, each
-# row's range taken whole: where a row is longer than a group the estimate is high, never low.
+# and v and the output too. Logits of large spread make the probabilities peaked, and the backward's
+# ``dS = P (dO v^T - rowsum(dO * out))`` is then a small remainder of two large terms, one read from v,
+# one from the output, whose rounding errors do not cancel (keeping q and k alone exact left that text
+# encoder far off at 4 bits). The limit, 0.05 nats (``exp(e)``'s mean off by ``e**2 / 2``, about 0.1 %),
+# is where keeping them stops being cheap: a pretrained MiniLM's attention errs by a few hundredths of a
+# nat at 8 bits, and keeping it exact grew its saved bytes by much for almost no gradient; apart from
+# that text encoder, no architecture tried comes near the limit (docs/zoo.md has these measurements).
+# The estimate reads values (a host sync on a GPU): it is made once per forward position and kept for
+# ``REESTIMATE_STEPS`` steps, or until the call's shapes change (``PerPosition``). Its groups are runs of
+# ``group_size`` values along q's rows in logical order, each row's range taken whole: where a row is
+# longer than a group the estimate is high, never low.
 def _noise_variance(x: torch.Tensor, bits: int, group_size: int) -> float:
     """Mean variance per value that stochastic rounding at ``bits`` adds to ``x`` in groups of ``group_size``
     (``NoiseProfile``'s analytic energy of those groups, per value)."""
