@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from daftrain.saved.attention_precision import LOGIT_ERROR_LIMIT, AttentionPrecision, logit_error
+from daftrain.saved.attention_precision import LOGIT_ERROR_LIMIT, AttentionPrecision, Precision, logit_error
 
 
 def _rounded(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
@@ -51,10 +51,22 @@ def test_precision_per_position_and_shape() -> None:
     gen = torch.Generator().manual_seed(3)
     small = [torch.randn(1, 2, 32, 16, generator=gen) for _ in range(2)]
     large = [8 * t for t in small]
-    precision = AttentionPrecision(8, 256)
+    precision = AttentionPrecision(8, 8, 256)
     assert logit_error(*small, None, 8, 256) < LOGIT_ERROR_LIMIT < logit_error(*large, None, 8, 256)
-    assert not precision.keep_exact(0, 0, *small, None)
-    assert precision.keep_exact(0, 1, *large, None)
+    assert precision.of(0, 0, *small, None) is Precision.QK
+    assert precision.of(0, 1, *large, None) is Precision.EXACT
     # kept for later steps at the same position and shapes, made again for new shapes
-    assert precision.keep_exact(1, 1, *small, None)
-    assert not precision.keep_exact(1, 1, small[0][:, :, :16], small[1][:, :, :16], None)
+    assert precision.of(1, 1, *small, None) is Precision.EXACT
+    assert precision.of(1, 1, small[0][:, :, :16], small[1][:, :, :16], None) is Precision.QK
+
+
+def test_copies_at_eight_bits_where_the_model_bits_would_err_the_logits() -> None:
+    gen = torch.Generator().manual_seed(4)
+    q, k = (0.4 * torch.randn(1, 2, 32, 16, generator=gen) for _ in range(2))
+    at = {bits: logit_error(q, k, None, bits, 256) for bits in (8, 4, 2)}
+    assert at[8] < at[4] < LOGIT_ERROR_LIMIT < at[2], at
+    assert AttentionPrecision(8, 4, 256).of(0, 0, q, k, None) is Precision.QK
+    assert AttentionPrecision(8, 2, 256).of(0, 0, q, k, None) is Precision.QK_AND_COPIES
+    assert AttentionPrecision(8, 8, 256).of(0, 0, q, k, None) is Precision.QK  # 8 bits: nothing to raise
+    # where 8 bits already err too much, everything is kept exact whatever the model's bits
+    assert AttentionPrecision(8, 2, 256).of(0, 0, 8 * q, 8 * k, None) is Precision.EXACT

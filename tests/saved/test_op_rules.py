@@ -248,17 +248,53 @@ def test_sdpa_logits_estimate_is_made_once_per_position(monkeypatch: pytest.Monk
     fn, inputs = _qk_norm_attention(gain=4.0)
     ctx = _ctx(8)
     calls = []
-    estimate = attention_precision.logit_error
+    estimate = attention_precision._logit_errors
 
     def counted(*args: object, **kwargs: object) -> float:
         calls.append(1)
         return estimate(*args, **kwargs)
 
-    monkeypatch.setattr(attention_precision, "logit_error", counted)
+    monkeypatch.setattr(attention_precision, "_logit_errors", counted)
     for _ in range(3):
         _grads(fn, inputs, ctx)
         assert ctx.stats.kept_reasons["op_rule"] == 8
     assert len(calls) == 1  # one forward position, its shapes unchanged: estimated on the first step only
+
+
+def _biased_attention(gain: float):
+    """T5's attention: no 1/sqrt(d) scale and a learned bias, a mask that requires grad, so SDPA takes its math
+    path on every device and saves ``q * sqrt(scale)`` and ``k * sqrt(scale)``, not q and k."""
+    b, h, t, d = 2, 4, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(b, h, t, d, generator=gen) for _ in range(3)] + [torch.zeros(1, h, t, t)]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(gain * q, gain * k, v * 1.0, attn_mask=bias * 1.0, scale=1.0)
+
+    return fn, inputs
+
+
+def test_sdpa_math_path_holds_its_copies_of_q_and_k_at_eight_bits() -> None:
+    # NOTE [ Attention logits that need more than 8 bits ]: logits of std ~1 err by ~0.2 nats at 4 bits and
+    # ~0.01 at 8, so the copies of q and k the math path saves are held at 8 bits; v and the probabilities not.
+    fn, inputs = _biased_attention(gain=0.5)
+    ref = _grads(fn, inputs, None)
+    ctx, plain = _ctx(4), _ctx(4, rules=False)
+    with_rule, without = _grads(fn, inputs, ctx), _grads(fn, inputs, plain)
+    assert ctx.stats.compressed == plain.stats.compressed == 4  # q's and k's copies, the probabilities, v
+    # the same groups, 4 more bits a value on the two copies
+    assert ctx.stats.packed_bytes - plain.stats.packed_bytes == 2 * inputs[0].numel() * (8 - 4) // 8
+    assert torch.equal(with_rule[2], without[2]) and torch.equal(with_rule[3], without[3])  # v, bias: same draws
+    for i in (0, 1):  # dq and dk: their copies' 4-bit rounding gone; P's and v's (through dS) left: ~0.6x
+        error, before = 1 - _cos(with_rule[i], ref[i]), 1 - _cos(without[i], ref[i])
+        assert error < 0.7 * before, (i, error, before)
+
+
+def test_sdpa_math_path_leaves_its_copies_at_the_model_bits_where_they_err_little() -> None:
+    fn, inputs = _biased_attention(gain=0.1)  # logits 25x smaller: ~0.01 nats at 4 bits
+    ctx, plain = _ctx(4), _ctx(4, rules=False)
+    _grads(fn, inputs, ctx), _grads(fn, inputs, plain)
+    assert ctx.stats.compressed == 4 and ctx.stats.packed_bytes == plain.stats.packed_bytes
 
 
 def test_relu6_and_clamp_masks_are_exact() -> None:

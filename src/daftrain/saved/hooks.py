@@ -18,6 +18,7 @@ from ..allocator import HeapTrimmer
 from ..auto.calibration import CalibrationPass, LossCatcher, calibrate
 from ..auto.policy import Assignment, make_bit_policy
 from ..auto.report import AllocationReport
+from ..auto.tracing import NONLINEAR_SAVER_MIN_BITS
 from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from ..kernels import load_fast_kernels
@@ -201,8 +202,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._compile_warned = False
         self._hooks: CompiledHooks = hooks_for(self.config, traceable=self._untraceable is None)
         # NOTE [ Tracing the saving op ] in op_rules.py: only while quantizing (never in exact mode).
+        # bits="auto" may take a product's operands down to NONLINEAR_SAVER_MIN_BITS (NOTE [ Fewest bits ]).
+        fewest_bits = NONLINEAR_SAVER_MIN_BITS if self.config.auto else self.config.bits
         self._op_tracer = (OpTracer(linear_cross_entropy=self.config.linear_cross_entropy,
-                                    group_size=self.config.group_size)
+                                    group_size=self.config.group_size, bits=fewest_bits)
                            if self.config.bits is not None else _NO_TRACER)
         # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
 
