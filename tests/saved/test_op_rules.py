@@ -263,7 +263,7 @@ def test_sdpa_logits_estimate_is_made_once_per_position(monkeypatch: pytest.Monk
 
 def _biased_attention(gain: float):
     """T5's attention: no 1/sqrt(d) scale and a learned bias, a mask that requires grad, so SDPA takes its math
-    path on every device and saves ``q * sqrt(scale)`` and ``k * sqrt(scale)``, not q and k."""
+    path on CPU and saves ``q * sqrt(scale)`` and ``k * sqrt(scale)``, not q and k."""
     b, h, t, d = 2, 4, 64, 16
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(b, h, t, d, generator=gen) for _ in range(3)] + [torch.zeros(1, h, t, t)]
@@ -293,7 +293,8 @@ def test_sdpa_math_path_holds_its_copies_of_q_and_k_at_eight_bits() -> None:
 def test_sdpa_math_path_leaves_its_copies_at_the_model_bits_where_they_err_little() -> None:
     fn, inputs = _biased_attention(gain=0.1)  # logits 25x smaller: ~0.01 nats at 4 bits
     ctx, plain = _ctx(4), _ctx(4, rules=False)
-    _grads(fn, inputs, ctx), _grads(fn, inputs, plain)
+    _grads(fn, inputs, ctx)
+    _grads(fn, inputs, plain)
     assert ctx.stats.compressed == 4 and ctx.stats.packed_bytes == plain.stats.packed_bytes
 
 

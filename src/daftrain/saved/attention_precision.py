@@ -36,7 +36,7 @@ of q and k stored at 8 bits (``NOTE [ Attention logits that need more than 8 bit
 # is where keeping them stops being cheap: a pretrained MiniLM's attention errs by a few hundredths of a
 # nat at 8 bits, and keeping it exact grew its saved bytes by much for almost no gradient; apart from
 # that text encoder, no architecture tried comes near the limit (docs/zoo.md has these measurements).
-# SDPA's math path (taken with a mask that requires grad, and on CPU with dropout) stores the probabilities
+# SDPA's math path (which CPU takes with dropout or with a mask that requires grad) stores the probabilities
 # P and backpropagates through ``q k^T`` as a product: ``dq = scale * dS k``, with rows of ``dS`` that sum
 # to zero, so ``dq`` reads only the differences between k's rows, weighted by P. Peaked probabilities
 # (logits of large spread again) leave a small remainder of k's rows there, while k's rounding noise does
@@ -45,7 +45,9 @@ of q and k stored at 8 bits (``NOTE [ Attention logits that need more than 8 bit
 # limit, the copies the math path saves of q and k (``q * sqrt(scale)``, viewed for its matmul) are held
 # at 8 bits too: a T5 (no 1/sqrt(d), a learned bias that requires grad) errs by ~0.2 nats at 4 bits, the
 # other math-path models of the zoo by 0.011 at most (docs/zoo.md). Under bits="auto" the bits the rest
-# gets are the fewest the allocation may give a product's operand (2).
+# gets are the fewest the allocation may give a product's operand (2). P stays at the model's bits (it is
+# ``n`` times q's size per head; at 8 bits it cost a pretrained encoder more bytes than plain 4 bits for a
+# worse gradient), and attention written out as matmuls and a softmax is outside this rule (docs/zoo.md).
 # The estimate reads values (a host sync on a GPU): it is made once per forward position and kept for
 # ``REESTIMATE_STEPS`` steps, or until the call's shapes change (``PerPosition``). Its groups are runs of
 # ``group_size`` values along q's rows in logical order, each row's range taken whole: where a row is
