@@ -298,6 +298,17 @@ def test_sdpa_math_path_leaves_its_copies_at_the_model_bits_where_they_err_littl
     assert ctx.stats.compressed == 4 and ctx.stats.packed_bytes == plain.stats.packed_bytes
 
 
+def test_attention_precision_is_estimated_at_the_bits_the_rest_gets() -> None:
+    # NOTE [ Attention logits that need more than 8 bits ]: an avg_bits target has the floors fixed bits of the
+    # same bytes have (so the same bytes); other auto targets may take a product's operands down to 2 bits
+    def estimated_at(**kwargs: object) -> int:
+        return daftrain.compress(**kwargs)._op_tracer._attention.bits
+
+    assert estimated_at(bits=4) == 4 and estimated_at(bits=2) == 2 and estimated_at() == 4
+    assert estimated_at(bits="auto", avg_bits=4.0) == 4 and estimated_at(bits="auto", avg_bits=3.0) == 2
+    assert estimated_at(bits="auto") == 2 and estimated_at(bits="auto", error_share=0.01) == 2
+
+
 def test_relu6_and_clamp_masks_are_exact() -> None:
     gen = torch.Generator().manual_seed(0)
     # Values crowd both bounds, where rounding would flip the mask.

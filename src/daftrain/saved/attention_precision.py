@@ -45,7 +45,8 @@ of q and k stored at 8 bits (``NOTE [ Attention logits that need more than 8 bit
 # limit, the copies the math path saves of q and k (``q * sqrt(scale)``, viewed for its matmul) are held
 # at 8 bits too: a T5 (no 1/sqrt(d), a learned bias that requires grad) errs by ~0.2 nats at 4 bits, the
 # other math-path models of the zoo by 0.011 at most (docs/zoo.md). Under bits="auto" the bits the rest
-# gets are the fewest the allocation may give a product's operand (2). P stays at the model's bits (it is
+# gets are those fixed bits of the same bytes store (an ``avg_bits`` target: the same floors, so the same
+# bytes), else the fewest the allocation may give a product's operand (2). P stays at the model's bits (it is
 # ``n`` times q's size per head; at 8 bits it cost a pretrained encoder more bytes than plain 4 bits for a
 # worse gradient), and attention written out as matmuls and a softmax is outside this rule (docs/zoo.md).
 # The estimate reads values (a host sync on a GPU): it is made once per forward position and kept for
