@@ -209,13 +209,12 @@ def pack_candidate(flat: torch.Tensor, kind: str, bits: int, group_size: int, se
             return ExactRecord(flat, "constant"), ()
         bits = 1
     grid = grids(flat, bits) if grids is not None and kind == "quantize" and bits in GRID_BITS else None
-    record, finite = quantized(kernel_ops.quantize_pack(flat, bits, group_size, seed, grid), flat, bits,
-                               group_size, grid)
+    record, finite = quantized(kernel_ops.quantize_pack(flat, bits, group_size, seed, grid), flat, group_size, grid)
     return record, checks + finite
 
 
-def quantized(payload: tuple[torch.Tensor, torch.Tensor, torch.Tensor], values: torch.Tensor, bits: int,
-              group_size: int, grid: torch.Tensor | None) -> tuple[PackedRecord, Checks]:
+def quantized(payload: tuple[torch.Tensor, torch.Tensor, torch.Tensor], values: torch.Tensor, group_size: int,
+              grid: torch.Tensor | None) -> tuple[PackedRecord, Checks]:
     """The record of ``payload`` (``values`` quantized), and the check that it holds finite values."""
     _, lo, scale = payload
     # NOTE [ Non-finite activations ]: a NaN or Inf anywhere in a group shows in that group's lo or
@@ -805,7 +804,7 @@ class ByColumns(_Encoding):
             in_groups = values.view(-1, group_size, self.cols).transpose(1, 2)
             grid = grids(in_groups, bits) if grids is not None and bits in GRID_BITS else None
             payload = kernel_ops.quantize_pack_columns(values, self.cols, bits, group_size, seed, grid)
-        inner, checks = quantized(payload, values, bits, group_size, grid)
+        inner, checks = quantized(payload, values, group_size, grid)
         return ByColumnsRecord(inner, self, flat.dtype), checks
 
 
