@@ -99,8 +99,8 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
 
 
 # NOTE [ Derivative encoding under bits="auto" ]
-# A GELU's or SiLU's input is stored as ``f'(x)`` (``NOTE [ Activations stored as their derivative ]``
-# in ``op_rules.py``) under bits="auto" too, and bits="auto" sees what the record stores: an
+# A GELU's, SiLU's, Hardswish's or Mish's input is stored as ``f'(x)`` (``NOTE [ Activations stored as
+# their derivative ]`` in ``records.py``) under bits="auto" too, and bits="auto" sees what the record stores: an
 # adaptation step observes the group ranges of ``f'(x)``, not of ``x`` (``BitPolicy.assign``'s
 # ``stored_as``), and a calibration pass adds its noise to ``f'(x)`` and restores an input from it
 # (``CalibrationPass``), so the estimate and its calibration are of the quantity that is rounded.

@@ -63,10 +63,11 @@ class OpRule:
 #      exact, at 1 bit per value);
 #   4. an elementwise maximum or minimum against a 0-d tensor reads its input only through the
 #      comparison with it, like a clip, ties included (``ClipMask`` with ties);
-#   5. smooth activations (GELU, SiLU) read their saved input only through their derivative f'(x),
-#      which is nonlinear: rounding x makes f'(x) noisier (by |f''| up to 0.8) and biased, and through
-#      a stack of such layers without a residual path the errors compound (``Derivative`` encoding:
-#      f'(x) itself, quantized, see ``NOTE [ Activations stored as their derivative ]``);
+#   5. smooth activations (GELU, SiLU, Mish) and Hardswish read their saved input only through their
+#      derivative f'(x), which is nonlinear: rounding x makes f'(x) noisier (by |f''| up to 0.8; Hardswish's
+#      jumps by 0.5 at -3 and 3) and biased, and through a stack of such layers without a residual path
+#      the errors compound (``Derivative`` encoding: f'(x) itself, quantized, see ``NOTE [ Activations
+#      stored as their derivative ]``); in place, they save a copy of their input: the same encoding;
 #   6. a layer whose weight the forward computes (weight norm, spectral norm, a parametrization, an
 #      equalized-learning-rate scale) saves that weight: one tensor shared by every sample, so its
 #      rounding error is one draw applied to the whole batch. An activation's error averages over the
@@ -119,10 +120,11 @@ RULES: tuple[OpRule, ...] = (
            "an elementwise maximum or minimum against a 0-d tensor reads its input only through the comparison "
            "with it (ties split the gradient): the comparison and the ties are stored exactly, 2 bits per value; "
            "quantized, an attention mask's finfo.min floor gives the input a group range of ~1e38"),
-    OpRule("activation_derivative", (F.gelu, F.silu),
-           "the backward reads the input only as f'(x), nonlinear: a rounded x gives a biased, noisier f'(x), "
-           "compounding through stacked layers without a residual path: f'(x) (bounded) is stored quantized, "
-           "unbiased, and restored as an x' with f'(x') = that value"),
+    OpRule("activation_derivative", (F.gelu, F.silu, F.hardswish, F.mish),
+           "the backward reads the input only as f'(x), nonlinear: a rounded x gives a biased, noisier f'(x) "
+           "(Hardswish's jumps at -3 and 3 flip like a clip's mask), compounding through stacked layers without "
+           "a residual path: f'(x) (bounded) is stored quantized, unbiased, and restored as an x' with f'(x') = "
+           "that value; in place, the copy autograd saves of the input likewise"),
     OpRule("statistic_of_rows",
            (torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide,
             torch.norm, torch.Tensor.norm, torch.linalg.vector_norm),
@@ -382,12 +384,15 @@ def _comparison(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     return x, ClipMask(value, None, False, above.item(), below.item(), tie=value)
 
 
+_DERIVATIVE_KINDS = {F.silu: "silu", F.hardswish: "hardswish", F.mish: "mish"}
+
+
 def _derivative(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Derivative | None:
     x = _arg(args, kwargs, 0, "input")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return None
-    if func is F.silu:  # in place, SiLU saves a copy of its input: left to plain quantization
-        return None if _arg(args, kwargs, 1, "inplace", False) else Derivative("silu")
+    if func in _DERIVATIVE_KINDS:
+        return Derivative(_DERIVATIVE_KINDS[func])
     approximate = _arg(args, kwargs, 1, "approximate", "none")
     return Derivative("gelu") if approximate == "none" else Derivative("gelu_tanh") if approximate == "tanh" else None
 
@@ -398,8 +403,9 @@ _INPLACE_ARG = {F.hardtanh: 3, F.relu6: 1, F.threshold: 3, F.leaky_relu: 2, F.ha
 
 def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch | None:
     if rule.name == "activation_derivative":
-        found = _derivative(func, args, kwargs)
-        return OpMatch(rule, (_arg(args, kwargs, 0, "input"),), found) if found is not None else None
+        found = _derivative(func, args, kwargs)  # in place: autograd saves a clone of the input
+        inplace = func is not F.gelu and bool(_arg(args, kwargs, 1, "inplace", False))
+        return OpMatch(rule, (_arg(args, kwargs, 0, "input"),), found, by_shape=inplace) if found is not None else None
     if rule.name == "normalization":
         x = _arg(args, kwargs, 0, "input")
         enc = _normalization(func, args, kwargs)

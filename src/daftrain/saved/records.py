@@ -705,18 +705,25 @@ class ClipMaskRecord(_EncodedRecord):
 
 
 # NOTE [ Activations stored as their derivative ]
-# GELU (exact or tanh) and SiLU save their input x and compute ``grad * f'(x)`` from it. f' is bounded
-# (GELU: [-0.13, 1.13], SiLU: [-0.10, 1.10]) and f'(-x) = 1 - f'(x); it increases on [-a, a], between
-# the zeros of f'' (GELU a = sqrt(2), SiLU a = 2.40), where it takes all its values. The record
-# stores d = f'(x) (computed by the op's own backward) quantized: backward is linear in d, so the
-# gradient stays unbiased, with a step of ~1.26 / (2**bits - 1) in d instead of (the group's range of
-# x) * |f''|. Restoring inverts f' on [-a, a] through a table of x at ``_INVERSE_POINTS`` equally spaced
-# values of d (nearest entry): f'(x') is within half a table step (2.4e-6) of the decoded d. A decoded
-# d can lie outside f''s range by up to 2**-8 of its group's range (the step is rounded up to
-# bfloat16, ``layout.py``); it restores to -a or a, a bias of at most that much. x' is not x (the
-# branches outside [-a, a] fold onto it); only f'(x'), all that backward reads, is kept. The encoding
-# is elementwise, so any memory order will do.
+# GELU (exact or tanh), SiLU, Hardswish and Mish save their input x and compute ``grad * f'(x)`` from it.
+# f' is bounded (GELU: [-0.13, 1.13], SiLU: [-0.10, 1.10], Hardswish: [-0.5, 1.5], Mish: [-0.11, 1.09]);
+# it increases on an interval [lo, hi] between the zeros of f'' (GELU -lo = hi = sqrt(2), SiLU 2.40;
+# Hardswish's is [-3, 3], the linear piece between its two jumps; Mish's about [-2.26, 1.49]), where it
+# takes all its values. The record stores d = f'(x) (computed by the op's own backward) quantized:
+# backward is linear in d, so the gradient stays unbiased, with a step of ~1.26 / (2**bits - 1) in d
+# (Hardswish: 2 / (2**bits - 1)) instead of (the group's range of x) * |f''| (Hardswish: a jump of 0.5
+# wherever a rounded x crosses -3 or 3, as a clip's mask flips). Restoring inverts f' on [lo, hi] through
+# a table of x at ``_INVERSE_POINTS`` equally spaced values of d (nearest entry): f'(x') is within half a
+# table step (2.4e-6) of the decoded d. A decoded d can lie outside f''s range by up to 2**-8 of its
+# group's range (the step is rounded up to bfloat16, ``layout.py``); it restores to lo or hi, a bias of
+# at most that much. x' is not x (the branches outside [lo, hi] fold onto it); only f'(x'), all that
+# backward reads, is kept. The encoding is elementwise, so any memory order will do. In place, these ops
+# save a copy of their input (autograd's clone of it before it is overwritten): the same encoding.
 _INVERSE_POINTS = (1 << 18) + 1
+
+
+DERIVATIVE_KINDS = ("gelu", "gelu_tanh", "silu", "hardswish", "mish")
+"""The activations whose input a ``Derivative`` stores as ``f'(x)``."""
 
 
 def _derivative_of(kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -724,19 +731,41 @@ def _derivative_of(kind: str, x: torch.Tensor) -> torch.Tensor:
     ones = torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
     if kind == "silu":
         return torch.ops.aten.silu_backward(ones, x)
+    if kind == "hardswish":
+        return torch.ops.aten.hardswish_backward(ones, x)
+    if kind == "mish":
+        return torch.ops.aten.mish_backward(ones, x)
     return torch.ops.aten.gelu_backward(ones, x, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
+def _extremum(kind: str, lo: float, hi: float, largest: bool) -> float:
+    """Where f' is largest (smallest) on [lo, hi], on which it rises to that point and falls after it (falls
+    to it and rises after)."""
+    a, b = torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64)
+    for _ in range(100):
+        m1, m2 = a + (b - a) / 3, b - (b - a) / 3
+        rising = _derivative_of(kind, m1) < _derivative_of(kind, m2)
+        a, b = (m1, b) if rising == largest else (a, m2)
+    return float((a + b) / 2)
+
+
+def _increasing_interval(kind: str) -> tuple[float, float]:
+    """[lo, hi], where f' increases through all its values (``NOTE [ Activations stored as their derivative ]``)."""
+    if kind == "hardswish":  # f' jumps at both ends (0 at -3, 1 at 3): the float32 values just inside
+        inside = float(torch.nextafter(torch.tensor(3.0), torch.tensor(0.0)))
+        return -inside, inside
+    hi = _extremum(kind, 0.0, 4.0, largest=True)
+    if kind == "mish":
+        return _extremum(kind, -4.0, 0.0, largest=False), hi
+    return -hi, hi  # f'(-x) = 1 - f'(x)
 
 
 @functools.cache
 def _inverse_table(kind: str, device: torch.device) -> tuple[torch.Tensor, float, float]:
-    """x at ``_INVERSE_POINTS`` equally spaced values of f' on [f'(-a), f'(a)], and those two bounds."""
-    lo, hi = torch.tensor(0.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)
-    for _ in range(100):  # a: the maximum of f' on [0, 4] (f' rises to it, then falls towards 1)
-        m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
-        lo, hi = (m1, hi) if _derivative_of(kind, m1) < _derivative_of(kind, m2) else (lo, m2)
-    a = float((lo + hi) / 2)
-    xs = torch.linspace(-a, a, 1 << 21, dtype=torch.float64)
-    fx = _derivative_of(kind, xs).cummax(0).values  # increasing on [-a, a]; cummax irons out rounding
+    """x at ``_INVERSE_POINTS`` equally spaced values of f' on [f'(lo), f'(hi)], and those two bounds."""
+    lo, hi = _increasing_interval(kind)
+    xs = torch.linspace(lo, hi, 1 << 21, dtype=torch.float64)
+    fx = _derivative_of(kind, xs).cummax(0).values  # increasing on [lo, hi]; cummax irons out rounding
     d = torch.linspace(float(fx[0]), float(fx[-1]), _INVERSE_POINTS, dtype=torch.float64)
     j = torch.searchsorted(fx, d).clamp_(1, len(xs) - 1)
     f0, f1 = fx[j - 1], fx[j]
@@ -762,7 +791,13 @@ class Derivative(_Encoding):
         table, d_min, d_max = _inverse_table(self.kind, d.device)
         pos = d.sub_(d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
         x = table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
-        return x if dtype == torch.float32 else x.to(dtype)
+        if dtype == torch.float32:
+            return x
+        x = x.to(dtype)
+        if self.kind == "hardswish":  # the ends of the table round onto the jumps in a narrower dtype
+            inside = torch.nextafter(torch.tensor(3.0, dtype=dtype), torch.tensor(0.0, dtype=dtype))
+            x.clamp_(-inside.item(), inside.item())
+        return x
 
     def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
                   grids: Grids | None = None) -> tuple[DerivativeRecord, Checks]:

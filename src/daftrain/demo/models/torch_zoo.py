@@ -2,13 +2,13 @@
 
 They cover what the ``transformers`` zoo does not: ``nn.LSTM`` / ``nn.GRU``, ``nn.Transformer`` (whose
 attention runs inside ``F.multi_head_attention_forward``), a convolutional encoder-decoder, a mobile CNN
-with squeeze-excitation and clips, an MLP-Mixer (linear layers over a transposed view, which ``F.linear``
-copies before saving), a recommender (``nn.EmbeddingBag``), a spectral operator (complex FFT and complex
-parameters), einsum attention and a vocoder-style 1-D convolution stack whose weights ``weight_norm``
-computes in every forward. Each also runs under bfloat16 autocast (suffix ``:bf16``), where ops
-save copies of their operands in the autocast dtype. ``zoo_model(name)`` takes the same seeds every time;
-``zoo_inputs(name)`` gives the keyword inputs of ``model(**inputs)``, whose output is a dict, as
-``transformers_zoo.zoo_gradient`` expects.
+with squeeze-excitation and clips, an EfficientNet-style one (inverted residuals, in-place activations), an
+MLP-Mixer (linear layers over a transposed view, which ``F.linear`` copies before saving), a recommender
+(``nn.EmbeddingBag``), a spectral operator (complex FFT and complex parameters), einsum attention and a
+vocoder-style 1-D convolution stack whose weights ``weight_norm`` computes in every forward. Each also runs
+under bfloat16 autocast (suffix ``:bf16``), where ops save copies of their operands in the autocast dtype.
+``zoo_model(name)`` takes the same seeds every time; ``zoo_inputs(name)`` gives the keyword inputs of
+``model(**inputs)``, whose output is a dict, as ``transformers_zoo.zoo_gradient`` expects.
 """
 
 from __future__ import annotations
@@ -92,6 +92,37 @@ def _mobile_cnn() -> nn.Module:
         nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.BatchNorm2d(16), nn.ReLU6(inplace=True), _SqueezeExcite(16),
         nn.Conv2d(16, 32, 1), nn.BatchNorm2d(32), nn.Mish(), nn.MaxPool2d(2), nn.Dropout2d(0.1),
         nn.Conv2d(32, 32, 3, padding=1), nn.ELU(), nn.AdaptiveMaxPool2d(2), nn.Flatten(), nn.Linear(128, 10))
+
+
+class _InvertedResidual(nn.Module):
+    """A 1x1 expansion, a depthwise 3x3 convolution, a squeeze-excitation gate and a 1x1 projection, each
+    convolution batch-normalised, activations in place, a residual path where the shapes allow one."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, act: type[nn.Module]) -> None:
+        super().__init__()
+        hidden = 4 * c_in
+        self.expand = nn.Sequential(nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), act(inplace=True))
+        self.depthwise = nn.Sequential(nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+                                       nn.BatchNorm2d(hidden), act(inplace=True))
+        self.gate = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(hidden, c_in // 2, 1), act(inplace=True),
+                                  nn.Conv2d(c_in // 2, hidden, 1), nn.Sigmoid())
+        self.project = nn.Sequential(nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.depthwise(self.expand(x))
+        h = self.project(h * self.gate(h))
+        return x + h if self.residual else h
+
+
+def _inverted_residual_cnn() -> nn.Module:
+    """EfficientNet / MobileNetV3-style: in-place SiLU and Hardswish, as torchvision and timm build them."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.SiLU(inplace=True),
+        _InvertedResidual(16, 16, 1, nn.SiLU), _InvertedResidual(16, 24, 2, nn.SiLU),
+        _InvertedResidual(24, 24, 1, nn.Hardswish), _InvertedResidual(24, 40, 2, nn.Hardswish),
+        nn.Conv2d(40, 160, 1, bias=False), nn.BatchNorm2d(160), nn.SiLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(160, 10))
 
 
 class _Mixer(nn.Module):
@@ -178,6 +209,7 @@ _ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tens
     "transformer_seq2seq": (_Seq2Seq, _tokens),
     "unet": (_UNet, _images),
     "mobile_cnn": (_mobile_cnn, _images),
+    "inverted_residual_cnn": (_inverted_residual_cnn, _images),
     "mlp_mixer": (_Mixer, _images),
     "recommender": (_Recommender, lambda: torch.randint(0, 1000, (64, 10))),
     "spectral_operator": (_SpectralOperator, lambda: torch.randn(8, 64, 2)),
@@ -185,7 +217,7 @@ _ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tens
     "vocoder": (_Vocoder, lambda: torch.randn(8, 16, 32)),
 }
 
-_CONVOLUTIONAL = ("unet", "mobile_cnn")
+_CONVOLUTIONAL = ("unet", "mobile_cnn", "inverted_residual_cnn")
 """Trained in channels_last too (the ``:channels_last`` entries)."""
 
 TORCH_ZOO: tuple[str, ...] = tuple(
