@@ -30,6 +30,7 @@ def test_supported_bits(bits):
         ({"group_size": 256.0}, TypeError, "group_size must be an int"),
         ({"min_numel": -1}, ValueError, "min_numel"),
         ({"pack_bool": 1}, TypeError, "pack_bool"),
+        ({"pack_integers": 1}, TypeError, "pack_integers"),
         ({"column_groups": "yes"}, TypeError, "column_groups"),
         ({"fitted_grids": 1}, TypeError, "fitted_grids"),
         ({"seed": -5}, ValueError, "seed"),

@@ -63,6 +63,10 @@ class CompressionConfig:
     pack_bool: bool = True
     """Store bool tensors (ReLU/dropout masks) as 1 bit per value, losslessly."""
 
+    pack_integers: bool = True
+    """Store integer tensors (a max pool's indices, a gather's) in the narrowest integer type that holds their
+    values' span, losslessly (``NOTE [ Integer tensors in their narrowest type ]`` in ``saved/records.py``)."""
+
     seed: int | None = None
     """Base seed of the stochastic-rounding stream; ``None`` derives it from ``torch.initial_seed()``."""
 
@@ -136,6 +140,8 @@ class CompressionConfig:
                 f"linear_cross_entropy must be a bool, got {type(self.linear_cross_entropy).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise ArgumentTypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
+        if not isinstance(self.pack_integers, bool):
+            raise ArgumentTypeError(f"pack_integers must be a bool, got {type(self.pack_integers).__name__}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):

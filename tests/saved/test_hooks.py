@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -310,7 +311,7 @@ def test_non_finite_activations_are_kept_exact_not_replaced():
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(ref))
 
 
-def test_parameters_buffers_integers_and_small_tensors_are_kept():
+def test_parameters_buffers_and_small_tensors_are_kept_and_integers_narrowed():
     model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
     tokens = torch.randint(0, 1000, (32, 128))
     with daftrain.compress(bits=2, model=model) as ctx:
@@ -318,7 +319,7 @@ def test_parameters_buffers_integers_and_small_tensors_are_kept():
     out.sum().backward()
     reasons = ctx.stats.kept_reasons
     assert ctx.stats.parameters >= 3  # linear weights (as views), layer-norm weight
-    assert reasons["integer"] == 1  # the token ids embedding saves
+    assert ctx.stats.integer_packed == 1 and reasons["integer"] == 0  # the token ids embedding saves, as int16
     assert reasons["constant"] >= 1  # layer norm's mean / rstd
     assert ctx.stats.compressed >= 2
     for p in model.parameters():
@@ -630,3 +631,31 @@ def test_a_constant_alias_does_not_reuse_a_quantized_record() -> None:
 
     ref = run(daftrain.compress(bits=None))
     assert torch.equal(run(daftrain.compress(bits=2, min_numel=0)), ref)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_max_pool_indices_are_stored_narrow_and_exact(bits):
+    # A max pool saves int64 argmax positions, one per output value: stored as int16 offsets (a plane of
+    # 56 x 56 positions), the gradient as plain PyTorch's (exact mode: bit for bit).
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    x = torch.randn(4, 3, 56, 56)
+
+    def run(ctx):
+        conv.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            y = F.max_pool2d(conv(x), 3, 2, 1)
+        y.pow(2).sum().backward()
+        return conv.weight.grad.clone()
+
+    ref = run(None)
+    narrow = daftrain.compress(bits=bits, seed=1)
+    kept = daftrain.compress(bits=bits, seed=1, pack_integers=False)
+    got, again = run(narrow), run(kept)
+    assert narrow.stats.integer_packed == 1 and kept.stats.kept_reasons["integer"] == 1
+    indices = 4 * 8 * 28 * 28
+    assert kept.stats.kept_bytes - narrow.stats.kept_bytes == indices * 8
+    assert narrow.stats.packed_bytes - kept.stats.packed_bytes == indices * 2 + 8
+    assert torch.equal(got, again)  # the same rounding of the float tensors either way
+    if bits is None:
+        assert torch.equal(got, ref)

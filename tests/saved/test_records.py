@@ -200,3 +200,42 @@ def test_normalized_down_columns_only_for_row_statistics() -> None:
     assert Normalized((512, 1, 96), (2,)).down_columns(48) is None  # not the rows' length
     assert Normalized((8, 16, 64), (0, 2)).down_columns(64) is None  # a batch norm's channels
     assert Normalized((8, 16, 64), (1,)).down_columns(64) is None  # F.normalize's vectors along dim 1
+
+
+# NOTE [ Integer tensors in their narrowest type ]: offsets from the minimum in the narrowest type that holds
+# the span, narrower than the tensor's own; else kept. An int64 span that wraps around (the full range) is kept.
+@pytest.mark.parametrize(("dtype", "lo", "hi", "stored"), [
+    (torch.int64, 0, 255, torch.uint8), (torch.int64, -5, 250, torch.uint8), (torch.int64, 0, 256, torch.int16),
+    (torch.int64, 0, 12543, torch.int16), (torch.int64, -40_000, 40_000, torch.int32),
+    (torch.int64, 7 - 2**40, 7, None), (torch.int64, -2**63, 2**63 - 1, None), (torch.int32, 0, 200, torch.uint8),
+    (torch.int32, -2**31, 2**31 - 1, None), (torch.int32, 0, 1_000_000, None), (torch.int16, -100, 100, torch.uint8),
+])
+def test_integer_records_round_trip_in_the_narrowest_type(dtype: torch.dtype, lo: int, hi: int,
+                                                          stored: torch.dtype | None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randint(lo, hi, (5000,), generator=gen, dtype=torch.int64).to(dtype)
+    flat[0], flat[1] = lo, hi  # the ends of the span
+    record, checks = records.narrowed(flat)
+    assert checks == ()
+    if stored is None:
+        assert isinstance(record, ExactRecord) and record.reason == "integer" and record.flat is flat
+        return
+    assert isinstance(record, records.IntegerRecord) and record.values.dtype == stored
+    assert record.nbytes == flat.numel() * stored.itemsize + flat.element_size()
+    restored = record.decode()
+    assert restored.dtype == dtype and torch.equal(restored, flat)
+
+
+def test_integer_records_on_a_device_that_reads_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU the span is not read at once: int16 is made and its check read later (here: on the CPU tensor).
+    monkeypatch.setattr(records, "reads_wait", lambda device: True)
+    for hi, fits in ((100, True), (2**16 - 1, True), (2**16, False), (2**62, False)):
+        flat = torch.tensor([0, hi, 3], dtype=torch.int64)
+        record, checks = records.narrowed(flat)
+        assert isinstance(record, records.IntegerRecord) and record.values.dtype == torch.int16
+        assert len(checks) == 1 and bool(checks[0][0]) is fits and checks[0][1] == "integer"
+        if fits:
+            assert torch.equal(record.decode(), flat)
+    wrapped = torch.tensor([-2**63, 2**63 - 1], dtype=torch.int64)
+    assert not bool(records.narrowed(wrapped)[1][0][0])
+    assert isinstance(records.narrowed(torch.tensor([1, 2], dtype=torch.int16))[0], ExactRecord)

@@ -11,13 +11,14 @@ from ..config import CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
 from .op_rules import OpMatch, keeps, match_saved
-from .records import ClipMask, Encoding, Normalized, is_dense, is_expanded, stored_numel
+from .records import NARROWABLE_DTYPES, ClipMask, Encoding, Normalized, is_dense, is_expanded, stored_numel
 
 
 class Treatment(enum.Enum):
     QUANTIZE = "quantize"
     QUANTIZE_IF_LOSSLESS = "quantize_if_lossless"
     PACK_BOOL = "pack_bool"
+    PACK_INTEGER = "pack_integer"
     KEEP = "keep"
 
 
@@ -63,6 +64,7 @@ _KEEP = {reason: Decision(Treatment.KEEP, reason)
          for reason in ("layout", "parameter", "empty", "tiny", "bool", "integer", "dtype", "exact")}
 _CONSTANT = Decision(Treatment.QUANTIZE_IF_LOSSLESS, "constant")
 _PACK_BOOL = Decision(Treatment.PACK_BOOL, "")
+_PACK_INTEGER = Decision(Treatment.PACK_INTEGER, "")
 _QUANTIZE = Decision(Treatment.QUANTIZE, "")
 
 
@@ -81,7 +83,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     if t.dtype == torch.bool:
         return _PACK_BOOL if config.pack_bool else _KEEP["bool"]
     if not (t.is_floating_point() or t.is_complex()):
-        return _KEEP["integer"]
+        return _PACK_INTEGER if config.pack_integers and t.dtype in NARROWABLE_DTYPES else _KEEP["integer"]
     if t.dtype not in QUANTIZABLE_DTYPES:
         return _KEEP["dtype"]
     if config.bits is None:

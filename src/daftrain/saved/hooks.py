@@ -41,6 +41,7 @@ from .records import (
     Derivative,
     Encoding,
     ExactRecord,
+    IntegerRecord,
     KeptTensor,
     Normalized,
     PendingRecord,
@@ -465,7 +466,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                          else None)
             assignment = self._bit_policy.assign(self.step, index, source, flat, decision.min_bits,
                                                  stored_as=stored_as)
-        else:  # bool masks and constants: stored exactly (encode ignores the bits), pooled by forward position
+        else:  # bool masks, integers and constants: stored exactly (encode ignores the bits), pooled by position
             assignment = Assignment(1, float(index))
         self._num_records += 1
         constant_at = None
@@ -545,9 +546,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 stats.kept_reasons[record.reason] += 1
                 stats.kept_bytes += record.nbytes
             else:
-                stats.compressed += not record.is_bool
+                integer = isinstance(record, IntegerRecord)
+                stats.compressed += not (record.is_bool or integer)
                 stats.fitted_grids += on_fitted_grid(record)
                 stats.bool_packed += record.is_bool
+                stats.integer_packed += integer
                 stats.packed_bytes += record.nbytes
 
     # -- bits="auto" ------------------------------------------------------------------------------
@@ -598,4 +601,5 @@ def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, poo
     return job(flat).to_pool(pool, importance, seed)
 
 
-_KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool"}
+_KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
+          Treatment.PACK_INTEGER: "integer"}

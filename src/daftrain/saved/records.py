@@ -166,6 +166,61 @@ class ExactRecord:
 
 
 
+# NOTE [ Integer tensors in their narrowest type ]
+# The integer tensors autograd saves are indices, which backward reads exactly: a max pool's argmax
+# positions (int64, one per output value: in an ImageNet-style CNN as many bytes as the float output of the
+# stem, the largest tensor it saves), a gather's or an embedding's indices, a router's choices. Their values
+# span little (a pooling plane's positions), so they are stored losslessly as their offset from the
+# tensor's minimum in the narrowest type that holds the span (``NARROW_TYPES``: uint8 below 2**8, int16
+# offset by 2**15 below 2**16, int32 offset by 2**31 below 2**32), where that is narrower than the tensor's
+# own type; else kept. The base (minimum plus offset) is a 0-d tensor on the tensor's device. On a GPU the
+# span is not read back at once: the record is made as int16 and its check (the span fits) read later
+# (``NOTE [ Checks the host does not wait for ]`` in ``checks.py``); on the CPU the span is read and the
+# narrowest type chosen. Packing makes one transient of the tensor's size (its offsets).
+NARROW_TYPES = ((torch.uint8, 0, 1 << 8), (torch.int16, 1 << 15, 1 << 16), (torch.int32, 1 << 31, 1 << 32))
+"""(type, offset, span it holds) of integer records, narrowest first."""
+NARROWABLE_DTYPES = (torch.int64, torch.int32, torch.int16)
+"""Integer dtypes whose tensors are stored in a narrower type where their values allow."""
+
+
+class IntegerRecord:
+    """An integer tensor stored losslessly as offsets from a base in a narrower integer type (``NOTE [ Integer
+    tensors in their narrowest type ]``)."""
+
+    __slots__ = ("__weakref__", "base", "dtype", "values")
+    is_bool = False
+
+    def __init__(self, values: torch.Tensor, base: torch.Tensor, dtype: torch.dtype) -> None:
+        self.values, self.base, self.dtype = values, base, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.base.nbytes
+
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        return self.values.to(self.dtype).add_(self.base)
+
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> IntegerRecord:
+        return self  # lossless and already small: stays where it is
+
+
+def narrowed(flat: torch.Tensor) -> tuple[IntegerRecord | ExactRecord, Checks]:
+    """``flat`` (a ``NARROWABLE_DTYPES`` dtype) as an ``IntegerRecord`` with the check that its span fits, or kept."""
+    lo, hi = torch.aminmax(flat)
+    span = hi.long() - lo.long()  # negative where an int64 span wraps around: kept
+    narrower = [n for n in NARROW_TYPES if n[0].itemsize < flat.element_size()]
+    if reads_wait(flat.device):
+        narrow = next((n for n in narrower if n[0] == torch.int16), None)
+        checks: Checks = () if narrow is None else ((((span >= 0) & (span < narrow[2])), "integer"),)
+    else:
+        fits = int(span)
+        narrow, checks = next((n for n in narrower if 0 <= fits < n[2]), None), ()
+    if narrow is None:
+        return ExactRecord(flat, "integer"), ()
+    base = lo + narrow[1]
+    return IntegerRecord(flat.sub(base).to(narrow[0]), base, flat.dtype), checks
+
+
 def demote_payload(
     payload: tuple[torch.Tensor, ...], *, group_size: int, numel: int, seed: int, grid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -186,7 +241,8 @@ def demote_payload(
 def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
            encoding: Encoding | None = None, grids: Grids | None = None) -> Record | UndecidedRecord:
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
-    1-bit layout is exact, else keep) or ``"bool"``; an op rule's ``encoding`` (``NOTE [ Op-aware
+    1-bit layout is exact, else keep), ``"bool"`` or ``"integer"`` (``NOTE [ Integer tensors in their
+    narrowest type ]``); an op rule's ``encoding`` (``NOTE [ Op-aware
     encodings ]``) replaces a quantize; ``grids`` gives a quantized record its fitted grid. Runs on the
     caller's or the packer's thread. On a GPU the record may be undecided (``NOTE [ Checks the host does
     not wait for ]`` in ``checks.py``)."""
@@ -200,6 +256,8 @@ def pack_candidate(flat: torch.Tensor, kind: str, bits: int, group_size: int, se
         return encoding.candidate(flat, bits, group_size, seed, grids)
     if kind == "bool":
         return PackedRecord.bitmap(kernel_ops.pack_bool(flat), flat.numel()), ()
+    if kind == "integer":
+        return narrowed(flat)
     checks: Checks = ()
     if kind == "lossless":
         # See NOTE [ Constants are stored losslessly or kept ] in decide.py.
@@ -869,4 +927,5 @@ def on_fitted_grid(record: Record) -> bool:
 
 
 Encoding = Normalized | ClipMask | Derivative | ByColumns
-Record = PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord | DerivativeRecord | ByColumnsRecord
+Record = (PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord | DerivativeRecord | ByColumnsRecord
+          | IntegerRecord)

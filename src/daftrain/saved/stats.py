@@ -28,6 +28,8 @@ class CompressionStats:
     """Of those, records on a fitted grid (``NOTE [ Fitted grids ]`` in ``kernels/grids.py``)."""
     bool_packed: int = 0
     """Bool regions stored at 1 bit per value (unique records)."""
+    integer_packed: int = 0
+    """Integer regions (indices) stored in a narrower integer type, losslessly (unique records)."""
     deduplicated: int = 0
     """Pack calls served by a record made earlier in the same pass (same storage span and version)."""
     kept: int = 0
