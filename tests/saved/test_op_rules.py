@@ -520,6 +520,11 @@ def test_derivative_record_restores_the_derivative(kind: str) -> None:
     assert restored.shape == x.reshape(-1).shape and torch.isfinite(restored).all()
 
 
+def test_derivative_of_an_unknown_activation_is_refused() -> None:
+    with pytest.raises(daftrain.InvalidArgumentError, match="Derivative kind"):
+        Derivative("relu")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["gelu", "silu", "hardswish", "mish"])
 def test_derivative_record_is_unbiased(kind: str, dtype: torch.dtype) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from ..errors import InPlaceModificationError
+from ..errors import InPlaceModificationError, InvalidArgumentError
 from ..kernels import ops as kernel_ops
 from ..kernels.reference import columns_first
 from ..layout import GRID_BITS
@@ -242,10 +242,9 @@ def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
            encoding: Encoding | None = None, grids: Grids | None = None) -> Record | UndecidedRecord:
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
     1-bit layout is exact, else keep), ``"bool"`` or ``"integer"`` (``NOTE [ Integer tensors in their
-    narrowest type ]``); an op rule's ``encoding`` (``NOTE [ Op-aware
-    encodings ]``) replaces a quantize; ``grids`` gives a quantized record its fitted grid. Runs on the
-    caller's or the packer's thread. On a GPU the record may be undecided (``NOTE [ Checks the host does
-    not wait for ]`` in ``checks.py``)."""
+    narrowest type ]``); an op rule's ``encoding`` (``NOTE [ Op-aware encodings ]``) replaces a quantize;
+    ``grids`` gives a quantized record its fitted grid. Runs on the caller's or the packer's thread. On a
+    GPU the record may be undecided (``NOTE [ Checks the host does not wait for ]`` in ``checks.py``)."""
     return decided(*pack_candidate(flat, kind, bits, group_size, seed, encoding, grids), flat)
 
 
@@ -796,6 +795,11 @@ def _derivative_of(kind: str, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_backward(ones, x, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
+def _checked_kind(kind: str) -> None:
+    if kind not in DERIVATIVE_KINDS:
+        raise InvalidArgumentError(f"Derivative kind must be one of {DERIVATIVE_KINDS}, got {kind!r}")
+
+
 def _extremum(kind: str, lo: float, hi: float, largest: bool) -> float:
     """Where f' is largest (smallest) on [lo, hi], on which it rises to that point and falls after it (falls
     to it and rises after)."""
@@ -837,6 +841,9 @@ class Derivative(_Encoding):
     """Store an activation's input ``x`` as ``f'(x)``; see ``NOTE [ Activations stored as their derivative ]``."""
 
     kind: str
+
+    def __post_init__(self) -> None:
+        _checked_kind(self.kind)
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """What the record stores of ``x``: ``f'(x)``, float32."""
