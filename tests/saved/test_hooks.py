@@ -633,13 +633,16 @@ def test_a_constant_alias_does_not_reuse_a_quantized_record() -> None:
     assert torch.equal(run(daftrain.compress(bits=2, min_numel=0)), ref)
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-def test_max_pool_indices_are_stored_narrow_and_exact(bits):
-    # A max pool saves int64 argmax positions, one per output value: stored as int16 offsets (a plane of
-    # 56 x 56 positions), the gradient as plain PyTorch's (exact mode: bit for bit).
+@pytest.mark.parametrize(("bits", "memory_format", "index_bytes"), [
+    (None, torch.contiguous_format, 2), (4, torch.contiguous_format, 1), (4, torch.channels_last, 1)])
+def test_max_pool_indices_are_stored_narrow_and_exact(bits, memory_format, index_bytes):
+    # A max pool saves int64 argmax positions, one per output value. With the op rules (a quantizing context)
+    # they are stored as their position in a 3 x 3 window, one byte each (NOTE [ Max-pool indices as window
+    # positions ], in any memory order); without them (exact mode), as int16 offsets (a plane of 56 x 56
+    # positions). The gradient is plain PyTorch's (exact mode: bit for bit).
     torch.manual_seed(0)
-    conv = nn.Conv2d(3, 8, 3, padding=1)
-    x = torch.randn(4, 3, 56, 56)
+    conv = nn.Conv2d(3, 8, 3, padding=1).to(memory_format=memory_format)
+    x = torch.randn(4, 3, 56, 56).contiguous(memory_format=memory_format)
 
     def run(ctx):
         conv.zero_grad(set_to_none=True)
@@ -655,7 +658,7 @@ def test_max_pool_indices_are_stored_narrow_and_exact(bits):
     assert narrow.stats.integer_packed == 1 and kept.stats.kept_reasons["integer"] == 1
     indices = 4 * 8 * 28 * 28
     assert kept.stats.kept_bytes - narrow.stats.kept_bytes == indices * 8
-    assert narrow.stats.packed_bytes - kept.stats.packed_bytes == indices * 2 + 8
+    assert narrow.stats.packed_bytes - kept.stats.packed_bytes == indices * index_bytes + 8 * (index_bytes == 2)
     assert torch.equal(got, again)  # the same rounding of the float tensors either way
     if bits is None:
         assert torch.equal(got, ref)

@@ -717,3 +717,26 @@ def test_layer_norm_input_with_outlier_features_goes_down_the_columns() -> None:
     # measured 3.3x less error (the input gradient's error also has the outliers' own share, which no
     # grouping removes); the input's columns hold one feature each, so the choice is clear-cut
     assert down < along / 2, (down, along)
+
+
+@pytest.mark.parametrize("pool", [torch.nn.MaxPool1d(3, 2, 1),
+                                  torch.nn.MaxPool2d((3, 2), stride=(2, 1), padding=(1, 0)),
+                                  torch.nn.MaxPool3d(2, ceil_mode=True), torch.nn.MaxPool2d(2, return_indices=True)],
+                         ids=["1d", "2d_asymmetric", "3d_ceil", "2d_returning_indices"])
+def test_max_pools_store_their_indices_as_window_positions(pool: torch.nn.Module) -> None:
+    dims = {torch.nn.MaxPool1d: 1, torch.nn.MaxPool2d: 2, torch.nn.MaxPool3d: 3}[type(pool)]
+    x = torch.randn(2, 4, *(15,) * dims, generator=torch.Generator().manual_seed(0))
+
+    def input_grad(ctx: daftrain.compress) -> tuple[torch.Tensor, int]:
+        leaf = x.clone().requires_grad_()
+        with ctx:
+            out = pool(leaf * 1.0)
+            y = out[0] if isinstance(out, tuple) else out
+        y.pow(2).sum().backward()
+        return leaf.grad, y.numel()
+
+    windows, numel = input_grad(with_rule := _ctx(4))
+    kept, _ = input_grad(without := _ctx(4, pack_integers=False))
+    assert torch.equal(windows, kept)  # the indices restore exactly
+    assert with_rule.stats.integer_packed == 1 and without.stats.kept_reasons["integer"] == 1
+    assert with_rule.stats.packed_bytes - without.stats.packed_bytes == numel  # one byte an index

@@ -3,6 +3,8 @@ layouts the normalization rule builds, against the input it stores."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -239,3 +241,60 @@ def test_integer_records_on_a_device_that_reads_later(monkeypatch: pytest.Monkey
     wrapped = torch.tensor([-2**63, 2**63 - 1], dtype=torch.int64)
     assert not bool(records.narrowed(wrapped)[1][0][0])
     assert isinstance(records.narrowed(torch.tensor([1, 2], dtype=torch.int16))[0], ExactRecord)
+
+
+def _pooled(dims: int, kernel: int, stride: int, padding: int, dilation: int, ceil_mode: bool
+            ) -> tuple[torch.Tensor, records.PoolWindows] | None:
+    size = {1: (4, 3, 17), 2: (2, 3, 13, 11), 3: (2, 2, 7, 9, 6)}[dims]
+    x = torch.randn(size, generator=torch.Generator().manual_seed(dims))
+    pool = {1: torch.nn.functional.max_pool1d, 2: torch.nn.functional.max_pool2d, 3: torch.nn.functional.max_pool3d}
+    try:
+        _, indices = pool[dims](x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+    except RuntimeError:  # a window that lies in the padding alone
+        return None
+    windows = records.PoolWindows(size[2:], (kernel,) * dims, (stride,) * dims, (padding,) * dims, (dilation,) * dims,
+                                  tuple(indices.shape), tuple(range(indices.dim())))
+    return indices.reshape(-1), windows
+
+
+# NOTE [ Max-pool indices as window positions ]: every index restores from its window position, in 1, 2 and
+# 3 spatial dims, with padding, dilation, strides smaller than the kernel and ceil-mode windows past the edge.
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_max_pool_indices_round_trip_through_window_positions(dims: int) -> None:
+    tried = 0
+    for kernel, stride, padding, dilation, ceil_mode in itertools.product((2, 3), (1, 2), (0, 1), (1, 2),
+                                                                         (False, True)):
+        pooled = _pooled(dims, kernel, stride, padding, dilation, ceil_mode)
+        if pooled is None:
+            continue
+        indices, windows = pooled
+        record, checks = windows.candidate(indices, 8, 256, seed=0)
+        assert checks == () and isinstance(record, records.PoolWindowsRecord)
+        assert record.positions.dtype == torch.uint8 and record.nbytes == indices.numel()
+        assert int(record.positions.max()) < kernel**dims
+        restored = record.decode()
+        assert restored.dtype == torch.int64 and torch.equal(restored, indices)
+        tried += 1
+    assert tried >= 28
+
+
+def test_max_pool_indices_that_positions_do_not_restore_are_narrowed() -> None:
+    # A window description that does not fit the indices (here: the wrong stride) must not restore wrong indices.
+    indices, windows = _pooled(2, 3, 2, 1, 1, False)
+    wrong = records.PoolWindows(windows.input_size, windows.kernel, (1, 1), windows.padding, windows.dilation,
+                                windows.shape, windows.order)
+    record, checks = wrong.candidate(indices, 8, 256, seed=0)
+    assert isinstance(record, records.IntegerRecord) and checks == ()
+    assert torch.equal(record.decode(), indices)
+
+
+def test_max_pool_indices_in_channels_last_round_trip_in_memory_order() -> None:
+    x = torch.randn(2, 5, 12, 10, generator=torch.Generator().manual_seed(0)).contiguous(
+        memory_format=torch.channels_last)
+    _, indices = torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+    assert not indices.is_contiguous() and indices.is_contiguous(memory_format=torch.channels_last)
+    flat = indices.permute(0, 2, 3, 1).reshape(-1)  # the order the hooks pack a dense tensor in
+    windows = records.PoolWindows((12, 10), (3, 3), (2, 2), (1, 1), (1, 1), tuple(indices.shape), (0, 2, 3, 1))
+    record, checks = windows.candidate(flat, 8, 256, seed=0)
+    assert isinstance(record, records.PoolWindowsRecord) and checks == ()
+    assert torch.equal(record.decode(), flat)

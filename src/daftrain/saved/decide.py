@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -11,7 +11,16 @@ from ..config import CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
 from .op_rules import OpMatch, keeps, match_saved
-from .records import NARROWABLE_DTYPES, ClipMask, Encoding, Normalized, is_dense, is_expanded, stored_numel
+from .records import (
+    NARROWABLE_DTYPES,
+    ClipMask,
+    Encoding,
+    Normalized,
+    PoolWindows,
+    is_dense,
+    is_expanded,
+    stored_numel,
+)
 
 
 class Treatment(enum.Enum):
@@ -83,7 +92,11 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     if t.dtype == torch.bool:
         return _PACK_BOOL if config.pack_bool else _KEEP["bool"]
     if not (t.is_floating_point() or t.is_complex()):
-        return _PACK_INTEGER if config.pack_integers and t.dtype in NARROWABLE_DTYPES else _KEEP["integer"]
+        if not config.pack_integers or t.dtype not in NARROWABLE_DTYPES:
+            return _KEEP["integer"]
+        windows = _pool_windows(t, match_saved(call, t))
+        return _PACK_INTEGER if windows is None else Decision(Treatment.PACK_INTEGER, "", encoding=windows,
+                                                               rule="pool_indices")
     if t.dtype not in QUANTIZABLE_DTYPES:
         return _KEEP["dtype"]
     if config.bits is None:
@@ -98,6 +111,18 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     if match is not None:
         return _by_rule(t, match, config)
     return _QUANTIZE
+
+
+def _pool_windows(t: torch.Tensor, match: OpMatch | None) -> PoolWindows | None:
+    """The window encoding of a max pool's saved indices ``t`` (``NOTE [ Max-pool indices as window positions ]``
+    in ``records.py``), with their shape and the order of their dims in memory (channels_last: permuted)."""
+    windows = match.encoding if match is not None else None
+    if not isinstance(windows, PoolWindows) or t.dim() <= len(windows.kernel) or not is_dense(t):
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    if not t.permute(order).is_contiguous():
+        return None
+    return replace(windows, shape=tuple(t.shape), order=order)
 
 
 # NOTE [ Derivative encoding under bits="auto" ]

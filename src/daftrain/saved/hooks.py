@@ -45,6 +45,7 @@ from .records import (
     KeptTensor,
     Normalized,
     PendingRecord,
+    PoolWindowsRecord,
     Record,
     SavedHandle,
     UndecidedRecord,
@@ -546,7 +547,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 stats.kept_reasons[record.reason] += 1
                 stats.kept_bytes += record.nbytes
             else:
-                integer = isinstance(record, IntegerRecord)
+                integer = isinstance(record, (IntegerRecord, PoolWindowsRecord))
                 stats.compressed += not (record.is_bool or integer)
                 stats.fitted_grids += on_fitted_grid(record)
                 stats.bool_packed += record.is_bool

@@ -22,7 +22,7 @@ from ..lineage import copy_of, scaled_copy_of
 from .attention_precision import AttentionPrecision, Precision
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
-from .records import ClipMask, Derivative, Encoding, Normalized, stored_numel
+from .records import ClipMask, Derivative, Encoding, Normalized, PoolWindows, stored_numel
 
 __all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved",
            "may_have_wide_head"]
@@ -46,7 +46,7 @@ class OpRule:
 # NOTE [ Op rules ]
 # Plain quantization adds unbiased noise of the order of a group's range / 2**bits to every saved
 # value; that is harmless where backward is linear in the value with bounded factors. Seven classes of
-# ops break that (measured over the zoo, ``docs/zoo.md``), and one saves more than its backward needs:
+# ops break that (measured over the zoo, ``docs/zoo.md``), and two save more than their backward needs:
 #   1. normalisations (``F.normalize``'s unit vectors too) re-normalise their saved input with their
 #      exact statistics: the error of a row, channel or vector of small spread is multiplied by its rstd
 #      (``Normalized`` encoding); a constant row
@@ -86,7 +86,10 @@ class OpRule:
 #      backward: at least ``LOGITS_MIN_BITS``) and holds two (``NOTE [ Cross-entropy that saves its
 #      logits ]`` in ``cross_entropy.py``); over the output of a wide linear layer (a language model's
 #      head) as a function of that layer's input, weight and bias, which holds none (``NOTE [ Cross-entropy
-#      over a wide linear layer ]`` in ``linear_cross_entropy.py``).
+#      over a wide linear layer ]`` in ``linear_cross_entropy.py``);
+#   9. a max pool saves int64 indices into each input plane, one per output value, each inside its output
+#      position's window: stored as the position in the window, one byte (``PoolWindows``, ``NOTE [ Max-pool
+#      indices as window positions ]`` in ``records.py``).
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -138,6 +141,10 @@ RULES: tuple[OpRule, ...] = (
            "tensor shared by every sample: its rounding error does not average over the batch, it enters the "
            "gradient of every sample's input, and its size does not grow with the batch: at least 8 bits",
            min_bits=WEIGHT_MIN_BITS),
+    OpRule("pool_indices", (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.max_pool1d_with_indices,
+                            F.max_pool2d_with_indices, F.max_pool3d_with_indices),
+           "a max pool's indices are flat positions in each input plane, but each lies in its output position's "
+           "window: stored as its position there (one byte, not eight), restored exactly from the window's start"),
     OpRule("cross_entropy", (F.cross_entropy,),
            "log_softmax then nll_loss saves the log-probabilities and its backward holds three tensors of the "
            "logits' size; run as one function that saves the logits (exponentiated in backward: at least 8 "
@@ -171,6 +178,8 @@ class OpMatch:
     and rstd, one value per normalised row) and are kept exact."""
     call: Any = None
     """What runs instead of the function (an operator-level saving), if anything."""
+    integers: bool = False
+    """The int64 tensors the call saves (a max pool's indices) are the ones the rule treats."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -204,6 +213,8 @@ def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
     """``match`` if ``t`` is one of the tensors its rule treats (else ``None``)."""
     if match is None:
         return None
+    if match.integers:
+        return match if t.dtype == torch.int64 else None
     if match.by_shape:
         return match if any(t.shape == x.shape and t.dtype == x.dtype for x in match.targets) else None
     if match.views:
@@ -397,6 +408,30 @@ def _derivative(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> 
     return Derivative("gelu") if approximate == "none" else Derivative("gelu_tanh") if approximate == "tanh" else None
 
 
+_POOL_DIMS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, F.max_pool1d_with_indices: 1,
+              F.max_pool2d_with_indices: 2, F.max_pool3d_with_indices: 3}
+
+
+def _pool_windows(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PoolWindows | None:
+    """A max pool's windows (the saved indices give their shape and memory order), or ``None``."""
+    x, dims = _arg(args, kwargs, 0, "input"), _POOL_DIMS[func]
+    if not isinstance(x, torch.Tensor) or x.dim() not in (dims + 1, dims + 2):
+        return None
+
+    def per_dim(value: Any, default: Any) -> tuple[int, ...] | None:
+        value = default if value is None or (isinstance(value, (tuple, list)) and not value) else value
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
+        ok = len(values) == dims and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+        return values if ok else None
+
+    kernel = per_dim(_arg(args, kwargs, 1, "kernel_size"), None)
+    stride = per_dim(_arg(args, kwargs, 2, "stride"), kernel)
+    padding, dilation = per_dim(_arg(args, kwargs, 3, "padding"), 0), per_dim(_arg(args, kwargs, 4, "dilation"), 1)
+    if kernel is None or stride is None or padding is None or dilation is None or math.prod(kernel) > 256:
+        return None
+    return PoolWindows(tuple(x.shape[-dims:]), kernel, stride, padding, dilation)
+
+
 # Where the ``inplace`` flag sits among the positional arguments of clips that have one.
 _INPLACE_ARG = {F.hardtanh: 3, F.relu6: 1, F.threshold: 3, F.leaky_relu: 2, F.hardsigmoid: 1}
 
@@ -433,6 +468,9 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         weight = _arg(args, kwargs, 2 if func is F.bilinear else 1, "weight")
         computed = isinstance(weight, torch.Tensor) and weight.grad_fn is not None
         return OpMatch(rule, (weight,), views=True) if computed else None
+    if rule.name == "pool_indices":
+        windows = _pool_windows(func, args, kwargs)
+        return OpMatch(rule, (), windows, integers=True) if windows is not None else None
     if rule.name == "cross_entropy":
         logits = saves_logits(args, dict(kwargs))
         return OpMatch(rule, (logits,), call=cross_entropy_saving_logits) if logits is not None else None

@@ -251,7 +251,7 @@ def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
 def pack_candidate(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
                    encoding: Encoding | None = None, grids: Grids | None = None) -> tuple[Record, Checks]:
     """``encode``'s packed record of ``flat`` and the checks that must hold for it to be kept."""
-    if encoding is not None and kind in ("quantize", "bool"):
+    if encoding is not None and kind in ("quantize", "bool", "integer"):
         return encoding.candidate(flat, bits, group_size, seed, grids)
     if kind == "bool":
         return PackedRecord.bitmap(kernel_ops.pack_bool(flat), flat.numel()), ()
@@ -923,6 +923,91 @@ class ByColumnsRecord(_EncodedRecord):
         return values if enc.values is None else enc.values.restored(values, self.dtype)
 
 
+# NOTE [ Max-pool indices as window positions ]
+# A max pool's indices are flat positions in each input plane (``H * W`` of them: int16 under the
+# narrowing above), but each one lies in the window of its output position: ``kernel_size`` positions,
+# 4 for a 2 x 2 pool, 9 for 3 x 3. The ``pool_indices`` op rule knows the pool's kernel, stride, padding,
+# dilation and input size, so its indices are stored as their position in the window (one uint8 each,
+# where the window has at most 256 positions) and restored from the output position's window start.
+# The encoding is checked at pack time: the positions must restore every index exactly (a NaN's index, a
+# ceil-mode window past the edge), else the indices are narrowed as any integer tensor is. Packing makes a
+# few int32 transients of the indices' size.
+@dataclass(frozen=True)
+class PoolWindows(_Encoding):
+    """A max pool's indices (of ``shape``, ``[..., *output]``, packed in the memory order ``order`` of its dims) as
+    positions in their windows (``NOTE [ Max-pool indices as window positions ]``)."""
+
+    input_size: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    shape: tuple[int, ...] = ()
+    order: tuple[int, ...] = ()
+
+    def _dims(self, device: torch.device) -> list[tuple[torch.Tensor, int, int, int, int, int]]:
+        """Per spatial dim: the window starts along it (int32, broadcastable to the indices in memory order),
+        the input's size and stride, the kernel's size, the window's stride (of positions) and the dilation."""
+        dims, lead = len(self.kernel), len(self.shape) - len(self.kernel)
+        found = []
+        for i in range(dims):
+            along = [1] * len(self.shape)
+            along[lead + i] = self.shape[lead + i]
+            start = torch.arange(self.shape[lead + i], device=device, dtype=torch.int32) * self.stride[i]
+            found.append((start.sub_(self.padding[i]).view(along).permute(self.order), self.input_size[i],
+                          math.prod(self.input_size[i + 1:]), self.kernel[i], math.prod(self.kernel[i + 1:]),
+                          self.dilation[i]))
+        return found
+
+    def positions(self, indices: torch.Tensor) -> torch.Tensor:
+        """int32 window positions of flat ``indices`` (values in ``[0, prod(input_size))``)."""
+        flat = indices.view([self.shape[d] for d in self.order]).to(torch.int32)
+        out = torch.zeros_like(flat)
+        for start, size, in_stride, _, window_stride, dilation in self._dims(flat.device):
+            out += ((flat // in_stride % size - start) // dilation) * window_stride
+        return out.view(-1)
+
+    def indices(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The flat indices, of ``dtype``, of window ``positions`` (any integer type)."""
+        pos = positions.view([self.shape[d] for d in self.order]).to(torch.int32)
+        out = torch.zeros(pos.shape, dtype=dtype, device=pos.device)
+        for start, _, in_stride, kernel, window_stride, dilation in self._dims(pos.device):
+            out += (start + pos // window_stride % kernel * dilation) * in_stride
+        return out.view(-1)
+
+    def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+                  grids: Grids | None = None) -> tuple[Record, Checks]:
+        with torch.no_grad():
+            positions = self.positions(flat)
+            exact = torch.equal(self.indices(positions, flat.dtype), flat) if not reads_wait(flat.device) else None
+            if exact is False:
+                return narrowed(flat)
+            record = PoolWindowsRecord(positions.to(torch.uint8), self, flat.dtype)
+            if exact:
+                return record, ()
+            return record, (((self.indices(positions, flat.dtype) == flat).all(), "integer"),)
+
+
+class PoolWindowsRecord:
+    """A max pool's indices as uint8 positions in their windows, restored as flat indices of ``dtype``."""
+
+    __slots__ = ("__weakref__", "dtype", "encoding", "positions")
+    is_bool = False
+
+    def __init__(self, positions: torch.Tensor, encoding: PoolWindows, dtype: torch.dtype) -> None:
+        self.positions, self.encoding, self.dtype = positions, encoding, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.positions.nbytes
+
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        return self.encoding.indices(self.positions, self.dtype)
+
+    def to_pool(self, pool: PagePool, importance: float, seed: int) -> PoolWindowsRecord:
+        return self  # lossless and already small: stays where it is
+
+
 def on_fitted_grid(record: Record) -> bool:
     """Whether the packed record inside ``record`` (through its encodings) has codes on a fitted grid."""
     inner: Any = record
@@ -933,6 +1018,6 @@ def on_fitted_grid(record: Record) -> bool:
     return inner.grid is not None
 
 
-Encoding = Normalized | ClipMask | Derivative | ByColumns
+Encoding = Normalized | ClipMask | Derivative | ByColumns | PoolWindows
 Record = (PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord | DerivativeRecord | ByColumnsRecord
-          | IntegerRecord)
+          | IntegerRecord | PoolWindowsRecord)
