@@ -6,11 +6,14 @@ backward on a random batch (``--batch`` images of ``--size`` pixels; ViT-style t
 size) in plain PyTorch and under ``compress`` with the same seeds, the loss a fixed random projection of the
 logits (``zoo_gradient``, as the zoo benchmarks). Per model: plain PyTorch deterministic, exact mode
 bit-identical, the gradient cosine against plain at 8, 4 and 2 bits, every gradient finite, and the
-saved-bytes ratio. An exception is a row with ``error``. Models whose classifier starts at zero (torchvision's
-ViT, timm's MLP-Mixer) are left out: no gradient reaches below it, so every mode matches plain exactly;
-``nonzero`` is the share of gradient entries that are not zero, which shows such a model.
+saved-bytes ratio; with ``--error-share``, the same for ``bits="auto", error_share=...`` (its third step, as
+``bench_zoo.py``'s ``share`` column). An exception is a row with ``error``. Models whose classifier starts at
+zero (torchvision's ViT, timm's MLP-Mixer) are left out: no gradient reaches below it, so every mode matches
+plain exactly; ``nonzero`` is the share of gradient entries that are not zero, which shows such a model.
 
     .venv/bin/python benchmarks/bench_vision_trial.py --out benchmarks/results/vision_trial.json
+    .venv/bin/python benchmarks/bench_vision_trial.py --error-share 0.01 --models torchvision/efficientnet_b0 ... \
+        --out benchmarks/results/vision_trial_share.json
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_zoo import share_gradient
 from common import measured, recorded, write_json
 
 import daftrain
@@ -73,7 +77,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
-def run_model(name: str, batch: int, size: int) -> dict[str, Any]:
+def run_model(name: str, batch: int, size: int, share: float | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {"model": name}
     with recorded(row):
         model = build(name, size)
@@ -89,6 +93,9 @@ def run_model(name: str, batch: int, size: int) -> dict[str, Any]:
             grad = zoo_gradient(model, inputs, ctx)
             row[f"cos{bits}"], row[f"ratio{bits}"] = _cos(grad, ref), ctx.stats.ratio
             row[f"finite{bits}"] = bool(grad.isfinite().all())
+        if share is not None:
+            grad, ctx = share_gradient(model, inputs, share)
+            row["cosshare"], row["ratioshare"] = _cos(grad, ref), ctx.stats.ratio
     return row
 
 
@@ -97,6 +104,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", help="torchvision/<name> or timm/<name> (default: the lists above)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--error-share", type=float, help="also bits='auto' with this error_share")
     parser.add_argument("--out", default="benchmarks/results/vision_trial.json")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -104,7 +112,7 @@ def main() -> None:
     names = args.models or [*(f"torchvision/{m}" for m in TORCHVISION), *(f"timm/{m}" for m in TIMM)]
     rows = []
     for name in names:
-        row = run_model(name, args.batch, args.size)
+        row = run_model(name, args.batch, args.size, args.error_share)
         rows.append(row)
         print(name, row["status"], row.get("error", ""),
               {k: round(v, 4) for k, v in row.items() if k.startswith(("cos", "ratio"))}, flush=True)
@@ -113,6 +121,8 @@ def main() -> None:
                     "bits8_under_0.999": {r["model"]: r["cos8"] for r in ok if r["cos8"] < 0.999},
                     "bits4_under_0.98": {r["model"]: r["cos4"] for r in ok if r["cos4"] < 0.98},
                     "bits2_under_0.5": {r["model"]: r["cos2"] for r in ok if r["cos2"] < 0.5}})
+    if args.error_share is not None:
+        summary["share_under_0.99"] = {r["model"]: r["cosshare"] for r in ok if r["cosshare"] < 0.99}
     for key, value in summary.items():
         print(f"{key}: {value}")
     write_json(args.out, {"command": ".venv/bin/python benchmarks/bench_vision_trial.py " + " ".join(sys.argv[1:]),
