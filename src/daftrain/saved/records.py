@@ -978,14 +978,12 @@ class PoolWindows(_Encoding):
     def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
                   grids: Grids | None = None) -> tuple[Record, Checks]:
         with torch.no_grad():
-            positions = self.positions(flat)
-            exact = torch.equal(self.indices(positions, flat.dtype), flat) if not reads_wait(flat.device) else None
-            if exact is False:
-                return narrowed(flat)
-            record = PoolWindowsRecord(positions.to(torch.uint8), self, flat.dtype)
-            if exact:
-                return record, ()
-            return record, (((self.indices(positions, flat.dtype) == flat).all(), "integer"),)
+            positions = self.positions(flat).to(torch.uint8)  # what is stored is what is checked
+            if not reads_wait(flat.device):
+                exact = torch.equal(self.indices(positions, flat.dtype), flat)
+                return (PoolWindowsRecord(positions, self, flat.dtype), ()) if exact else narrowed(flat)
+            return (PoolWindowsRecord(positions, self, flat.dtype),
+                    (((self.indices(positions, flat.dtype) == flat).all(), "integer"),))
 
 
 class PoolWindowsRecord:
