@@ -94,7 +94,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     if not (t.is_floating_point() or t.is_complex()):
         if not config.pack_integers or t.dtype not in NARROWABLE_DTYPES:
             return _KEEP["integer"]
-        windows = _pool_windows(t, match_saved(call, t))
+        windows = _windows_of_indices(t, match_saved(call, t))
         return _PACK_INTEGER if windows is None else Decision(Treatment.PACK_INTEGER, "", encoding=windows,
                                                                rule="pool_indices")
     if t.dtype not in QUANTIZABLE_DTYPES:
@@ -113,7 +113,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     return _QUANTIZE
 
 
-def _pool_windows(t: torch.Tensor, match: OpMatch | None) -> PoolWindows | None:
+def _windows_of_indices(t: torch.Tensor, match: OpMatch | None) -> PoolWindows | None:
     """The window encoding of a max pool's saved indices ``t`` (``NOTE [ Max-pool indices as window positions ]``
     in ``records.py``), with their shape and the order of their dims in memory (channels_last: permuted)."""
     windows = match.encoding if match is not None else None

@@ -795,11 +795,6 @@ def _derivative_of(kind: str, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_backward(ones, x, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
-def _checked_kind(kind: str) -> None:
-    if kind not in DERIVATIVE_KINDS:
-        raise InvalidArgumentError(f"Derivative kind must be one of {DERIVATIVE_KINDS}, got {kind!r}")
-
-
 def _extremum(kind: str, lo: float, hi: float, largest: bool) -> float:
     """Where f' is largest (smallest) on [lo, hi], on which it rises to that point and falls after it (falls
     to it and rises after)."""
@@ -843,7 +838,8 @@ class Derivative(_Encoding):
     kind: str
 
     def __post_init__(self) -> None:
-        _checked_kind(self.kind)
+        if self.kind not in DERIVATIVE_KINDS:
+            raise InvalidArgumentError(f"Derivative kind must be one of {DERIVATIVE_KINDS}, got {self.kind!r}")
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """What the record stores of ``x``: ``f'(x)``, float32."""
@@ -979,11 +975,10 @@ class PoolWindows(_Encoding):
                   grids: Grids | None = None) -> tuple[Record, Checks]:
         with torch.no_grad():
             positions = self.positions(flat).to(torch.uint8)  # what is stored is what is checked
-            if not reads_wait(flat.device):
-                exact = torch.equal(self.indices(positions, flat.dtype), flat)
-                return (PoolWindowsRecord(positions, self, flat.dtype), ()) if exact else narrowed(flat)
-            return (PoolWindowsRecord(positions, self, flat.dtype),
-                    (((self.indices(positions, flat.dtype) == flat).all(), "integer"),))
+            restored, record = self.indices(positions, flat.dtype), PoolWindowsRecord(positions, self, flat.dtype)
+            if reads_wait(flat.device):
+                return record, (((restored == flat).all(), "integer"),)
+            return (record, ()) if torch.equal(restored, flat) else narrowed(flat)
 
 
 class PoolWindowsRecord:
