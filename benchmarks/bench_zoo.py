@@ -60,7 +60,7 @@ class _OneClass(daftrain.compress):
     def _pack(self, t: torch.Tensor) -> Any:
         call = self._op_tracer.current()
         decision = decide(t, self.config, self.registry, call)
-        if decision.treatment is Treatment.QUANTIZE:
+        if decision.treatment in (Treatment.QUANTIZE, Treatment.BATCH):
             match = match_saved(call, t)
             if (match.rule.name if match is not None else "other") != self.only:
                 return t.detach()
@@ -77,7 +77,7 @@ class _OneTensor(daftrain.compress):
     def _pack(self, t: torch.Tensor) -> Any:
         call = self._op_tracer.current()
         decision = decide(t, self.config, self.registry, call)
-        if decision.treatment is Treatment.QUANTIZE:
+        if decision.treatment in (Treatment.QUANTIZE, Treatment.BATCH):  # BATCH: under min_numel, packed together
             index, self.seen = self.seen, self.seen + 1
             if self.log is not None:
                 self.log.append({"index": index, "node": type(t.grad_fn).__name__ if t.grad_fn is not None else "",

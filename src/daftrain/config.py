@@ -11,6 +11,8 @@ AUTO_BITS = "auto"
 """``CompressionConfig(bits=AUTO_BITS)`` picks bits per tensor from its importance."""
 
 MIN_AVG_BITS, MAX_AVG_BITS = 1.0, 32.0
+DEFAULT_AVG_BITS = 2.0
+"""The ``avg_bits`` target of ``bits="auto"`` given neither ``avg_bits`` nor ``packed_bytes``."""
 MAX_ERROR_SHARE = 1.0
 
 
@@ -58,7 +60,13 @@ class CompressionConfig:
     bit for bit. ``False`` saves the logits (at 8 bits or more) instead."""
 
     min_numel: int = 4096
-    """Tensors with fewer elements are kept exact: packing them saves little and costs a call."""
+    """Tensors with fewer elements are not packed on their own: packing each saves little and costs a call
+    (``batch_small`` packs them together)."""
+
+    batch_small: bool = True
+    """At fixed bits, stage float tensors under ``min_numel`` values together and quantize them as one record,
+    each in its own groups (``NOTE [ Small tensors packed together ]`` in ``saved/small_tensors.py``): a
+    recurrent layer's many per-step saves are stored at the bits the rest gets. ``False`` keeps them exact."""
 
     pack_bool: bool = True
     """Store bool tensors (ReLU/dropout masks) as 1 bit per value, losslessly."""
@@ -88,7 +96,7 @@ class CompressionConfig:
     avg_bits: float | None = None
     """``bits="auto"`` only: the budget as average bits per value over the tensors it allocates, counted
     with the real layout's per-group overhead (``avg_bits=2.0`` costs exactly the bytes of fixed 2-bit).
-    ``None`` with no ``packed_bytes`` means 2.0."""
+    ``None`` with no ``packed_bytes`` or ``error_share`` means ``DEFAULT_AVG_BITS`` (2.0)."""
 
     packed_bytes: int | None = None
     """``bits="auto"`` only: the budget in bytes of packed records per forward pass, instead of ``avg_bits``."""
@@ -140,6 +148,8 @@ class CompressionConfig:
                 f"linear_cross_entropy must be a bool, got {type(self.linear_cross_entropy).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise ArgumentTypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
+        if not isinstance(self.batch_small, bool):
+            raise ArgumentTypeError(f"batch_small must be a bool, got {type(self.batch_small).__name__}")
         if not isinstance(self.pack_integers, bool):
             raise ArgumentTypeError(f"pack_integers must be a bool, got {type(self.pack_integers).__name__}")
         if self.seed is not None and (

@@ -610,7 +610,7 @@ def test_computed_weights_get_eight_bits() -> None:
 def test_computed_weight_error_does_not_shrink_with_the_batch() -> None:
     # The reason for the rule: an activation's rounding error averages over the samples summed into a
     # weight gradient, a shared weight's does not. At two batch sizes, quantize only the computed weights
-    # (rules off; activations of batch x 1024 < 1024 x 1024 values stay below min_numel), then only the
+    # (rules off; activations of batch x 1024 < 1024 x 1024 values are kept below min_numel), then only the
     # activations of the same layers with parameter weights. The samples' gradients share a direction
     # (inputs with a common mean, a loss linear in the output), as those of a training batch do.
     width = 1024
@@ -634,7 +634,8 @@ def test_computed_weight_error_does_not_shrink_with_the_batch() -> None:
                 return torch.cat([p.grad.reshape(-1) for p in params])
 
             ref = grads(None)
-            ctx = daftrain.compress(bits=2, min_numel=min_numel, seed=3)
+            # batch_small=False: the activations under min_numel stay exact (not packed together)
+            ctx = daftrain.compress(bits=2, min_numel=min_numel, seed=3, batch_small=False)
             ctx._op_tracer = OpTracer(rules=())
             errors.append(1.0 - _cos(grads(ctx), ref))
             assert ctx.stats.compressed == 2  # the second and third layers' weights, or their inputs

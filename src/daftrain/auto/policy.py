@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from ..config import CompressionConfig
+from ..config import DEFAULT_AVG_BITS, CompressionConfig
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..layout import widest_bits_within
 from ..params import ParameterRegistry
@@ -209,7 +209,7 @@ class AutoBits:
             self.avg_bits = None
             self._fallback = 1
         else:
-            self.avg_bits = float(config.avg_bits) if config.avg_bits is not None else 2.0
+            self.avg_bits = float(config.avg_bits) if config.avg_bits is not None else DEFAULT_AVG_BITS
             self._fallback = widest_bits_within(self.avg_bits)
         self._lock = threading.RLock()
         self._tracer = SaveTracer(ParameterRegistry(model))

@@ -21,6 +21,7 @@ from .records import (
     is_expanded,
     stored_numel,
 )
+from .small_tensors import small_tensor_bits, worth_batching
 
 
 class Treatment(enum.Enum):
@@ -28,6 +29,7 @@ class Treatment(enum.Enum):
     QUANTIZE_IF_LOSSLESS = "quantize_if_lossless"
     PACK_BOOL = "pack_bool"
     PACK_INTEGER = "pack_integer"
+    BATCH = "batch"
     KEEP = "keep"
 
 
@@ -75,6 +77,7 @@ _CONSTANT = Decision(Treatment.QUANTIZE_IF_LOSSLESS, "constant")
 _PACK_BOOL = Decision(Treatment.PACK_BOOL, "")
 _PACK_INTEGER = Decision(Treatment.PACK_INTEGER, "")
 _QUANTIZE = Decision(Treatment.QUANTIZE, "")
+_BATCH = Decision(Treatment.BATCH, "")
 
 
 def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegistry,
@@ -87,8 +90,8 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
         return _KEEP["parameter"]
     if t.numel() == 0:
         return _KEEP["empty"]
-    if stored_numel(t) < config.min_numel:  # an expanded view is stored at its real size
-        return _KEEP["tiny"]
+    if t.numel() < config.min_numel or stored_numel(t) < config.min_numel:  # an expanded view: its real size
+        return _small(t, config, call)
     if t.dtype == torch.bool:
         return _PACK_BOOL if config.pack_bool else _KEEP["bool"]
     if not (t.is_floating_point() or t.is_complex()):
@@ -111,6 +114,19 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     if match is not None:
         return _by_rule(t, match, config)
     return _QUANTIZE
+
+
+def _small(t: torch.Tensor, config: CompressionConfig, call: OpMatch | None) -> Decision:
+    """A tensor under ``min_numel`` values: staged with others into one record at fixed bits where no op rule
+    treats it (float32, at fixed bits or under an ``avg_bits`` target), else kept (``NOTE [ Small tensors
+    packed together ]`` in ``small_tensors.py``)."""
+    bits = small_tensor_bits(config)
+    if (bits is not None and t.dtype == torch.float32 and t.grad_fn is not None
+            and type(t.grad_fn).__name__ not in _NONLINEAR_OUTPUT_NODES and not is_expanded(t)
+            and worth_batching(t.numel(), t.element_size(), bits, config.group_size)
+            and not keeps(call, t) and match_saved(call, t) is None):
+        return _BATCH
+    return _KEEP["tiny"]
 
 
 def _windows_of_indices(t: torch.Tensor, match: OpMatch | None) -> PoolWindows | None:

@@ -55,6 +55,7 @@ from .records import (
     is_expanded,
     on_fitted_grid,
 )
+from .small_tensors import SMALL_SHARE, BatchedSlice, SmallTensors, small_tensor_bits
 from .stats import CompressionStats
 
 __all__ = ["compress"]
@@ -188,6 +189,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._raw_storages: set[StorageWeakRef] = set()
         self._kept_storages: set[StorageWeakRef] = set()
         self._num_records = 0
+        # The small tensors' slices of this forward, by key: held until it ends, as their staging buffers are.
+        self._small_records: dict[_Key, BatchedSlice] = {}
+        self._small = SmallTensors(self.config.group_size)  # NOTE [ Small tensors packed together ]
+        self._small_bits = small_tensor_bits(self.config)
+        self._small_bytes = 0  # the bytes of the small tensors this forward saved that could be packed together
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = make_bit_policy(self.config, model)
@@ -245,6 +251,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._packer.new_step()
         if self._decode_buffers is not None:
             self._decode_buffers.release()
+        self._small.seal(self._encode_small)
+        self._small_bytes = 0
         self._forget_saves()
         self._num_records = 0
         warn_if_nested(self)  # NOTE [ Only the innermost saved-tensor hooks apply ] in nesting.py
@@ -285,6 +293,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._op_tracer.stop()
         super().__exit__(exc_type, exc, tb)
         self._hooks.deactivate(self)
+        self._small.seal(self._encode_small)
         self._forget_saves()
         self._account_settled(self._settling.settle_all())
         if catcher is not None and exc_type is None and self._bit_policy.wants_calibration():
@@ -313,6 +322,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     def _forget_saves(self) -> None:
         """Drop the dedup table and the storages counted: they only matter within one forward pass."""
         self._records = weakref.WeakValueDictionary()
+        self._small_records = {}
         self._raw_storages, self._kept_storages = set(), set()
 
     def recomputation_context(self) -> compress:
@@ -377,6 +387,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             stats.raw_bytes += t.untyped_storage().nbytes()
         if decision.treatment is Treatment.KEEP:
             return self._keep(t, storage, decision)
+        if decision.treatment is Treatment.BATCH:
+            self._small_bytes += t.numel() * t.element_size()
+            if self._small_bytes <= SMALL_SHARE * stats.raw_bytes:  # NOTE [ Small tensors packed together ]
+                return self._keep(t, storage, _KEEP_SMALL)
+            return self._pack_small(t, storage, decision)
         source, expand_to = t, None
         if is_expanded(t):  # NOTE [ Expanded views ] in records.py
             t, expand_to = compact_expanded(t), t.shape
@@ -411,6 +426,30 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._live_saves is not None and t.device.type == "cpu":
             self._live_saves.hold(handle)
         return handle
+
+    def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None, decision: Decision) -> SavedHandle:
+        """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
+        ]`` in ``small_tensors.py``): ``_pack``'s steps for a view that is never expanded, in fewer calls (a
+        recurrent layer saves thousands of these per forward)."""
+        contiguous = t.is_contiguous()
+        key: _Key = (storage, t.dtype, t._version, t.storage_offset(), t.numel())
+        if not contiguous:
+            key += (tuple(t.shape), t.stride())
+        record = self._small_records.get(key)
+        if record is not None:
+            self._stats.deduplicated += 1
+            shared = self._shared.get(record)
+            if shared is None:
+                self._shared[record] = _SharedDecode()
+            else:
+                shared.uses += 1
+        else:
+            record = self._make_record(t.view(-1) if contiguous else t.reshape(-1), decision)
+            assert isinstance(record, BatchedSlice)
+            self._small_records[key] = record
+            if record.offset == 0 and self._live_saves is not None and t.device.type == "cpu":
+                self._live_saves.hold(record.batch)  # each batch once: its slices' handles hold it
+        return SavedHandle(record, t, contiguous, t)
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SavedHandle) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -457,6 +496,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     def _make_record(self, flat: torch.Tensor, decision: Decision,
                      source: torch.Tensor | None = None) -> Record | PendingRecord:
+        if decision.treatment is Treatment.BATCH:
+            self._stats.batched += 1
+            return self._small.add(flat, self._encode_small)
         kind = _KINDS[decision.treatment]
         index = self._num_records
         if decision.treatment is Treatment.QUANTIZE:
@@ -488,6 +530,13 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             if decision.encoding is not None:  # calibration perturbs it as the encoding stores it
                 self._record_encoding[record] = decision.encoding
         return record
+
+    def _encode_small(self, flat: torch.Tensor) -> Record | PendingRecord:
+        """Pack a staging buffer of small tensors as one record at the fixed bits (``NOTE [ Small tensors packed
+        together ]`` in ``small_tensors.py``)."""
+        index = self._num_records
+        self._num_records += 1
+        return self._encode(flat, _QUANTIZE_SMALL, "quantize", Assignment(self._small_bits, float(index)), index)
 
     def _down_columns(self, decision: Decision, index: int, flat: torch.Tensor, source: torch.Tensor) -> Decision:
         """``decision`` with its groups down the columns where ``ColumnChoice`` finds them clearly narrower: plain
@@ -602,5 +651,7 @@ def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, poo
     return job(flat).to_pool(pool, importance, seed)
 
 
+_QUANTIZE_SMALL = Decision(Treatment.QUANTIZE, "")
+_KEEP_SMALL = Decision(Treatment.KEEP, "tiny")
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
           Treatment.PACK_INTEGER: "integer"}

@@ -413,7 +413,8 @@ def is_dense(t: torch.Tensor) -> bool:
 
 
 def is_expanded(t: torch.Tensor) -> bool:
-    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True))
+    strides = t.stride()
+    return 0 in strides and any(stride == 0 and size > 1 for size, stride in zip(t.shape, strides, strict=True))
 
 
 def stored_numel(t: torch.Tensor) -> int:

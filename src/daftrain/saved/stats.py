@@ -28,6 +28,9 @@ class CompressionStats:
     """Of those, records on a fitted grid (``NOTE [ Fitted grids ]`` in ``kernels/grids.py``)."""
     bool_packed: int = 0
     """Bool regions stored at 1 bit per value (unique records)."""
+    batched: int = 0
+    """Float tensors under ``min_numel`` values stored in records shared with other small ones (each such record
+    counts once in ``compressed``; ``NOTE [ Small tensors packed together ]`` in ``small_tensors.py``)."""
     integer_packed: int = 0
     """Integer regions (indices) stored in a narrower integer type, losslessly (unique records)."""
     deduplicated: int = 0
@@ -90,7 +93,7 @@ class CompressionStats:
         """One line: what was saved and how, the bytes before and after, and the process's peak memory."""
         return (
             f"saved tensors: {self.tensors_seen} seen, {self.compressed} quantized ({self.fitted_grids} on fitted "
-            f"grids), {self.bool_packed} bool-packed, "
+            f"grids), {self.batched} small packed together, {self.bool_packed} bool-packed, "
             f"{self.deduplicated} deduplicated, {self.kept} kept ({dict(self.kept_reasons)}), "
             f"{self.parameters} parameters; {self.raw_bytes / 1e6:.2f} MB -> {self.stored_bytes / 1e6:.2f} MB "
             f"({self.ratio:.1f}x)" + (
