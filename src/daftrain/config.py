@@ -64,9 +64,10 @@ class CompressionConfig:
     (``batch_small`` packs them together)."""
 
     batch_small: bool = True
-    """At fixed bits, stage float tensors under ``min_numel`` values together and quantize them as one record,
-    each in its own groups (``NOTE [ Small tensors packed together ]`` in ``saved/small_tensors.py``): a
-    recurrent layer's many per-step saves are stored at the bits the rest gets. ``False`` keeps them exact."""
+    """Stage float32 tensors under ``min_numel`` values together and quantize them as one record at 8 bits, each
+    in its own groups, where they are more than a sliver of what a forward saves (``NOTE [ Small tensors packed
+    together ]`` in ``saved/small_tensors.py``): a recurrent layer's many per-step saves are stored ~4x smaller.
+    Fixed bits and ``bits="auto"`` with an ``avg_bits`` target; ``False`` keeps them exact."""
 
     pack_bool: bool = True
     """Store bool tensors (ReLU/dropout masks) as 1 bit per value, losslessly."""

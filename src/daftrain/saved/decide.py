@@ -117,9 +117,9 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
 
 
 def _small(t: torch.Tensor, config: CompressionConfig, call: OpMatch | None) -> Decision:
-    """A tensor under ``min_numel`` values: staged with others into one record at fixed bits where no op rule
-    treats it (float32, at fixed bits or under an ``avg_bits`` target), else kept (``NOTE [ Small tensors
-    packed together ]`` in ``small_tensors.py``)."""
+    """A tensor under ``min_numel`` values: staged with others into one 8-bit record where no op rule treats it
+    (float32, at fixed bits or under an ``avg_bits`` target), else kept (``NOTE [ Small tensors packed
+    together ]`` in ``small_tensors.py``)."""
     bits = small_tensor_bits(config)
     if (bits is not None and t.dtype == torch.float32 and t.grad_fn is not None
             and type(t.grad_fn).__name__ not in _NONLINEAR_OUTPUT_NODES and not is_expanded(t)

@@ -532,7 +532,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         return record
 
     def _encode_small(self, flat: torch.Tensor) -> Record | PendingRecord:
-        """Pack a staging buffer of small tensors as one record at the fixed bits (``NOTE [ Small tensors packed
+        """Pack a staging buffer of small tensors as one record at ``SMALL_BITS`` (``NOTE [ Small tensors packed
         together ]`` in ``small_tensors.py``)."""
         index = self._num_records
         self._num_records += 1

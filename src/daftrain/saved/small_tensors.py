@@ -38,10 +38,10 @@ SMALL_SHARE = 0.01
 # each of its tensors has been read (a second backward through a retained graph decodes it again); a tensor
 # read before its buffer was packed (backward inside the context) reads the exact staged copy.
 #   * At ``SMALL_BITS`` (8), not the bits asked for: these are typically the per-step states of a recurrence,
-#     whose rounding errors compound over the steps with none of them large. At 4 bits the zoo's RWKV fell
-#     from a gradient cosine of 0.995 to 0.934 (and to 0.07 at 2), over ~2800 such tensors none of which
-#     carried more than 0.0007; at 8 bits nothing in either zoo moved by more than a draw's noise. So a
-#     float32 tensor is stored ~4x smaller, and a half-precision one, which 8 bits would not halve, is kept.
+#     thousands of tensors whose rounding errors compound over the steps, none of them large; at the bits
+#     asked for they took state-space and RWKV models of the zoo far below their cosines, at 8 bits no model
+#     moved (docs/saved.md, "Small tensors packed together"). So a float32 tensor is stored ~4x smaller, and a
+#     half-precision one, which 8 bits would not halve, is kept.
 #   * Only where small tensors matter: they are kept exact while their bytes are at most ``SMALL_SHARE`` of
 #     all the forward has saved so far. A CNN's pooled features next to its convolutions are a sliver of the
 #     bytes and the head's whole weight gradient: rounding them would save nothing and cost the most
