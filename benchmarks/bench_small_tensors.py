@@ -81,7 +81,7 @@ def _worker(model_name: str, config_name: str, steps: int) -> dict[str, Any]:
     config = CONFIGS[config_name]
     ctx = daftrain.compress(**config) if config is not None else None
 
-    def step() -> torch.Tensor:
+    def step(ctx: daftrain.compress | None) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         if ctx is None:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -91,18 +91,14 @@ def _worker(model_name: str, config_name: str, steps: int) -> dict[str, Any]:
         loss.backward()
         return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
-    ref = None
-    if ctx is not None:  # plain's gradient on the same batch, before anything is measured
-        saved, ctx = ctx, None
-        ref = step()
-        ctx = saved
+    ref = step(None) if ctx is not None else None  # plain's gradient on the same batch, before anything is measured
     baseline = current_rss_bytes()
     times, grads = [], None
     for i in range(steps):
         if i == 2:
             reset_peak_rss()
         start = time.perf_counter()
-        grads = step()
+        grads = step(ctx)
         times.append(time.perf_counter() - start)
     assert grads is not None
     row: dict[str, Any] = {

@@ -391,7 +391,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._small_bytes += t.numel() * t.element_size()
             if self._small_bytes <= SMALL_SHARE * stats.raw_bytes:  # NOTE [ Small tensors packed together ]
                 return self._keep(t, storage, _KEEP_SMALL)
-            return self._pack_small(t, storage, decision)
+            return self._pack_small(t, storage)
         source, expand_to = t, None
         if is_expanded(t):  # NOTE [ Expanded views ] in records.py
             t, expand_to = compact_expanded(t), t.shape
@@ -406,12 +406,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if record is not None and decision.encoding is None and not self._serves(record, decision):
             record = None
         if record is not None:
-            stats.deduplicated += 1
-            shared = self._shared.get(record)
-            if shared is None:
-                self._shared[record] = _SharedDecode()
-            else:
-                shared.uses += 1
+            self._note_shared(record)
             index = self._record_index.get(record)
             if index is not None:  # a quantized record: the policy notes which op saves it again
                 self._bit_policy.assign(self.step, index, t, t, decision.min_bits, saved_again=True)
@@ -427,7 +422,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._live_saves.hold(handle)
         return handle
 
-    def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None, decision: Decision) -> SavedHandle:
+    def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
         ]`` in ``small_tensors.py``): ``_pack``'s steps for a view that is never expanded, in fewer calls (a
         recurrent layer saves thousands of these per forward)."""
@@ -437,19 +432,23 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             key += (tuple(t.shape), t.stride())
         record = self._small_records.get(key)
         if record is not None:
-            self._stats.deduplicated += 1
-            shared = self._shared.get(record)
-            if shared is None:
-                self._shared[record] = _SharedDecode()
-            else:
-                shared.uses += 1
+            self._note_shared(record)
         else:
-            record = self._make_record(t.view(-1) if contiguous else t.reshape(-1), decision)
-            assert isinstance(record, BatchedSlice)
+            self._stats.batched += 1
+            record = self._small.add(t.view(-1) if contiguous else t.reshape(-1), self._encode_small)
             self._small_records[key] = record
             if record.offset == 0 and self._live_saves is not None and t.device.type == "cpu":
                 self._live_saves.hold(record.batch)  # each batch once: its slices' handles hold it
         return SavedHandle(record, t, contiguous, t)
+
+    def _note_shared(self, record: Any) -> None:
+        """A save served by ``record``, made earlier in this forward (``NOTE [ One decode per shared record ]``)."""
+        self._stats.deduplicated += 1
+        shared = self._shared.get(record)
+        if shared is None:
+            self._shared[record] = _SharedDecode()
+        else:
+            shared.uses += 1
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SavedHandle) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -496,9 +495,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     def _make_record(self, flat: torch.Tensor, decision: Decision,
                      source: torch.Tensor | None = None) -> Record | PendingRecord:
-        if decision.treatment is Treatment.BATCH:
-            self._stats.batched += 1
-            return self._small.add(flat, self._encode_small)
         kind = _KINDS[decision.treatment]
         index = self._num_records
         if decision.treatment is Treatment.QUANTIZE:
