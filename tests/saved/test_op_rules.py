@@ -95,6 +95,48 @@ def test_batch_norm_input(layout: torch.memory_format) -> None:
         assert _cos(weight_grad(_ctx(8, rules=False)), ref) < 0.9
 
 
+def _remainder_through_norm(norm: str, ctx: daftrain.compress | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of an input and of an offset per channel (batch norm) or row (layer norm) added before
+    the norm, whose output is pooled into a head: each channel's (row's) gradient lies mostly along the
+    constant and the normalised values, which the norm's backward takes out, and the offset's gradient, a
+    sum of what is left over each channel (row), is exactly zero in plain PyTorch."""
+    gen = torch.Generator().manual_seed(0)
+    if norm == "batch":  # channels varying mostly across a batch of 4: few effective samples each
+        x = torch.randn(4, 64, 1, 1, generator=gen) + 0.05 * torch.randn(4, 64, 4, 4, generator=gen)
+        bias, layer = torch.zeros(64, 1, 1), torch.nn.BatchNorm2d(64).train()
+        pool = (2, 3)
+    else:  # rows of 384: quantization groups straddle rows, which the encoding normalises
+        x = torch.randn(4, 16, 1, generator=gen) + 0.05 * torch.randn(4, 16, 384, generator=gen)
+        bias, layer = torch.zeros(4, 16, 1), torch.nn.LayerNorm(384)  # an offset per row
+        pool = (1,)
+    head = torch.nn.Linear(x.shape[1] if norm == "batch" else 384, 10)
+    torch.nn.init.normal_(head.weight, generator=gen)
+    target = torch.randint(0, 10, (4,), generator=gen)
+    leaf, bias = x.requires_grad_(), bias.requires_grad_()
+    with ctx if ctx is not None else contextlib.nullcontext():
+        loss = F.cross_entropy(head(layer(leaf * 1.0 + bias).mean(pool)), target)
+    loss.backward()
+    assert leaf.grad is not None and bias.grad is not None
+    return leaf.grad, bias.grad
+
+
+@pytest.mark.parametrize("norm", ["batch", "layer"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_normalised_values_keep_their_statistics(norm: str, bits: int) -> None:
+    # NOTE [ Normalised values keep their statistics ]: the restored input has each channel's (row's)
+    # exact mean and spread, so the backward's gradient sums to zero over it as plain PyTorch's does: the
+    # offset's gradient stays at float32 rounding of sums of a few hundred terms (plain: 2e-7 to 2e-6 of
+    # the input gradient's norm; bound 1e-5), where the same input quantized as it is leaves the
+    # rounding's own sum there (1e-3 of it at 8 bits, growing with the step).
+    x_grad, bias_grad = _remainder_through_norm(norm, None)
+    assert float(bias_grad.norm()) <= 1e-5 * float(x_grad.norm())
+    got_x, got_bias = _remainder_through_norm(norm, _ctx(bits))
+    assert float(got_bias.norm()) <= 1e-5 * float(got_x.norm()), float(got_bias.norm() / got_x.norm())
+    assert _cos(got_x, x_grad) >= {2: 0.9, 4: 0.99, 8: 0.999}[bits]  # the suite's bounds per bits
+    _, without = _remainder_through_norm(norm, _ctx(bits, rules=False))
+    assert float(without.norm()) >= 1e-4 * float(got_x.norm())
+
+
 def test_decomposed_rms_norm() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:  # as LlamaRMSNorm / T5LayerNorm write it
         h = x * 1.0

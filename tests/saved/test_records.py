@@ -32,28 +32,49 @@ def _round_trip(enc: Normalized, flat: torch.Tensor, bits: int = 8) -> torch.Ten
     return record.decode().view(enc.view)
 
 
+def _stats(x: torch.Tensor, reduce: tuple[int, ...], center: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = x.mean(reduce, keepdim=True) if center else torch.zeros(())
+    return mean, (x - mean).square().mean(reduce, keepdim=True).sqrt()
+
+
 @pytest.mark.parametrize("layout", _LAYOUTS)
 @pytest.mark.parametrize("center", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_restores_each_row_within_one_rounding_step_of_its_own_spread(layout: str, center: bool,
-                                                                       dtype: torch.dtype) -> None:
+def test_restores_each_row_with_its_statistics_within_a_few_rounding_steps(layout: str, center: bool,
+                                                                            dtype: torch.dtype) -> None:
     view, reduce = _LAYOUTS[layout]
     flat = _input(view, dtype)
     kept = flat.clone()
-    got = _round_trip(Normalized(view, reduce, center), flat).float()
+    record = Normalized(view, reduce, center).encode(flat, 8, 256, seed=1)
+    assert isinstance(record, NormalizedRecord)
+    got = record.decode().view(view).float()
     assert torch.equal(flat, kept)  # the saved tensor itself is never written
     x = flat.view(view).float()
-    mean = x.mean(reduce, keepdim=True) if center else torch.zeros(())
-    spread = (x - mean).square().mean(reduce, keepdim=True).sqrt()
-    # x_hat = (x - mean) / spread is quantized in groups of 256 at 8 bits: stochastic rounding moves a
-    # value by less than its group's step, range / 255 rounded up to bfloat16 (at most 2**-7 more;
-    # layout.py), so the restored value is within that step times its row's spread, plus float32
-    # rounding of the statistics and the restore (2**-20 of the value covers it); a bfloat16 restore then
-    # rounds to 8 significant bits (2**-8 relative) on top.
-    x_hat = ((x - mean) / spread).reshape(-1, 256)
-    step = ((x_hat.amax(1, keepdim=True) - x_hat.amin(1, keepdim=True)) / 255).expand_as(x_hat).reshape(view)
-    rounding = x.abs() * (2**-8 if dtype == torch.bfloat16 else 2**-20)
-    bound = step * (1 + 2**-7) * spread + rounding
+    mean, spread = _stats(x, reduce, center)
+    x_hat = (x - mean) / spread
+    # The stored x_hat is quantized in groups of 256 at 8 bits: stochastic rounding moves a value by less
+    # than its group's step, range / 255 rounded up to bfloat16 (at most 2**-7 more; layout.py), plus
+    # float32 rounding of the normalisation (2**-20 of the value covers it).
+    groups = x_hat.reshape(-1, 256)
+    step = ((groups.amax(1, keepdim=True) - groups.amin(1, keepdim=True)) / 255).expand_as(groups).reshape(view)
+    step = step * (1 + 2**-7)
+    stored = record.inner.decode().view(view)
+    assert bool(((stored - x_hat).abs() <= step + x_hat.abs() * 2**-20).all())
+    # Restored, each row has x's own mean and spread (NOTE [ Normalised values keep their statistics ]):
+    # float32 rounding of the reductions and the restore (2**-18 of the row's magnitude), a bfloat16
+    # restore rounding each value to 8 significant bits on top (2**-8 relative; its mean and spread move
+    # by at most that much of the row's magnitude).
+    got_mean, got_spread = _stats(got, reduce, center)
+    magnitude = x.abs().amax(reduce, keepdim=True)
+    tolerance = magnitude * (2**-8 if dtype == torch.bfloat16 else 2**-18)
+    assert bool(((got_mean - mean).abs() <= tolerance).all())
+    assert bool(((got_spread - spread).abs() <= tolerance).all())
+    # Shifting and scaling to those statistics moves a value of x_hat with error e by e - mean(e) and by
+    # a scale within 1 +- rms(e) of 1: |restored x_hat - x_hat| <= (2 S + |x_hat| S) / (1 - S), S the
+    # row's largest step.
+    worst = step.amax(reduce, keepdim=True)
+    bound = (2 * worst + x_hat.abs() * worst) / (1 - worst) * spread + x.abs() * (
+        2**-8 if dtype == torch.bfloat16 else 2**-18)
     assert bool(((got - x).abs() <= bound).all())
 
 
@@ -158,7 +179,10 @@ def test_rows_holding_whole_groups_are_quantized_as_they_are_with_the_same_round
         assert isinstance(plain, PackedRecord)
         normalised = records.decided(*enc.normalized_candidate(flat, 2, 256, seed=seed), flat)
         assert isinstance(normalised, NormalizedRecord)
-        a, b = plain.decode(), normalised.decode()
+        # the codes compared: x_hat as stored, restored without its statistics' shift and scale
+        # (NOTE [ Normalised values keep their statistics ])
+        assert normalised.mean is not None
+        a, b = plain.decode(), (normalised.inner.decode().view(view) * normalised.std + normalised.mean).view(-1)
         flipped = (a - b).abs() > 0.1 * spread
         flips += int(flipped.sum())
         assert bool(((a - b).abs() <= 2**-7 * group_range + 1e-6 * flat.abs())[~flipped].all())
@@ -167,6 +191,12 @@ def test_rows_holding_whole_groups_are_quantized_as_they_are_with_the_same_round
     assert flips <= 0.01 * 20 * flat.numel(), f"{flips} values changed code"
     ratio = error_plain / error_normalised
     assert bool(((ratio > 0.9) & (ratio < 1.1)).all()) and abs(float(ratio.mean()) - 1) < 0.03, ratio
+    # restored with its statistics, the same rows are no noisier than quantized as they are
+    restored = torch.zeros(64, dtype=torch.float64)
+    for seed in range(20):
+        normalised = records.decided(*enc.normalized_candidate(flat, 2, 256, seed=seed), flat)
+        restored = restored + ((normalised.decode() - flat) / spread).double().view(64, -1).square().mean(1)
+    assert bool((restored <= error_plain * 1.1).all()), restored / error_plain
     # other dtypes keep the normalised encoding (float32 x_hat gets a fitted grid on the CPU, they would not)
     assert isinstance(enc.encode(flat.bfloat16(), 2, 256, seed=0), NormalizedRecord)
 

@@ -30,7 +30,7 @@ from ..errors import UnsupportedError
 from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
 from .graph_order import install_decode_order
 from .graph_rules import GraphRule, graph_rule
-from .records import KeptTensor, normalized_over
+from .records import KeptTensor, normalized_over, restandardized
 
 __all__ = ["CompileFallbackWarning", "CompiledHooks", "hooks_for", "pack_traced", "unpack_traced",
            "untraceable_reason"]
@@ -245,7 +245,7 @@ def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: i
     values, extra = x, ()
     if rule.kind == "normalize":
         values, mean, std = _normalized(x, rule)
-        extra = (mean, std, tuple(x.shape))
+        extra = (mean, std, tuple(x.shape), rule.dims, rule.center)
     order = memory_order(values) or ()  # not None: traced_treatment keeps those
     values = values.permute(order) if order else values
     back = _inverse(order) if order else ()
@@ -296,8 +296,9 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
                                                           hooks_id), carrier, back)
     if not extra:
         return values
-    mean, std, shape = extra
-    return (values * std + mean).reshape(shape).to(dtype)
+    mean, std, shape, dims, center = extra
+    scale, shift = restandardized(values, mean if center else None, std, dims)
+    return (values * scale + shift).reshape(shape).to(dtype)
 
 
 # NOTE [ Heap trims in a compiled backward ]

@@ -52,7 +52,12 @@ class GraphRule:
 #      and weights, which the pack does not see, and a rounded value near them flips the mask that eager
 #      code stores exactly;
 #   4. at least 8 bits where backward exponentiates the value (``NOTE [ Nonlinear backward ]``) and for
-#      the q and k of a fused attention backward (the eager ``attention_qk`` rule).
+#      the q and k of a fused attention backward (the eager ``attention_qk`` rule);
+#   5. a normalisation's statistics are kept, as the eager rules keep a norm's mean and rstd: inductor
+#      decomposes a norm into ``var_mean`` (or ``mean(x ** 2)``), ``rsqrt`` and elementwise ops, saves
+#      the mean and the rstd (reshaped, or divided by the row's length) and recomputes x_hat from them in
+#      backward, where rounded statistics shift and scale every value of a row (a batch norm's rstd at
+#      2 bits left an offset before it a gradient 5x its input's, which is exactly zero in plain PyTorch).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
 def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
@@ -69,6 +74,8 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
         return GraphRule("thresholds", "clip_mask", thresholds=thresholds)
     if _compared_after_recomputing(uses):
         return GraphRule("keep", "recomputed clip mask")
+    if _is_statistic(node):
+        return GraphRule("keep", "normalization statistic")
     normalized = _normalized(node)
     if normalized is not None:
         return normalized
@@ -82,6 +89,41 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
 def _is_auxiliary(node: Any) -> bool:
     return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int)
             and node.args[1] > 0)
+
+
+# Ops from a norm's statistics to what the partitioner saves of them: reshapes, an epsilon added, the
+# reciprocal square root, a division by the row's length. Each has one tensor operand.
+_STATISTIC_PATH = {"aten.squeeze.dims", "aten.squeeze.dim", "aten.squeeze.default", "aten.unsqueeze.default",
+                   "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default",
+                   "aten.permute.default", "prims.convert_element_type.default", "aten.clone.default",
+                   "aten.alias.default", "aten.add.Tensor", "aten.add.Scalar", "aten.div.Tensor",
+                   "aten.div.Scalar", "aten.mul.Tensor", "aten.mul.Scalar", "aten.rsqrt.default",
+                   "aten.sqrt.default", "aten.reciprocal.default"}
+_ROOTS = {"aten.rsqrt.default", "aten.sqrt.default", "aten.reciprocal.default"}
+_STATISTIC_DEPTH = 8
+
+
+def _is_statistic(node: Any) -> bool:
+    """Whether ``node`` is a normalisation's mean or (reciprocal) spread: a ``var_mean`` output, or a root
+    of a ``var_mean`` or of a mean of squares, through ``_STATISTIC_PATH`` ops (rule 5)."""
+    rooted = False
+    for _ in range(_STATISTIC_DEPTH):
+        if node.op != "call_function":
+            return False
+        target = str(node.target)
+        if node.target is operator.getitem:
+            source = node.args[0]
+            return getattr(source, "op", None) == "call_function" and str(source.target).startswith("aten.var_mean")
+        if target == "aten.mean.dim":
+            squared = node.args[0]
+            return rooted and getattr(squared, "op", None) == "call_function" and (
+                str(squared.target) == "aten.pow.Tensor_Scalar" and squared.args[1] == 2)
+        tensors = node.all_input_nodes
+        if target not in _STATISTIC_PATH or len(tensors) != 1:
+            return False
+        rooted = rooted or target in _ROOTS
+        node = tensors[0]
+    return False
 
 
 def _backward_uses(node: Any, bw_graph: Any) -> list[tuple[Any, Any]]:

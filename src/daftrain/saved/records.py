@@ -472,6 +472,8 @@ _CONSTANT_ROW_RSTD = 1e18
 #      ``1 / spread``. The record stores ``x_hat = (x - mean) / std`` quantized, with ``mean`` and
 #      ``std`` per row (per channel for BatchNorm) exact, and restores ``x_hat_q * std + mean``:
 #      backward re-normalises that back to ``x_hat_q``, whose error is that of a unit-spread row.
+#      ``x_hat_q`` is first given its row's exact mean and spread (``NOTE [ Normalised values keep their
+#      statistics ]``).
 #   2. ``ClipMask``: the input (or, in place, the output) of a clip whose backward reads only which
 #      side of its bounds each value lies on (hardtanh, relu6, clamp with number bounds, threshold).
 #      The record is that mask, bit-packed, exactly; restoring writes one value strictly inside the
@@ -562,7 +564,8 @@ class Normalized(_Encoding):
             inner, checks = (ByColumns(self.cols, group_size).candidate(values, bits, group_size, seed, grids)
                              if self.cols else pack_candidate(values, "quantize", bits, group_size, seed, grids=grids))
             finite = all_finite(std, mean)
-        return NormalizedRecord(inner, mean, std, self.view, flat.dtype), (*checks, (finite, "nonfinite"))
+        record = NormalizedRecord(inner, mean, std, self.view, self.reduce, flat.dtype)
+        return record, (*checks, (finite, "nonfinite"))
 
     def down_columns(self, cols: int) -> Normalized | None:
         """This encoding with x_hat stored down ``cols`` columns, where its statistics are those of rows of
@@ -668,16 +671,52 @@ def normalized_over(x: torch.Tensor, dims: tuple[int, ...], center: bool, *,
     return out, mean, torch.where(constant, 0.0, rstd.reciprocal())
 
 
-class NormalizedRecord:
-    """A normalisation's input stored as ``x_hat`` (packed) plus exact ``mean``/``std``; see
-    ``NOTE [ Op-aware encodings ]``."""
+# NOTE [ Normalised values keep their statistics ]
+# A normalisation's backward, ``dx = w * rstd * (dy - mean(dy) - x_hat * mean(dy * x_hat))`` per row (an RMS
+# norm or ``F.normalize`` without the mean), is ``dy`` with its components along the constant row and along
+# x_hat taken out: it sums to zero over the row and is orthogonal to x_hat, whatever ``dy``. Those
+# identities need the x_hat backward reads to have mean 0 and mean square 1 over each row. Rounded values
+# do not: their row mean is off by the mean of the rounding errors and their mean square by their
+# correlation with x_hat. Where ``dy`` lies mostly along 1 and x_hat (a batch norm over few effective
+# samples feeding a pooled head: a per-channel gradient that the affine part explains), the true ``dx``
+# is a small remainder and those two small offsets, multiplied by the large components they should have
+# cancelled, are most of what backward returns; a bias upstream, whose gradient is the row sum of ``dx``
+# (exactly zero through such a norm), gets a gradient of rounding alone. So the record restores x_hat_q
+# shifted and scaled to mean 0 and mean square 1 over each row before applying the exact statistics:
+# the identities hold exactly again and what rounding leaves lies inside the remainder backward keeps.
+# It costs one read of the decoded values (``var_mean``) and no stored byte. Rows whose decoded values
+# are all equal keep the plain restore (no spread to scale to); constant rows restore exactly either way
+# (``std`` is 0). The traced unpack does the same (``unpack_traced`` in ``compiled.py``).
+def restandardized(values: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor,
+                   dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, shift)`` per row of the rounded x_hat ``values`` (statistics over ``dims``) that restore
+    ``values * scale + shift`` with each row's exact ``mean`` (0 where ``None``: an RMS) and ``std``
+    (``NOTE [ Normalised values keep their statistics ]``). One pass for each sum, the innermost reduced
+    dim first (``var_mean`` over a batch norm's channels is ten times slower); the moments of x_hat (mean
+    near 0, mean square near 1) take the difference ``E[v^2] - E[v]^2`` without cancellation."""
+    inner, *outer = sorted(dims, reverse=True)
+    count = math.prod(values.shape[dim] for dim in dims)
+    square = torch.linalg.vector_norm(values, 2, (inner,), keepdim=True).square()
+    spread = (square.sum(outer, keepdim=True) if outer else square) / count
+    if mean is None:
+        return std * torch.where(spread > 0, spread.rsqrt(), 1.0), torch.zeros_like(std)
+    total = values.sum(inner, keepdim=True)
+    centre = (total.sum(outer, keepdim=True) if outer else total) / count
+    spread = (spread - centre.square()).clamp(min=0.0)
+    scale = std * torch.where(spread > 0, spread.rsqrt(), 1.0)
+    return scale, mean - centre * scale
 
-    __slots__ = ("__weakref__", "dtype", "inner", "mean", "std", "view")
+
+class NormalizedRecord:
+    """A normalisation's input stored as ``x_hat`` (packed) plus exact ``mean``/``std`` over ``reduce`` of
+    ``view``; see ``NOTE [ Op-aware encodings ]``."""
+
+    __slots__ = ("__weakref__", "dtype", "inner", "mean", "reduce", "std", "view")
     is_bool = False
 
     def __init__(self, inner: PackedRecord | ByColumnsRecord, mean: torch.Tensor | None, std: torch.Tensor,
-                 view: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.inner, self.mean, self.std, self.view, self.dtype = inner, mean, std, view, dtype
+                 view: tuple[int, ...], reduce: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.inner, self.mean, self.std, self.view, self.reduce, self.dtype = inner, mean, std, view, reduce, dtype
 
     @property
     def nbytes(self) -> int:
@@ -685,14 +724,14 @@ class NormalizedRecord:
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         flat = self.inner.decode(buffers)  # float32, a fresh decode: restored in place
-        values = flat.view(self.view).mul_(self.std)
-        if self.mean is not None:
-            values.add_(self.mean)
+        values = flat.view(self.view)
+        scale, shift = restandardized(values, self.mean, self.std, self.reduce)
+        values.mul_(scale).add_(shift)
         return flat if self.dtype == torch.float32 else flat.to(self.dtype)
 
     def to_pool(self, pool: PagePool, importance: float, seed: int) -> NormalizedRecord:
         return NormalizedRecord(self.inner.to_pool(pool, importance, seed), self.mean, self.std, self.view,
-                                self.dtype)
+                                self.reduce, self.dtype)
 
 
 @dataclass(frozen=True)
