@@ -236,3 +236,36 @@ def test_normalised_values_keep_their_statistics(backend, norm, monkeypatch):
     _without_rules(monkeypatch)  # the input (the batch norm's mean, under inductor) quantized as it is
     without_x, without_offset = grads(daftrain.compress(bits=2, min_numel=0))
     assert float(without_offset.norm()) >= 1e-3 * float(without_x.norm())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_softmax_rows_keep_their_sums(backend, monkeypatch):
+    # NOTE [ Probabilities keep their sums ] (records.py) in the traced unpack (NOTE [ Op rules in compiled
+    # graphs ], 6.): softmax's backward sums to zero over each row, so a logit offset per query row gets a
+    # gradient of exactly zero in plain PyTorch (float32 rounding of 64-term sums: bound 1e-5 of q's
+    # gradient), and at 2 bits too; the output quantized as it is leaves its rows' rounding there.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=gen) for _ in range(3))
+    k = k + 2.0
+    offset = torch.zeros(2, 4, 64, 1)
+
+    def fn(q, v, offset):
+        return torch.softmax((q * 1.0) @ k.transpose(-2, -1) / 8.0 + offset, dim=-1) @ v
+
+    def grads(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        torch._dynamo.reset()
+        leaves = [t.clone().requires_grad_() for t in (q, v, offset)]
+        compiled = torch.compile(fn, backend=backend)
+        with ctx if ctx is not None else torch.enable_grad():
+            out = compiled(*leaves)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        assert leaves[0].grad is not None and leaves[2].grad is not None
+        return leaves[0].grad, leaves[2].grad
+
+    plain_q, plain_offset = grads(None)
+    assert float(plain_offset.norm()) <= 1e-5 * float(plain_q.norm())
+    got_q, got_offset = grads(daftrain.compress(bits=2, min_numel=0))
+    assert float(got_offset.norm()) <= 1e-5 * float(got_q.norm()), float(got_offset.norm() / got_q.norm())
+    _without_rules(monkeypatch)
+    without_q, without_offset = grads(daftrain.compress(bits=2, min_numel=0))
+    assert float(without_offset.norm()) >= 1e-2 * float(without_q.norm())

@@ -328,3 +328,23 @@ def test_max_pool_indices_in_channels_last_round_trip_in_memory_order() -> None:
     record, checks = windows.candidate(flat, 8, 256, seed=0)
     assert isinstance(record, records.PoolWindowsRecord) and checks == ()
     assert torch.equal(record.decode(), flat)
+
+
+def test_probabilities_are_restored_with_rows_that_sum_to_one() -> None:
+    # NOTE [ Probabilities keep their sums ]: softmax rows of 96 along the middle dim (groups of 256 straddle
+    # rows), a fully masked row of zeros among them, at 2 bits.
+    gen = torch.Generator().manual_seed(0)
+    y = torch.softmax(torch.randn(8, 96, 5, generator=gen) * 3, dim=1)
+    y[3, :, 2] = 0.0
+    flat = y.reshape(-1)
+    record = records.Probabilities((8, 96, 5)).encode(flat, 2, 256, seed=1)
+    assert isinstance(record, records.ProbabilitiesRecord) and record.nbytes == record.inner.nbytes
+    got = record.decode().view(8, 96, 5)
+    sums = got.sum(1)
+    # each row's sum is 1 up to float32 rounding of a 96-term sum and the division (2**-20 covers it)
+    assert bool(((sums - 1).abs() <= 2**-20).logical_or(sums == 0).all())
+    assert torch.equal(got[3, :, 2], torch.zeros(96)) and bool((got >= 0).all())
+    # the stored values are the plain quantization's, draw for draw: the restore only rescales each row
+    plain = records.encode(flat, "quantize", 2, 256, seed=1).decode().view(8, 96, 5)
+    scale = plain.sum(1, keepdim=True)
+    torch.testing.assert_close(got, plain / torch.where(scale > 0, scale, 1.0), rtol=2**-20, atol=0)

@@ -256,6 +256,8 @@ def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: i
         return ("thresholds", torch.ops.daftrain.pack_bool(masks.view(-1)), _shape_carrier(values), back,
                 x.dtype, rule.thresholds, _representatives(rule.thresholds, x.dtype))
     seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")  # NOTE [ A fresh seed per compiled call ]
+    if rule.kind == "probabilities":
+        extra = rule.dims
     codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(values.reshape(-1), rule.min_bits, group_size, seed)
     return (rule.kind, codes, lo, scale, _shape_carrier(values), back, x.dtype, rule.min_bits, group_size, *extra)
 
@@ -291,10 +293,14 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
         return _restored(_between(masks, thresholds, representatives, dtype), carrier, back)
     _, codes, lo, scale, carrier, back, dtype, bits, group_size, *extra = packed
     numel = _carried_shape(carrier)[1]
-    stored_dtype = torch.float32 if extra else dtype
+    stored_dtype = torch.float32 if kind == "normalize" else dtype
     values = _restored(torch.ops.daftrain.decode_in_graph(codes, lo, scale, bits, group_size, numel, stored_dtype,
                                                           hooks_id), carrier, back)
-    if not extra:
+    if kind == "probabilities":  # NOTE [ Probabilities keep their sums ] in records.py
+        (dim,) = extra
+        total = values.sum(dim, keepdim=True, dtype=torch.float32)
+        return values * torch.where(total > 0, total.reciprocal(), 1.0).to(values.dtype)
+    if kind != "normalize":
         return values
     mean, std, shape, dims, center = extra
     scale, shift = restandardized(values, mean if center else None, std, dims)

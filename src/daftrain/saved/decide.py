@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,6 +18,7 @@ from .records import (
     Encoding,
     Normalized,
     PoolWindows,
+    Probabilities,
     is_dense,
     is_expanded,
     stored_numel,
@@ -68,6 +70,7 @@ class Decision:
 # measurements are in docs/saved.md ("Nonlinear backward").
 NONLINEAR_MIN_BITS = 8
 _NONLINEAR_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
+_SOFTMAX_OUTPUT_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 
 
 # Decisions without a per-tensor argument, made once (``Decision`` is frozen): ``decide`` runs for every save.
@@ -113,7 +116,21 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     match = match_saved(call, t)
     if match is not None:
         return _by_rule(t, match, config)
+    if type(t.grad_fn).__name__ in _SOFTMAX_OUTPUT_NODES:
+        return _softmax_output(t)
     return _QUANTIZE
+
+
+def _softmax_output(t: torch.Tensor) -> Decision:
+    """A softmax's saved output (found by its node, inside any function: SDPA's math path saves one),
+    restored with rows that sum to 1 (``NOTE [ Probabilities keep their sums ]`` in ``records.py``); a
+    tensor not contiguous is quantized as it is."""
+    dim = t.grad_fn._saved_dim  # type: ignore[union-attr]  # an int64 read back as unsigned
+    dim = (dim - (1 << 64) if dim >= 1 << 63 else dim) % max(1, t.dim())
+    if not t.is_contiguous() or t.dim() == 0 or t.shape[dim] < 2:
+        return _QUANTIZE
+    outer, inner = math.prod(t.shape[:dim]), math.prod(t.shape[dim + 1:])
+    return Decision(Treatment.QUANTIZE, "", encoding=Probabilities((outer, t.shape[dim], inner)), rule="softmax")
 
 
 def _small(t: torch.Tensor, config: CompressionConfig, call: OpMatch | None) -> Decision:

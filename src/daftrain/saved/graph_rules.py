@@ -57,7 +57,9 @@ class GraphRule:
 #      decomposes a norm into ``var_mean`` (or ``mean(x ** 2)``), ``rsqrt`` and elementwise ops, saves
 #      the mean and the rstd (reshaped, or divided by the row's length) and recomputes x_hat from them in
 #      backward, where rounded statistics shift and scale every value of a row (a batch norm's rstd at
-#      2 bits left an offset before it a gradient 5x its input's, which is exactly zero in plain PyTorch).
+#      2 bits left an offset before it a gradient 5x its input's, which is exactly zero in plain PyTorch);
+#   6. a softmax's output (``_softmax``, or inductor's ``exp / sum(exp, dim)``) is restored with rows that
+#      sum to 1, as eager records are (``NOTE [ Probabilities keep their sums ]`` in records.py).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
 def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
@@ -79,6 +81,9 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
     normalized = _normalized(node)
     if normalized is not None:
         return normalized
+    dim = _softmax_dim(node)
+    if dim is not None:
+        return GraphRule("probabilities", "softmax", dims=(dim,))
     if str(node.target) in _LOG_SOFTMAX or _exponentiated(uses):
         return GraphRule("quantize", "nonlinear backward", min_bits=max(bits, NONLINEAR_MIN_BITS))
     if any(str(u.target) in _ATTENTION_BACKWARD and _positions(u, p) & {1, 2} for p, u in uses):
@@ -124,6 +129,28 @@ def _is_statistic(node: Any) -> bool:
         rooted = rooted or target in _ROOTS
         node = tensors[0]
     return False
+
+
+_SOFTMAX = {"aten._softmax.default", "aten._safe_softmax.default"}
+
+
+def _softmax_dim(node: Any) -> int | None:
+    """The dim (non-negative) ``node`` is a softmax over, if it is one's output (rule 6)."""
+    shape = _shape(node)
+    if shape is None or node.op != "call_function":
+        return None
+    dim = None
+    if str(node.target) in _SOFTMAX:
+        dim = node.args[1]
+    elif str(node.target) == "aten.div.Tensor" and len(node.args) == 2:
+        numerator, total = node.args
+        if (getattr(total, "op", None) == "call_function" and str(total.target) == "aten.sum.dim_IntList"
+                and total.args[0] is numerator and len(total.args[1]) == 1
+                and (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False))):
+            dim = total.args[1][0]
+    if not isinstance(dim, int) or not shape:
+        return None
+    return dim % len(shape)
 
 
 def _backward_uses(node: Any, bw_graph: Any) -> list[tuple[Any, Any]]:

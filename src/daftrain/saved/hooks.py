@@ -46,6 +46,7 @@ from .records import (
     Normalized,
     PendingRecord,
     PoolWindowsRecord,
+    Probabilities,
     Record,
     SavedHandle,
     UndecidedRecord,
@@ -361,7 +362,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # record made at fewer bits than a save's floor serves it (a computed weight saved first by a product
     # at 2 bits, then by ``F.linear``, which needs 8: stored again at 8), and no lossily quantized record
     # serves a constant sharing its storage (``x.detach()``), which is stored losslessly or kept
-    # (NOTE [ Constants are stored losslessly or kept ] in decide.py).
+    # (NOTE [ Constants are stored losslessly or kept ] in decide.py). A softmax's output (``Probabilities``)
+    # serves likewise the product that saves it again (``P @ V``): the same rounded values, each row
+    # rescaled to its sum 1 by a factor within its rounding of 1.
     def _serves(self, record: Record | PendingRecord, decision: Decision) -> bool:
         """Whether the record found under a save's key may serve a save ``decision`` makes plainly."""
         if decision.treatment is not Treatment.QUANTIZE:
@@ -414,7 +417,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
             record = self._make_record(flat, decision, t)
             self._records[key] = record
-            if isinstance(decision.encoding, Normalized) and plain not in self._records:
+            if isinstance(decision.encoding, (Normalized, Probabilities)) and plain not in self._records:
                 # NOTE [ A normalised record serves plain saves ]
                 self._records[plain] = record
         handle = SavedHandle(record, t, dense, source, expand_to)
@@ -536,11 +539,16 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     def _down_columns(self, decision: Decision, index: int, flat: torch.Tensor, source: torch.Tensor) -> Decision:
         """``decision`` with its groups down the columns where ``ColumnChoice`` finds them clearly narrower: plain
-        values, a derivative, or a row normalisation's x_hat (``NOTE [ Normalised values down the columns ]``)."""
+        values, a derivative, a softmax's output, or a row normalisation's x_hat (``NOTE [ Normalised values down
+        the columns ]``)."""
         encoding = decision.encoding
         if encoding is None or isinstance(encoding, Derivative):
             layout = self._column_choice.layout(self.step, index, flat, source, encoding)
             return decision if layout is None else dataclasses.replace(decision, encoding=layout)
+        if isinstance(encoding, Probabilities):  # plain values, restored with their rows' sums
+            layout = self._column_choice.layout(self.step, index, flat, source, None)
+            columns = dataclasses.replace(encoding, columns=layout)
+            return decision if layout is None else dataclasses.replace(decision, encoding=columns)
         down = encoding.down_columns(source.shape[-1]) if isinstance(encoding, Normalized) and source.dim() else None
         if down is None or self._column_choice.layout(self.step, index, flat, source, None) is None:
             return decision

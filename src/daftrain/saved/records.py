@@ -485,6 +485,8 @@ _CONSTANT_ROW_RSTD = 1e18
 #      ``c`` at the ties and the neighbouring float on either side elsewhere.
 #   3. ``Derivative``: the input of GELU or SiLU, stored as the derivative its backward multiplies by
 #      (``NOTE [ Activations stored as their derivative ]``).
+#   4. ``Probabilities``: a softmax's output, quantized as it is and restored with each row's sum 1
+#      (``NOTE [ Probabilities keep their sums ]``).
 class _Encoding(abc.ABC):
     """What an op-aware encoding shares: ``encode`` decides on its ``candidate``."""
 
@@ -734,6 +736,16 @@ class NormalizedRecord:
                                 self.reduce, self.dtype)
 
 
+# NOTE [ Probabilities keep their sums ]
+# softmax's backward, ``dx = y * (dy - sum(dy * y))`` over each row of its output ``y``, sums to zero over the
+# row whatever ``dy``: adding a constant to a row's logits changes nothing. That needs the ``y`` it reads to
+# sum to 1. Rounded values do not: a row's sum is off by the sum of its rounding errors, which grows with the
+# row's length, and backward then returns ``(1 - sum(y~)) * sum(dy * y~)`` along the constant row. In
+# attention that lands in the logits' gradient, and ``dq = dS k`` turns it into that share of the row's
+# summed keys: a bias along the keys' common direction, not noise that averages out. The record restores
+# each row divided by its sum, which holds the identity again (rounding keeps values inside their group's
+# range: probabilities stay non-negative; a row that decodes to all zeros, as a safe softmax's fully masked
+# row is, stays zeros). No stored byte; one read and one write of the decoded values.
 @dataclass(frozen=True)
 class ClipMask(_Encoding):
     """Store only where ``lower (<|<=) x (<|<=) upper`` holds; see ``NOTE [ Op-aware encodings ]``.
@@ -773,8 +785,8 @@ class _EncodedRecord:
     __slots__ = ("__weakref__", "dtype", "encoding", "inner")
     is_bool: bool
 
-    def __init__(self, inner: PackedRecord | DerivativeRecord, encoding: ClipMask | Derivative | ByColumns,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, inner: PackedRecord | DerivativeRecord | ByColumnsRecord,
+                 encoding: ClipMask | Derivative | ByColumns | Probabilities, dtype: torch.dtype) -> None:
         self.inner, self.encoding, self.dtype = inner, encoding, dtype
 
     @property
@@ -959,6 +971,37 @@ class ByColumnsRecord(_EncodedRecord):
         return values if enc.values is None else enc.values.restored(values, self.dtype)
 
 
+@dataclass(frozen=True)
+class Probabilities(_Encoding):
+    """Store a softmax's output quantized as it is (down its columns with ``columns``) and restore each row,
+    dim 1 of ``view`` ``(outer, n, inner)``, with its sum 1 (``NOTE [ Probabilities keep their sums ]``)."""
+
+    view: tuple[int, int, int]
+    columns: ByColumns | None = None
+
+    def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
+                  grids: Grids | None = None) -> tuple[ProbabilitiesRecord, Checks]:
+        inner, checks = (self.columns.candidate(flat, bits, group_size, seed, grids) if self.columns is not None
+                         else pack_candidate(flat, "quantize", bits, group_size, seed, grids=grids))
+        assert isinstance(inner, (PackedRecord, ByColumnsRecord))
+        return ProbabilitiesRecord(inner, self, flat.dtype), checks
+
+
+class ProbabilitiesRecord(_EncodedRecord):
+    """A softmax's output, quantized, restored with rows that sum to 1; see ``Probabilities``."""
+
+    __slots__ = ()
+    is_bool = False
+    encoding: Probabilities
+
+    def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
+        flat = self.inner.decode(buffers)  # a fresh decode: restored in place
+        rows = flat.view(self.encoding.view)
+        total = rows.sum(1, keepdim=True, dtype=torch.float32)
+        rows.mul_(torch.where(total > 0, total.reciprocal(), 1.0).to(rows.dtype))
+        return flat
+
+
 # NOTE [ Max-pool indices as window positions ]
 # A max pool's indices are flat positions in each input plane (``H * W`` of them: int16 under the
 # narrowing above), but each one lies in the window of its output position: ``kernel_size`` positions,
@@ -1051,6 +1094,7 @@ def on_fitted_grid(record: Record) -> bool:
     return inner.grid is not None
 
 
-Encoding = Normalized | ClipMask | Derivative | ByColumns | PoolWindows
+Encoding = Normalized | ClipMask | Derivative | ByColumns | PoolWindows | Probabilities
 Record = (PackedRecord | ExactRecord | NormalizedRecord | ClipMaskRecord | DerivativeRecord | ByColumnsRecord
+          | ProbabilitiesRecord
           | IntegerRecord | PoolWindowsRecord)

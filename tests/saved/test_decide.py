@@ -1,0 +1,48 @@
+"""decide.py's own rules: a softmax's saved output keeps its rows' sums (``NOTE [ Probabilities keep their sums ]``
+in records.py), found by its node wherever it is saved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import daftrain
+from daftrain.saved import decide
+
+
+def _attention(ctx: daftrain.compress | None, math_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of q and of an additive mask (one logit offset per query row, or a whole float mask for
+    SDPA's math path) of one attention call. Softmax's backward sums to zero over each row, so the offsets'
+    gradient, and each row of the mask's, is exactly zero in plain PyTorch."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=gen) for _ in range(3))
+    k = k + 2.0  # keys with a common direction, which a row's leftover sum turns into a bias of dq
+    q, v = q.requires_grad_(), v.requires_grad_()  # v trained: P @ V saves P too
+    mask = torch.zeros(2, 4, 64, 64 if math_path else 1, requires_grad=True)
+    with ctx if ctx is not None else torch.enable_grad():
+        if math_path:  # a float mask that requires grad: CPU SDPA takes its math path, which saves P
+            out = F.scaled_dot_product_attention(q * 1.0, k, v, attn_mask=mask)
+        else:
+            out = torch.softmax((q * 1.0) @ k.transpose(-2, -1) / 8.0 + mask, dim=-1) @ v
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    assert q.grad is not None and mask.grad is not None
+    return q.grad, mask.grad.sum(-1)
+
+
+@pytest.mark.parametrize("math_path", [False, True])
+def test_softmax_rows_keep_their_sums(math_path: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain_q, plain_rows = _attention(None, math_path)
+    # float32 rounding of 64-term sums of the logits' gradient: plain's own is ~1e-8 of dq's norm; bound 1e-5
+    assert float(plain_rows.norm()) <= 1e-5 * float(plain_q.norm())
+    ctx = daftrain.compress(bits=2, min_numel=0, seed=3)
+    got_q, got_rows = _attention(ctx, math_path)
+    assert float(got_rows.norm()) <= 1e-5 * float(got_q.norm()), float(got_rows.norm() / got_q.norm())
+    # P is stored once: the product that saves it again (P @ V) reads the same record
+    assert ctx.stats.deduplicated >= 1
+    error = float((got_q - plain_q).norm())
+    monkeypatch.setattr(decide, "_SOFTMAX_OUTPUT_NODES", frozenset())  # P quantized as it is
+    without_q, without_rows = _attention(daftrain.compress(bits=2, min_numel=0, seed=3), math_path)
+    assert float(without_rows.norm()) >= 1e-2 * float(without_q.norm())
+    # the leftover row sums were a bias of dq along the keys' common direction: less error without it
+    assert error < float((without_q - plain_q).norm())
