@@ -348,31 +348,3 @@ def test_probabilities_are_restored_with_rows_that_sum_to_one() -> None:
     plain = records.encode(flat, "quantize", 2, 256, seed=1).decode().view(8, 96, 5)
     scale = plain.sum(1, keepdim=True)
     torch.testing.assert_close(got, plain / torch.where(scale > 0, scale, 1.0), rtol=2**-20, atol=0)
-
-
-@pytest.mark.parametrize("layout", _LAYOUTS)
-@pytest.mark.parametrize("center", [True, False])
-def test_calibration_noise_on_normalised_values_is_restored_with_their_statistics(layout: str, center: bool) -> None:
-    # NOTE [ Restorations under bits="auto" ]: calibration's noise goes on x_hat, and the noisy values come
-    # back with the decoded input's own statistics, as a record's decode restores them.
-    view, reduce = _LAYOUTS[layout]
-    flat = _input(view, torch.float32)
-    quantity = Normalized(view, reduce, center).quantity()
-    x_hat = quantity.stored(flat)
-    torch.testing.assert_close(quantity.restored(x_hat.clone(), torch.float32), flat, rtol=2**-18, atol=2**-18)
-    noise = torch.randn(x_hat.shape, generator=torch.Generator().manual_seed(2)) * 0.1
-    got = quantity.restored(x_hat + noise, torch.float32).view(view)
-    x = flat.view(view)
-    (want_mean, want_spread), (got_mean, got_spread) = _stats(x, reduce, center), _stats(got, reduce, center)
-    tolerance = x.abs().amax(reduce, keepdim=True) * 2**-18  # float32 rounding of the sums and the restore
-    assert bool(((got_mean - want_mean).abs() <= tolerance).all())
-    assert bool(((got_spread - want_spread).abs() <= tolerance).all())
-
-
-def test_calibration_noise_on_probabilities_is_restored_with_rows_that_sum_to_one() -> None:
-    y = torch.softmax(torch.randn(8, 96, 5, generator=torch.Generator().manual_seed(0)), dim=1)
-    quantity = records.Probabilities((8, 96, 5)).quantity()
-    values = quantity.stored(y.reshape(-1))
-    noisy = values + torch.rand(values.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
-    got = quantity.restored(noisy, torch.float32).view(8, 96, 5)
-    assert bool(((got.sum(1) - 1).abs() <= 2**-20).all())  # float32 rounding of 96-term sums

@@ -465,9 +465,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             encoding = self._record_encoding.get(packed.record)
             requantize = functools.partial(_requantize, group_size=self.config.group_size, encoding=encoding)
             stored = encoding.values if isinstance(encoding, ByColumns) else encoding  # what, not in which order
-            quantity = (stored if isinstance(stored, Derivative) else
-                        stored.quantity() if isinstance(stored, (Normalized, Probabilities))
-                        and not _stores_as_is(stored, flat, self.config.group_size) else None)
+            quantity = stored if isinstance(stored, Derivative) else None
             bits = self._record_bits.get(packed.record)
             return packed.restore(self._calibration_pass.perturb(index, flat, requantize, quantity, bits))
         shared = self._shared.get(packed.record)
@@ -506,10 +504,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             if self.config.column_groups and source is not None:  # NOTE [ Groups down the columns ]
                 decision = self._down_columns(decision, index, flat, source)
             # bits="auto" observes what the record stores (NOTE [ Derivative encoding under bits="auto" ])
-            encoding = decision.encoding
-            stored_as = (encoding.stored if isinstance(encoding, (Derivative, ByColumns)) or (
-                isinstance(encoding, Normalized) and not _stores_as_is(encoding, flat, self.config.group_size))
-                else None)
+            stored_as = (decision.encoding.stored if isinstance(decision.encoding, (Derivative, ByColumns))
+                         else None)
             assignment = self._bit_policy.assign(self.step, index, source, flat, decision.min_bits,
                                                  stored_as=stored_as)
         else:  # bool masks, integers and constants: stored exactly (encode ignores the bits), pooled by position
@@ -646,12 +642,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         """Stop the packer thread (asynchronous mode); the context cannot pack afterwards."""
         if self._packer is not None:
             self._packer.close()
-
-
-def _stores_as_is(encoding: Encoding, flat: torch.Tensor, group_size: int) -> bool:
-    """A normalisation's input the record quantizes as it is (``NOTE [ Normalising only where groups straddle
-    statistics ]`` in records.py): bits="auto" observes and perturbs its values."""
-    return isinstance(encoding, Normalized) and not encoding.cols and encoding.stores_as_is(flat.dtype, group_size)
 
 
 def _requantize(flat: torch.Tensor, bits: int, seed: int, *, group_size: int,

@@ -641,47 +641,6 @@ class Normalized(_Encoding):
     def _normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         return normalized_over(x, self.reduce, self.center)
 
-    def stored(self, flat: torch.Tensor) -> torch.Tensor:
-        """x_hat of ``flat``, float32, in memory order: what ``normalized_candidate`` quantizes (``NOTE
-        [ Restorations under bits="auto" ]``)."""
-        with torch.no_grad():
-            return self._normalize(flat.view(self.view).float())[0].reshape(-1)
-
-    def quantity(self) -> RestandardizedValues:
-        """x_hat of a decoded input, restored with its statistics, for calibration's noise."""
-        return RestandardizedValues(self)
-
-
-# NOTE [ Restorations under bits="auto" ]
-# A record that restores its values through an identity (``NOTE [ Normalised values keep their statistics
-# ]``, ``NOTE [ Probabilities keep their sums ]``) rounds less than its values' own error would say, and the
-# identities remove what the backward amplified most. bits="auto" estimates each tensor's rounding and a
-# calibration pass measures it with noise added as it is unpacked; noise added to the decoded values, not
-# restored, breaks the identities, and the measured sensitivity of a normalisation's input or a softmax's
-# output came out orders of magnitude above its peers'. So an adaptation step observes x_hat (what the
-# record quantizes) for a normalised record, and calibration adds its noise to x_hat (to a softmax's
-# output) and restores it as the record does: the class's calibration is of the error the decode leaves.
-class RestandardizedValues:
-    """``stored``: x_hat of a decoded normalisation input (its statistics, exact, noted); ``restored``: values
-    of x_hat, shifted and scaled to those statistics, then to the input's own."""
-
-    def __init__(self, encoding: Normalized) -> None:
-        self.encoding = encoding
-        self._stats: tuple[torch.Tensor | None, torch.Tensor] | None = None
-
-    def stored(self, flat: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            x_hat, mean, std = self.encoding._normalize(flat.view(self.encoding.view).float())
-        self._stats = (mean, std)
-        return x_hat.reshape(-1)
-
-    def restored(self, x_hat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        assert self._stats is not None, "stored() first"
-        mean, std = self._stats
-        values = x_hat.reshape(self.encoding.view)
-        scale, shift = restandardized(values, mean, std, self.encoding.reduce)
-        return values.mul_(scale).add_(shift).reshape(-1).to(dtype)
-
 
 def normalized_over(x: torch.Tensor, dims: tuple[int, ...], center: bool, *,
                     branch_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -1026,26 +985,6 @@ class Probabilities(_Encoding):
                          else pack_candidate(flat, "quantize", bits, group_size, seed, grids=grids))
         assert isinstance(inner, (PackedRecord, ByColumnsRecord))
         return ProbabilitiesRecord(inner, self, flat.dtype), checks
-
-    def quantity(self) -> RenormalizedRows:
-        """A decoded output, restored with its rows' sums, for calibration's noise."""
-        return RenormalizedRows(self)
-
-
-class RenormalizedRows:
-    """``stored``: a decoded softmax output's values (float32); ``restored``: rows divided by their sums
-    (``NOTE [ Restorations under bits="auto" ]``)."""
-
-    def __init__(self, encoding: Probabilities) -> None:
-        self.encoding = encoding
-
-    def stored(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.detach().float()
-
-    def restored(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        rows = values.view(self.encoding.view)
-        total = rows.sum(1, keepdim=True)
-        return rows.mul_(torch.where(total > 0, total.reciprocal(), 1.0)).reshape(-1).to(dtype)
 
 
 class ProbabilitiesRecord(_EncodedRecord):
