@@ -686,7 +686,7 @@ def normalized_over(x: torch.Tensor, dims: tuple[int, ...], center: bool, *,
 # (exactly zero through such a norm), gets a gradient of rounding alone. So the record restores x_hat_q
 # shifted and scaled to mean 0 and mean square 1 over each row before applying the exact statistics:
 # the identities hold exactly again and what rounding leaves lies inside the remainder backward keeps.
-# It costs one read of the decoded values (``var_mean``) and no stored byte. Rows whose decoded values
+# It costs two reductions of the decoded values (``restandardized``) and no stored byte. Rows whose decoded values
 # are all equal keep the plain restore (no spread to scale to); constant rows restore exactly either way
 # (``std`` is 0). The traced unpack does the same (``unpack_traced`` in ``compiled.py``).
 def restandardized(values: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor,
