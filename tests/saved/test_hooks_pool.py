@@ -138,3 +138,32 @@ def test_auto_bits_gives_the_pool_variance_based_importance(batch) -> None:
         assert len(quantized) == len(variances) + 1
         F.cross_entropy(out, batch[1]).backward()
         ctx.close()
+
+
+class _Attention(nn.Module):
+    """A layer norm over 96 features (normalised records, restored with their statistics) and attention
+    written out (a softmax's records, restored with rows that sum to 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm, self.head = nn.Linear(48, 96), nn.LayerNorm(96), nn.Linear(96, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.proj(x.reshape(x.shape[0], 16, 48)))  # 16 tokens of 48 values per sample
+        p = torch.softmax(h @ h.transpose(1, 2) / 8.0, dim=-1)
+        return self.head((p @ h).mean(1))
+
+
+def test_restoring_records_in_the_pool_give_the_same_gradients(batch) -> None:
+    torch.manual_seed(0)
+    model = _Attention()
+    plain = _grads(model, daftrain.compress(bits=2, seed=5), *batch)
+    with PagePool(PoolConfig(page_size=16 * KIB)) as pool:
+        ctx = daftrain.compress(bits=2, seed=5, pool=pool)
+        ctx.step = -1
+        assert torch.equal(_grads(model, ctx, *batch), plain)
+        gc.collect()
+        s = pool.stats()
+        assert s.records == 0 and s.used_bytes == 0, s
+        pool.check()
+        ctx.close()
