@@ -983,8 +983,7 @@ class Probabilities(_Encoding):
                   grids: Grids | None = None) -> tuple[ProbabilitiesRecord, Checks]:
         inner, checks = (self.columns.candidate(flat, bits, group_size, seed, grids) if self.columns is not None
                          else pack_candidate(flat, "quantize", bits, group_size, seed, grids=grids))
-        assert isinstance(inner, (PackedRecord, ByColumnsRecord))
-        return ProbabilitiesRecord(inner, self, flat.dtype), checks
+        return ProbabilitiesRecord(inner, self, flat.dtype), checks  # type: ignore[arg-type]  # quantized
 
 
 class ProbabilitiesRecord(_EncodedRecord):
