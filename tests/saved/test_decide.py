@@ -46,3 +46,27 @@ def test_softmax_rows_keep_their_sums(math_path: bool, monkeypatch: pytest.Monke
     assert float(without_rows.norm()) >= 1e-2 * float(without_q.norm())
     # the leftover row sums were a bias of dq along the keys' common direction: less error without it
     assert error < float((without_q - plain_q).norm())
+
+
+def _classifier(ctx: daftrain.compress | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of a head's weight and bias under log_softmax and nll_loss: log_softmax's backward sums to
+    zero over each row, so the bias's gradient sums to zero over the classes in plain PyTorch."""
+    gen = torch.Generator().manual_seed(0)
+    x, target = torch.randn(256, 64, generator=gen), torch.randint(0, 100, (256,), generator=gen)
+    head = torch.nn.Linear(64, 100)
+    with ctx if ctx is not None else torch.enable_grad():
+        loss = F.nll_loss(F.log_softmax(head(x) * 3.0, dim=-1), target)
+    loss.backward()
+    assert head.weight.grad is not None and head.bias.grad is not None
+    return head.weight.grad, head.bias.grad
+
+
+def test_log_softmax_rows_keep_their_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bound 1e-6 of the bias gradient's norm: float32 rounding of 256-term sums (plain's own is ~1e-8)
+    _, plain_bias = _classifier(None)
+    assert abs(float(plain_bias.sum())) <= 1e-6 * float(plain_bias.norm())
+    _, got_bias = _classifier(daftrain.compress(bits=2, min_numel=0, seed=3))  # log_softmax's floor: 8 bits
+    assert abs(float(got_bias.sum())) <= 1e-6 * float(got_bias.norm()), float(got_bias.sum() / got_bias.norm())
+    monkeypatch.setattr(decide, "_softmax_output", lambda t, log=False: decide._LOG_SOFTMAX_OUTPUT)
+    _, without = _classifier(daftrain.compress(bits=2, min_numel=0, seed=3))  # 8 bits as they are
+    assert abs(float(without.sum())) >= 1e-4 * float(without.norm())

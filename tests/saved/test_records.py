@@ -348,3 +348,16 @@ def test_probabilities_are_restored_with_rows_that_sum_to_one() -> None:
     plain = records.encode(flat, "quantize", 2, 256, seed=1).decode().view(8, 96, 5)
     scale = plain.sum(1, keepdim=True)
     torch.testing.assert_close(got, plain / torch.where(scale > 0, scale, 1.0), rtol=2**-20, atol=0)
+
+
+def test_log_probabilities_are_restored_with_rows_whose_logsumexp_is_zero() -> None:
+    # NOTE [ Probabilities keep their sums ], log: log_softmax rows of 96 along the middle dim at 8 bits.
+    gen = torch.Generator().manual_seed(0)
+    y = torch.log_softmax(torch.randn(8, 96, 5, generator=gen) * 3, dim=1)
+    flat = y.reshape(-1)
+    got = records.Probabilities((8, 96, 5), log=True).encode(flat, 8, 256, seed=1).decode().view(8, 96, 5)
+    # float32 rounding of a 96-term logsumexp and the shift (2**-18 of the rows' largest magnitude covers it)
+    assert bool((torch.logsumexp(got, 1).abs() <= 2**-18 * y.abs().amax(1)).all())
+    # the stored values are the plain quantization's, draw for draw: the restore only shifts each row
+    plain = records.encode(flat, "quantize", 8, 256, seed=1).decode().view(8, 96, 5)
+    torch.testing.assert_close(got, plain - torch.logsumexp(plain, 1, keepdim=True), rtol=0, atol=2**-18 * 20)

@@ -256,7 +256,7 @@ def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: i
         return ("thresholds", torch.ops.daftrain.pack_bool(masks.view(-1)), _shape_carrier(values), back,
                 x.dtype, rule.thresholds, _representatives(rule.thresholds, x.dtype))
     seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")  # NOTE [ A fresh seed per compiled call ]
-    if rule.kind == "probabilities":
+    if rule.kind in ("probabilities", "log_probabilities"):
         extra = rule.dims
     codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(values.reshape(-1), rule.min_bits, group_size, seed)
     return (rule.kind, codes, lo, scale, _shape_carrier(values), back, x.dtype, rule.min_bits, group_size, *extra)
@@ -300,6 +300,9 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
         (dim,) = extra
         total = values.sum(dim, keepdim=True, dtype=torch.float32)
         return values * torch.where(total > 0, total.reciprocal(), 1.0).to(values.dtype)
+    if kind == "log_probabilities":
+        (dim,) = extra
+        return values - torch.logsumexp(values.float(), dim, keepdim=True).to(values.dtype)
     if kind != "normalize":
         return values
     mean, std, shape, dims, center = extra

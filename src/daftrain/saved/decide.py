@@ -110,7 +110,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     if t.grad_fn is None:
         return _CONSTANT
     if type(t.grad_fn).__name__ in _NONLINEAR_OUTPUT_NODES:
-        return Decision(Treatment.QUANTIZE, "", min_bits=NONLINEAR_MIN_BITS)
+        return _softmax_output(t, log=True)
     if keeps(call, t):
         return Decision(Treatment.KEEP, "op_rule", rule=call.rule.name if call is not None else "")
     match = match_saved(call, t)
@@ -121,16 +121,21 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     return _QUANTIZE
 
 
-def _softmax_output(t: torch.Tensor) -> Decision:
-    """A softmax's saved output (found by its node, inside any function: SDPA's math path saves one),
-    restored with rows that sum to 1 (``NOTE [ Probabilities keep their sums ]`` in ``records.py``); a
-    tensor not contiguous is quantized as it is."""
+_LOG_SOFTMAX_OUTPUT = Decision(Treatment.QUANTIZE, "", min_bits=NONLINEAR_MIN_BITS)
+
+
+def _softmax_output(t: torch.Tensor, log: bool = False) -> Decision:
+    """A softmax's (``log``: a log_softmax's, at least ``NONLINEAR_MIN_BITS``) saved output, found by its node
+    inside any function (SDPA's math path saves one), restored with rows that sum to 1 (``NOTE [ Probabilities
+    keep their sums ]`` in ``records.py``); a tensor not contiguous is quantized as it is."""
+    plain = _LOG_SOFTMAX_OUTPUT if log else _QUANTIZE
     dim = t.grad_fn._saved_dim  # type: ignore[union-attr]  # an int64 read back as unsigned
     dim = (dim - (1 << 64) if dim >= 1 << 63 else dim) % max(1, t.dim())
     if not t.is_contiguous() or t.dim() == 0 or t.shape[dim] < 2:
-        return _QUANTIZE
+        return plain
     outer, inner = math.prod(t.shape[:dim]), math.prod(t.shape[dim + 1:])
-    return Decision(Treatment.QUANTIZE, "", encoding=Probabilities((outer, t.shape[dim], inner)), rule="softmax")
+    return replace(plain, encoding=Probabilities((outer, t.shape[dim], inner), log=log),
+                   rule="log_softmax" if log else "softmax")
 
 
 def _small(t: torch.Tensor, config: CompressionConfig, call: OpMatch | None) -> Decision:

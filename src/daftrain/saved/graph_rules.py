@@ -59,7 +59,8 @@ class GraphRule:
 #      backward, where rounded statistics shift and scale every value of a row (a batch norm's rstd at
 #      2 bits left an offset before it a gradient 5x its input's, which is exactly zero in plain PyTorch);
 #   6. a softmax's output (``_softmax``, or inductor's ``exp / sum(exp, dim)``) is restored with rows that
-#      sum to 1, as eager records are (``NOTE [ Probabilities keep their sums ]`` in records.py).
+#      sum to 1, a log_softmax's (rule 4) with rows whose ``logsumexp`` is 0, as eager records are (``NOTE
+#      [ Probabilities keep their sums ]`` in records.py).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
 def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
@@ -84,7 +85,12 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
     dim = _softmax_dim(node)
     if dim is not None:
         return GraphRule("probabilities", "softmax", dims=(dim,))
-    if str(node.target) in _LOG_SOFTMAX or _exponentiated(uses):
+    if str(node.target) in _LOG_SOFTMAX:
+        shape = _shape(node)
+        dims = (node.args[1] % len(shape),) if shape and isinstance(node.args[1], int) else ()
+        return GraphRule("log_probabilities" if dims else "quantize", "nonlinear backward",
+                         min_bits=max(bits, NONLINEAR_MIN_BITS), dims=dims)
+    if _exponentiated(uses):
         return GraphRule("quantize", "nonlinear backward", min_bits=max(bits, NONLINEAR_MIN_BITS))
     if any(str(u.target) in _ATTENTION_BACKWARD and _positions(u, p) & {1, 2} for p, u in uses):
         return GraphRule("quantize", "attention_qk", min_bits=max(bits, ATTENTION_MIN_BITS))

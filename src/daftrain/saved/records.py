@@ -745,7 +745,10 @@ class NormalizedRecord:
 # summed keys: a bias along the keys' common direction, not noise that averages out. The record restores
 # each row divided by its sum, which holds the identity again (rounding keeps values inside their group's
 # range: probabilities stay non-negative; a row that decodes to all zeros, as a safe softmax's fully masked
-# row is, stays zeros). No stored byte; one read and one write of the decoded values.
+# row is, stays zeros). No stored byte; one read and one write of the decoded values. log_softmax's backward,
+# ``dx = dy - exp(y) * sum(dy)``, likewise sums to zero only while ``exp(y)`` sums to 1 over the row: its
+# output (at least 8 bits, ``NOTE [ Nonlinear backward ]`` in decide.py) is restored shifted by each row's
+# ``logsumexp`` (``log``), which makes it so.
 @dataclass(frozen=True)
 class ClipMask(_Encoding):
     """Store only where ``lower (<|<=) x (<|<=) upper`` holds; see ``NOTE [ Op-aware encodings ]``.
@@ -974,10 +977,12 @@ class ByColumnsRecord(_EncodedRecord):
 @dataclass(frozen=True)
 class Probabilities(_Encoding):
     """Store a softmax's output quantized as it is (down its columns with ``columns``) and restore each row,
-    dim 1 of ``view`` ``(outer, n, inner)``, with its sum 1 (``NOTE [ Probabilities keep their sums ]``)."""
+    dim 1 of ``view`` ``(outer, n, inner)``, with its sum 1; with ``log``, a log_softmax's, with its
+    ``logsumexp`` 0 (``NOTE [ Probabilities keep their sums ]``)."""
 
     view: tuple[int, int, int]
     columns: ByColumns | None = None
+    log: bool = False
 
     def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
                   grids: Grids | None = None) -> tuple[ProbabilitiesRecord, Checks]:
@@ -996,6 +1001,9 @@ class ProbabilitiesRecord(_EncodedRecord):
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         flat = self.inner.decode(buffers)  # a fresh decode: restored in place
         rows = flat.view(self.encoding.view)
+        if self.encoding.log:
+            rows.sub_(torch.logsumexp(rows.float(), 1, keepdim=True).to(rows.dtype))
+            return flat
         total = rows.sum(1, keepdim=True, dtype=torch.float32)
         rows.mul_(torch.where(total > 0, total.reciprocal(), 1.0).to(rows.dtype))
         return flat
