@@ -30,7 +30,7 @@ from ..errors import UnsupportedError
 from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
 from .graph_order import install_decode_order
 from .graph_rules import GraphRule, graph_rule
-from .records import KeptTensor, normalized_over, restandardized
+from .records import KeptTensor, normalized_over, restandardized, with_row_sums
 
 __all__ = ["CompileFallbackWarning", "CompiledHooks", "hooks_for", "pack_traced", "unpack_traced",
            "untraceable_reason"]
@@ -246,6 +246,8 @@ def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: i
     if rule.kind == "normalize":
         values, mean, std = _normalized(x, rule)
         extra = (mean, std, tuple(x.shape), rule.dims, rule.center)
+    elif rule.kind in ("probabilities", "log_probabilities"):
+        extra = rule.dims
     order = memory_order(values) or ()  # not None: traced_treatment keeps those
     values = values.permute(order) if order else values
     back = _inverse(order) if order else ()
@@ -256,8 +258,6 @@ def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: i
         return ("thresholds", torch.ops.daftrain.pack_bool(masks.view(-1)), _shape_carrier(values), back,
                 x.dtype, rule.thresholds, _representatives(rule.thresholds, x.dtype))
     seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")  # NOTE [ A fresh seed per compiled call ]
-    if rule.kind in ("probabilities", "log_probabilities"):
-        extra = rule.dims
     codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(values.reshape(-1), rule.min_bits, group_size, seed)
     return (rule.kind, codes, lo, scale, _shape_carrier(values), back, x.dtype, rule.min_bits, group_size, *extra)
 
@@ -296,18 +296,15 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
     stored_dtype = torch.float32 if kind == "normalize" else dtype
     values = _restored(torch.ops.daftrain.decode_in_graph(codes, lo, scale, bits, group_size, numel, stored_dtype,
                                                           hooks_id), carrier, back)
-    if kind == "probabilities":  # NOTE [ Probabilities keep their sums ] in records.py
+    if kind in ("probabilities", "log_probabilities"):  # NOTE [ Probabilities keep their sums ] in records.py
         (dim,) = extra
-        total = values.sum(dim, keepdim=True, dtype=torch.float32)
-        return values * torch.where(total > 0, total.reciprocal(), 1.0).to(values.dtype)
-    if kind == "log_probabilities":
-        (dim,) = extra
-        return values - torch.logsumexp(values.float(), dim, keepdim=True).to(values.dtype)
+        return with_row_sums(values, dim, kind == "log_probabilities")
     if kind != "normalize":
         return values
     mean, std, shape, dims, center = extra
     scale, shift = restandardized(values, mean if center else None, std, dims)
-    return (values * scale + shift).reshape(shape).to(dtype)
+    values = values * scale
+    return (values if shift is None else values + shift).reshape(shape).to(dtype)
 
 
 # NOTE [ Heap trims in a compiled backward ]

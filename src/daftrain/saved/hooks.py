@@ -547,8 +547,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             return decision if layout is None else dataclasses.replace(decision, encoding=layout)
         if isinstance(encoding, Probabilities):  # plain values, restored with their rows' sums
             layout = self._column_choice.layout(self.step, index, flat, source, None)
-            columns = dataclasses.replace(encoding, columns=layout)
-            return decision if layout is None else dataclasses.replace(decision, encoding=columns)
+            return decision if layout is None else dataclasses.replace(
+                decision, encoding=dataclasses.replace(encoding, columns=layout))
         down = encoding.down_columns(source.shape[-1]) if isinstance(encoding, Normalized) and source.dim() else None
         if down is None or self._column_choice.layout(self.step, index, flat, source, None) is None:
             return decision

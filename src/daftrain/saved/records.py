@@ -690,9 +690,9 @@ def normalized_over(x: torch.Tensor, dims: tuple[int, ...], center: bool, *,
 # are all equal keep the plain restore (no spread to scale to); constant rows restore exactly either way
 # (``std`` is 0). The traced unpack does the same (``unpack_traced`` in ``compiled.py``).
 def restandardized(values: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor,
-                   dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                   dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(scale, shift)`` per row of the rounded x_hat ``values`` (statistics over ``dims``) that restore
-    ``values * scale + shift`` with each row's exact ``mean`` (0 where ``None``: an RMS) and ``std``
+    ``values * scale + shift`` with each row's exact ``mean`` (an RMS: ``None``, and no shift) and ``std``
     (``NOTE [ Normalised values keep their statistics ]``). One pass for each sum, the innermost reduced
     dim first (``var_mean`` over a batch norm's channels is ten times slower); the moments of x_hat (mean
     near 0, mean square near 1) take the difference ``E[v^2] - E[v]^2`` without cancellation."""
@@ -701,7 +701,7 @@ def restandardized(values: torch.Tensor, mean: torch.Tensor | None, std: torch.T
     square = torch.linalg.vector_norm(values, 2, (inner,), keepdim=True).square()
     spread = (square.sum(outer, keepdim=True) if outer else square) / count
     if mean is None:
-        return std * torch.where(spread > 0, spread.rsqrt(), 1.0), torch.zeros_like(std)
+        return std * torch.where(spread > 0, spread.rsqrt(), 1.0), None
     total = values.sum(inner, keepdim=True)
     centre = (total.sum(outer, keepdim=True) if outer else total) / count
     spread = (spread - centre.square()).clamp(min=0.0)
@@ -728,7 +728,9 @@ class NormalizedRecord:
         flat = self.inner.decode(buffers)  # float32, a fresh decode: restored in place
         values = flat.view(self.view)
         scale, shift = restandardized(values, self.mean, self.std, self.reduce)
-        values.mul_(scale).add_(shift)
+        values.mul_(scale)
+        if shift is not None:
+            values.add_(shift)
         return flat if self.dtype == torch.float32 else flat.to(self.dtype)
 
     def to_pool(self, pool: PagePool, importance: float, seed: int) -> NormalizedRecord:
@@ -1000,13 +1002,20 @@ class ProbabilitiesRecord(_EncodedRecord):
 
     def decode(self, buffers: DecodeBuffers | None = None) -> torch.Tensor:
         flat = self.inner.decode(buffers)  # a fresh decode: restored in place
-        rows = flat.view(self.encoding.view)
-        if self.encoding.log:
-            rows.sub_(torch.logsumexp(rows.float(), 1, keepdim=True).to(rows.dtype))
-            return flat
-        total = rows.sum(1, keepdim=True, dtype=torch.float32)
-        rows.mul_(torch.where(total > 0, total.reciprocal(), 1.0).to(rows.dtype))
+        with_row_sums(flat.view(self.encoding.view), 1, self.encoding.log, in_place=True)
         return flat
+
+
+def with_row_sums(values: torch.Tensor, dim: int, log: bool, *, in_place: bool = False) -> torch.Tensor:
+    """Rounded probabilities ``values`` with each row along ``dim`` divided by its sum (``log``: log-probabilities
+    shifted by its ``logsumexp``); a row summing to 0 is left as it is (``NOTE [ Probabilities keep their sums
+    ]``). The records restore in place; the traced unpack, which may not, out of place."""
+    if log:
+        shift = torch.logsumexp(values.float(), dim, keepdim=True).to(values.dtype)
+        return values.sub_(shift) if in_place else values - shift
+    total = values.sum(dim, keepdim=True, dtype=torch.float32)
+    factor = torch.where(total > 0, total.reciprocal(), 1.0).to(values.dtype)
+    return values.mul_(factor) if in_place else values * factor
 
 
 # NOTE [ Max-pool indices as window positions ]
