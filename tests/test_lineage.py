@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from daftrain.lineage import copy_of, scaled_copy_of
+from daftrain.lineage import copy_of
 
 
 def _activation(*shape: int) -> torch.Tensor:
@@ -31,19 +31,3 @@ def test_same_order_copies_hold_the_logical_order_contiguously() -> None:
     assert not copy_of(y.t(), y, same_order=True)  # not contiguous
     leaf = torch.randn(6, 8)
     assert not copy_of(leaf.reshape(48), leaf, same_order=True)  # no graph to follow
-
-
-def test_scaled_copies_are_copies_times_a_number() -> None:
-    x = _activation(2, 4, 8, 16)
-    times, over = torch.ops.aten.mul.Scalar, torch.ops.aten.div.Scalar  # how SDPA's math path scales q and k
-    assert scaled_copy_of(times(x, 0.5).view(8, 8, 16), x)  # q * sqrt(scale), viewed for its bmm
-    assert scaled_copy_of(over(x, 3.0).transpose(-1, -2).reshape(8, 16, 8), x)
-    assert scaled_copy_of(x.clone(), x)
-    assert not scaled_copy_of(x * x, x)  # a product of two tensors
-    assert not scaled_copy_of(x * torch.rand(x.shape), x)  # times a tensor (a dropout mask), not a number
-    assert not scaled_copy_of(x.exp(), x)
-    assert not scaled_copy_of(times(x, 0.5)[:, :2].clone(), x)  # other values
-    leaf = torch.randn(4, 6, requires_grad=True)
-    assert scaled_copy_of(times(leaf, 2.0).t(), leaf)  # a leaf: reached at its gradient accumulator
-    assert not scaled_copy_of(times(torch.randn(4, 6, requires_grad=True), 2.0).t(), leaf)
-    assert not scaled_copy_of(torch.randn(4, 6) * 2.0, torch.randn(4, 6))  # no graph to follow

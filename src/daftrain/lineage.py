@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CAST_AND_VIEW_NODES", "copy_of", "reaches", "scaled_copy_of"]
+__all__ = ["CAST_AND_VIEW_NODES", "copy_of", "reaches"]
 
 # Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).
 CAST_AND_VIEW_NODES = frozenset(
@@ -23,9 +23,6 @@ _CAST_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
 _COPY_NODES = CAST_AND_VIEW_NODES | _CAST_NODES
 _RESHAPE_NODES = _CAST_NODES | {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"}
 _MAX_STEPS = 5
-# Single-input nodes of a tensor times or divided by a number: aten's ``mul.Scalar`` and ``div.Scalar``, what C++
-# code calls (SDPA's math path); Python's ``t * 0.5`` wraps the number in a tensor (``MulBackward0``).
-_SCALAR_NODES = frozenset({"MulBackward1", "DivBackward1"})
 
 
 def reaches(node: object, end: Callable[[object], bool], through: frozenset[str], max_steps: int) -> bool:
@@ -74,19 +71,3 @@ def copy_of(saved: torch.Tensor, source: object, same_shape: bool = False, same_
         return relaid and (saved.dtype != source.dtype or not source.is_contiguous())
     through = _CAST_NODES if same_shape else _COPY_NODES
     return reaches(saved.grad_fn, lambda node: node is target, through, _MAX_STEPS)
-
-
-def scaled_copy_of(saved: torch.Tensor, source: object) -> bool:
-    """``saved`` is a copy of ``source`` (``NOTE [ Copies an op saves ]``, 1.) or such a copy multiplied or
-    divided by a number: SDPA's math path saves ``q * sqrt(scale)`` and ``k * sqrt(scale)``, viewed for its
-    matmul. ``source`` may be a leaf that requires grad."""
-    if not isinstance(source, torch.Tensor) or saved.numel() != source.numel() or saved.grad_fn is None:
-        return False
-    target = source.grad_fn
-    if target is None and not source.requires_grad:
-        return False
-
-    def is_source(node: object) -> bool:
-        return node is target if target is not None else getattr(node, "variable", None) is source
-
-    return reaches(saved.grad_fn, is_source, _COPY_NODES | _SCALAR_NODES, _MAX_STEPS)

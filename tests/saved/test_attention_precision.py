@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from daftrain.saved.attention_precision import LOGIT_ERROR_LIMIT, AttentionPrecision, Precision, logit_error
+from daftrain.saved.attention_precision import (
+    LOGIT_ERROR_LIMIT,
+    AttentionPrecision,
+    MaskStorage,
+    logit_error,
+    mask_error,
+)
 
 
 def _rounded(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
@@ -51,22 +57,28 @@ def test_precision_per_position_and_shape() -> None:
     gen = torch.Generator().manual_seed(3)
     small = [torch.randn(1, 2, 32, 16, generator=gen) for _ in range(2)]
     large = [8 * t for t in small]
-    precision = AttentionPrecision(8, 8, 256)
+    precision = AttentionPrecision(8, 256)
     assert logit_error(*small, None, 8, 256) < LOGIT_ERROR_LIMIT < logit_error(*large, None, 8, 256)
-    assert precision.of(0, 0, *small, None) is Precision.QK
-    assert precision.of(0, 1, *large, None) is Precision.EXACT
+    assert not precision.exact(0, 0, *small, None)
+    assert precision.exact(0, 1, *large, None)
     # kept for later steps at the same position and shapes, made again for new shapes
-    assert precision.of(1, 1, *small, None) is Precision.EXACT
-    assert precision.of(1, 1, small[0][:, :, :16], small[1][:, :, :16], None) is Precision.QK
+    assert precision.exact(1, 1, *small, None)
+    assert not precision.exact(1, 1, small[0][:, :, :16], small[1][:, :, :16], None)
 
 
-def test_copies_at_eight_bits_where_the_model_bits_would_err_the_logits() -> None:
-    gen = torch.Generator().manual_seed(4)
-    q, k = (0.4 * torch.randn(1, 2, 32, 16, generator=gen) for _ in range(2))
-    at = {bits: logit_error(q, k, None, bits, 256) for bits in (8, 4, 2)}
-    assert at[8] < at[4] < LOGIT_ERROR_LIMIT < at[2], at
-    assert AttentionPrecision(8, 4, 256).of(0, 0, q, k, None) is Precision.QK
-    assert AttentionPrecision(8, 2, 256).of(0, 0, q, k, None) is Precision.QK_AND_COPIES
-    assert AttentionPrecision(8, 8, 256).of(0, 0, q, k, None) is Precision.QK  # 8 bits: nothing to raise
-    # where 8 bits already err too much, everything is kept exact whatever the model's bits
-    assert AttentionPrecision(8, 2, 256).of(0, 0, 8 * q, 8 * k, None) is Precision.EXACT
+def test_learned_masks_rounded_as_far_as_they_err_the_logits_little() -> None:
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(1, 2, 32, 32, generator=gen)
+    # rounding a mask errs each logit by its own rounding: a group's step over sqrt(6), ~range / 3 at 2 bits
+    assert mask_error(0.05 * bias, 2, 256) < LOGIT_ERROR_LIMIT < mask_error(bias, 2, 256)
+    assert mask_error(bias, 8, 256) < LOGIT_ERROR_LIMIT
+    floor = bias.clone()
+    floor[..., 16:] = torch.finfo(torch.float32).min  # a causal or padding floor added into the bias
+    nan = bias.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    precision = AttentionPrecision(8, 256)
+    expected = [(0.05 * bias, MaskStorage.ROUNDED), (bias, MaskStorage.AT_MIN_BITS), (floor, MaskStorage.EXACT),
+                (nan, MaskStorage.EXACT)]
+    for index, (mask, storage) in enumerate(expected):
+        assert precision.mask_storage(0, index, mask) is storage, index
+

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import daftrain
 from daftrain.saved import decide
+from daftrain.saved.op_rules import RULES, OpTracer
 
 
 def _attention(ctx: daftrain.compress | None, math_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,19 +31,28 @@ def _attention(ctx: daftrain.compress | None, math_path: bool) -> tuple[torch.Te
     return q.grad, mask.grad.sum(-1)
 
 
+def _ctx(math_path: bool) -> daftrain.compress:
+    """2 bits; for SDPA's math path without the attention rule, under which SDPA saves no P (``NOTE [ Attention
+    recomputed from its stored inputs ]``, tested in ``test_recomputed_attention.py``)."""
+    ctx = daftrain.compress(bits=2, min_numel=0, seed=3)
+    if math_path:
+        ctx._op_tracer = OpTracer(rules=tuple(r for r in RULES if r.name != "attention_qk"))
+    return ctx
+
+
 @pytest.mark.parametrize("math_path", [False, True])
 def test_softmax_rows_keep_their_sums(math_path: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     plain_q, plain_rows = _attention(None, math_path)
     # float32 rounding of 64-term sums of the logits' gradient: plain's own is ~1e-8 of dq's norm; bound 1e-5
     assert float(plain_rows.norm()) <= 1e-5 * float(plain_q.norm())
-    ctx = daftrain.compress(bits=2, min_numel=0, seed=3)
+    ctx = _ctx(math_path)
     got_q, got_rows = _attention(ctx, math_path)
     assert float(got_rows.norm()) <= 1e-5 * float(got_q.norm()), float(got_rows.norm() / got_q.norm())
     # P is stored once: the product that saves it again (P @ V) reads the same record
     assert ctx.stats.deduplicated >= 1
     error = float((got_q - plain_q).norm())
     monkeypatch.setattr(decide, "_SOFTMAX_OUTPUT_NODES", frozenset())  # P quantized as it is
-    without_q, without_rows = _attention(daftrain.compress(bits=2, min_numel=0, seed=3), math_path)
+    without_q, without_rows = _attention(_ctx(math_path), math_path)
     assert float(without_rows.norm()) >= 1e-2 * float(without_q.norm())
     # the leftover row sums were a bias of dq along the keys' common direction: less error without it
     assert error < float((without_q - plain_q).norm())

@@ -178,7 +178,8 @@ def test_auto_bits_are_no_worse_than_uniform_bits_on_torch_architectures(name, b
 # A Hugging Face text encoder outside the zoo (benchmarks/bench_zoo_outside.py) whose second attention
 # call has logits of std ~23 (a 512-wide head, scale 1): 8-bit q and k err them by ~0.29 nats, and its
 # 8-bit gradient was at 0.957 until such a call's saves were kept exact
-# (NOTE [ Attention logits that need more than 8 bits ]).
+# (NOTE [ Attention logits that need more than 8 bits ]); recomputed from 8-bit q, k and v (NOTE [ Attention
+# recomputed from its stored inputs ]) it is at ~0.985, kept exact ~0.9995.
 def test_attention_with_large_logits_of_a_real_model():
     model = tiny_model("embedding_gemma2_text")
     inputs = tiny_inputs(model, "text")
@@ -187,6 +188,6 @@ def test_attention_with_large_logits_of_a_real_model():
     kept = _cos(_grads(model, inputs, ctx), ref)
     rounded = daftrain.compress(bits=8, model=model)
     rounded._op_tracer._attention.limit = float("inf")  # every call's q and k at 8 bits, as before
-    assert kept >= 0.998 and _cos(_grads(model, inputs, rounded), ref) < 0.97
-    # one call's q, k, v and output kept exact, the other call's at 8 bits
-    assert ctx.stats.kept_reasons["op_rule"] == rounded.stats.kept_reasons["op_rule"] + 4
+    assert kept >= 0.999 and _cos(_grads(model, inputs, rounded), ref) < 0.99
+    # one call's q, k and v kept exact, the other call's at 8 bits
+    assert ctx.stats.kept_reasons["op_rule"] == rounded.stats.kept_reasons["op_rule"] + 3

@@ -277,8 +277,8 @@ def _contracted(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], sav
     if name == "einsum":
         return _einsum_contracted(args, saved)
     if name == "scaled_dot_product_attention":
-        # q, k and v themselves (the fused kernels save them): the copies SDPA's math fallback saves feed
-        # the score and probability products inside it, which the call's output gradient does not describe.
+        # q, k and v themselves: what the call saves under the attention rule (``NOTE [ Attention recomputed
+        # from its stored inputs ]`` in ``saved/recomputed_attention.py``), as the fused kernels do.
         q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
         if _same_storage(q, saved) or _same_storage(k, saved):
             t = q if _same_storage(q, saved) else k

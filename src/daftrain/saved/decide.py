@@ -126,8 +126,9 @@ _LOG_SOFTMAX_OUTPUT = Decision(Treatment.QUANTIZE, "", min_bits=NONLINEAR_MIN_BI
 
 def _softmax_output(t: torch.Tensor, log: bool = False) -> Decision:
     """A softmax's (``log``: a log_softmax's, at least ``NONLINEAR_MIN_BITS``) saved output, found by its node
-    inside any function (SDPA's math path saves one), restored with rows that sum to 1 (``NOTE [ Probabilities
-    keep their sums ]`` in ``records.py``); a tensor not contiguous is quantized as it is."""
+    inside any function (eager attention's, or SDPA's math path without the attention rule), restored with rows
+    that sum to 1 (``NOTE [ Probabilities keep their sums ]`` in ``records.py``); a tensor not contiguous is
+    quantized as it is."""
     plain = _LOG_SOFTMAX_OUTPUT if log else _QUANTIZE
     dim = t.grad_fn._saved_dim  # type: ignore[union-attr]  # an int64 read back as unsigned
     dim = (dim - (1 << 64) if dim >= 1 << 63 else dim) % max(1, t.dim())

@@ -18,7 +18,6 @@ from ..allocator import HeapTrimmer
 from ..auto.calibration import CalibrationPass, LossCatcher, calibrate
 from ..auto.policy import Assignment, make_bit_policy
 from ..auto.report import AllocationReport
-from ..auto.tracing import NONLINEAR_SAVER_MIN_BITS
 from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from ..kernels import load_fast_kernels
@@ -119,16 +118,6 @@ class _SharedDecode:
         self.uses, self.unpacked, self.flat = 2, 0, None
 
 
-def _attention_bits(config: CompressionConfig) -> int:
-    """The bits the rest of a model gets, at which attention's precision is estimated (``NOTE [ Attention logits
-    that need more than 8 bits ]``): the fixed bits; under bits="auto" those fixed bits of the same bytes store
-    (an ``avg_bits`` target), else the fewest a product's operand may get (``NOTE [ Fewest bits ]``)."""
-    if not config.auto:
-        assert isinstance(config.bits, int)
-        return config.bits
-    return widest_bits_within(config.avg_bits) if config.avg_bits is not None else NONLINEAR_SAVER_MIN_BITS
-
-
 class compress(torch.autograd.graph.saved_tensors_hooks):
     """Store every tensor autograd saves for backward quantized and bit-packed.
 
@@ -222,7 +211,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._hooks: CompiledHooks = hooks_for(self.config, traceable=self._untraceable is None)
         # NOTE [ Tracing the saving op ] in op_rules.py: only while quantizing (never in exact mode).
         self._op_tracer = (OpTracer(linear_cross_entropy=self.config.linear_cross_entropy,
-                                    group_size=self.config.group_size, bits=_attention_bits(self.config))
+                                    group_size=self.config.group_size)
                            if self.config.bits is not None else _NO_TRACER)
         # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
 

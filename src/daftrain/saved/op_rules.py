@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..lineage import copy_of, scaled_copy_of
-from .attention_precision import AttentionPrecision, Precision
+from ..lineage import copy_of
+from .attention_precision import AttentionPrecision, MaskStorage
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
+from .recomputed_attention import attention_recomputed, recomputes
 from .records import ClipMask, Derivative, Encoding, Normalized, PoolWindows, stored_numel
 
 __all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved",
@@ -51,12 +52,14 @@ class OpRule:
 #      exact statistics: the error of a row, channel or vector of small spread is multiplied by its rstd
 #      (``Normalized`` encoding); a constant row
 #      (a class token of zeros under LayerNorm with eps 1e-12: rstd 1e6) is restored exactly;
-#   2. fused attention (SDPA flash / efficient kernels) recomputes ``exp(q k^T * scale - lse)`` from the
-#      saved q and k with the exact logsumexp: an error ``e`` in a logit becomes a factor ``exp(e)``,
-#      a bias that does not average out (at least ``ATTENTION_MIN_BITS``); where even 8 bits would err
-#      the logits by more than ``LOGIT_ERROR_LIMIT``, everything the call saves is kept exact, and where
-#      the model's bits would, the math path's copies of q and k get 8 bits too (``NOTE [ Attention logits
-#      that need more than 8 bits ]`` in ``attention_precision.py``);
+#   2. attention (SDPA) saves, besides q, k and v, what its forward computed from them (the output and the
+#      logsumexp, or the probabilities), and its backward relies on identities between them that rounding
+#      each one breaks: the call runs as a function that saves q, k and v only and recomputes the rest
+#      from them in backward (``NOTE [ Attention recomputed from its stored inputs ]`` in
+#      ``recomputed_attention.py``). An error ``e`` in a logit is a factor ``exp(e)`` on its probability, so
+#      q and k get at least ``ATTENTION_MIN_BITS``; where even 8 bits would err the logits by more than
+#      ``LOGIT_ERROR_LIMIT``, q, k and v are kept exact (``NOTE [ Attention logits that need more than 8
+#      bits ]`` in ``attention_precision.py``);
 #   3. clips that save their input (hardtanh, relu6, clamp, threshold, hardsigmoid) read it only through
 #      the mask of values inside their bounds, and a leaky ReLU reads its input (or, in place, its output)
 #      only through its sign; a rounded value near a bound flips it (``ClipMask`` encoding: the mask,
@@ -102,13 +105,12 @@ RULES: tuple[OpRule, ...] = (
            "multiplies x's rounding error by rsqrt(var) like a fused norm: x stored normalised per row; "
            "rsqrt(var) (one value per row, rows of very different scale in one group) kept exact"),
     OpRule("attention_qk", (F.scaled_dot_product_attention,),
-           "flash/efficient backward recomputes exp(q k^T * scale - logsumexp) from q and k with the exact "
-           "logsumexp: a logit error e becomes a factor exp(e), so q and k get at least 8 bits; where 8 bits "
-           "would err the logits by more than 0.05 nats (logits of large spread, whose peaked probabilities also "
-           "make the backward's P (dP - rowsum(dO O)) a small remainder of v's and the output's terms), every "
-           "tensor the call saves is kept exact; where the model's bits would err them by more, the math path's "
-           "copies of q and k (it saves q * sqrt(scale)) get 8 bits too: peaked probabilities leave dq and dk a "
-           "small remainder of k's and q's rows",
+           "the backward reads the output and logsumexp (or the probabilities) the forward computed from q, k and "
+           "v, through identities that separately rounded tensors break: the call saves q, k and v only and "
+           "recomputes the rest from them in backward, the exact gradient of attention at the rounded inputs; a "
+           "logit error e is a factor exp(e) on a probability, so q and k get at least 8 bits, and where 8 bits "
+           "would err the logits by more than 0.05 nats (logits of large spread, peaked probabilities) q, k and v "
+           "are kept exact",
            min_bits=ATTENTION_MIN_BITS),
     OpRule("clip_mask",
            (F.hardtanh, F.relu6, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip,
@@ -170,9 +172,6 @@ class OpMatch:
     """Saved tensors the rule keeps exact (a decomposed norm's rstd, one value per row)."""
     keep_all: bool = False
     """Every tensor saved inside the call is kept exact (``rsqrt`` saves only its output)."""
-    scaled_copies: bool = False
-    """A copy the call makes of a target, or such a copy times a number, matches too (SDPA's math path saves
-    ``q * sqrt(scale)``)."""
     statistics: int = 0
     """Other saved tensors of at most this many values are the op's statistics (a normalisation's mean
     and rstd, one value per normalised row) and are kept exact."""
@@ -219,8 +218,6 @@ def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
         return match if any(t.shape == x.shape and t.dtype == x.dtype for x in match.targets) else None
     if match.views:
         return match if any(_is_target(t, x) or copy_of(t, x) for x in match.targets) else None
-    if match.scaled_copies:
-        return match if any(_is_target(t, x) or scaled_copy_of(t, x) for x in match.targets) else None
     return match if any(_is_target(t, x) for x in match.targets) else None
 
 
@@ -555,13 +552,11 @@ def _wide(weight: torch.Tensor, input_bytes: int) -> bool:
 class OpTracer:
     """Per thread (``NOTE [ One tracer per thread ]`` in ``auto/tracing.py``), the rule-matched call in
     progress; see ``NOTE [ Tracing the saving op ]``. With ``linear_cross_entropy``, also the latest wide
-    linear call (``NOTE [ Cross-entropy over a wide linear layer ]``). ``bits`` is the fewest bits a tensor
-    no rule floors may get: attention's precision is estimated at it (``NOTE [ Attention logits that need
-    more than 8 bits ]``)."""
+    linear call (``NOTE [ Cross-entropy over a wide linear layer ]``)."""
 
     def __init__(self, rules: tuple[OpRule, ...] = RULES, linear_cross_entropy: bool = True, exact: bool = False,
                  linears: tuple[Any, ...] = (F.linear,), weight_grads_in_place: bool = False,
-                 group_size: int = 256, bits: int = ATTENTION_MIN_BITS) -> None:
+                 group_size: int = 256) -> None:
         self.rules = rules
         self.linear_cross_entropy = linear_cross_entropy
         self.exact = exact
@@ -572,7 +567,7 @@ class OpTracer:
         """A loss over a head adds the head's weight gradient into ``.grad`` itself, where it may."""
         self.local = threading.local()
         self._by_function = {f: r for r in rules for f in r.functions}
-        self._attention = AttentionPrecision(ATTENTION_MIN_BITS, bits, group_size)
+        self._attention = AttentionPrecision(ATTENTION_MIN_BITS, group_size)
         self._step = 0
 
     def start(self, step: int = 0) -> None:
@@ -601,18 +596,30 @@ class OpTracer:
             linears.note(*found, out)
 
     def attention(self, match: OpMatch, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch:
-        """An ``attention_qk`` match; one that holds the math path's copies of q and k at 8 bits too where rounding
-        them at the bits the rest gets would err the logits too much, or that keeps everything the call saves
-        exact where 8 bits would (``NOTE [ Attention logits that need more than 8 bits ]``)."""
+        """An ``attention_qk`` match, run as a function that saves only q, k, v and its mask where it builds a
+        graph (``NOTE [ Attention recomputed from its stored inputs ]``), a learned float mask rounded as far as
+        it errs the logits little (else, and any other mask, kept as it is); one that keeps everything the call
+        saves exact where 8 bits would err its logits too much (``NOTE [ Attention logits that need more than 8
+        bits ]``)."""
         index = getattr(self.local, "attention_calls", 0)
         self.local.attention_calls = index + 1
         if len(match.targets) != 2:
             return match
         q, k = match.targets
-        precision = self._attention.of(self._step, index, q, k, _arg(args, kwargs, 6, "scale"))
-        if precision is Precision.EXACT:
-            return replace(match, targets=(), keep_all=True)
-        return replace(match, scaled_copies=True) if precision is Precision.QK_AND_COPIES else match
+        if self._attention.exact(self._step, index, q, k, _arg(args, kwargs, 6, "scale")):
+            match = replace(match, targets=(), keep_all=True)
+        if not recomputes(args, dict(kwargs)):
+            return match
+        mask = _arg(args, kwargs, 3, "attn_mask")
+        if mask is None:
+            return replace(match, call=attention_recomputed)
+        learned = mask.is_floating_point() and mask.requires_grad and not match.keep_all
+        storage = self._attention.mask_storage(self._step, index, mask) if learned else MaskStorage.EXACT
+        if storage is MaskStorage.ROUNDED:
+            return replace(match, call=attention_recomputed)
+        if storage is MaskStorage.AT_MIN_BITS:
+            return replace(match, call=attention_recomputed, targets=(q, k, mask))
+        return replace(match, call=attention_recomputed, keep=(mask,))
 
     def over_linear(self, match: OpMatch) -> OpMatch | None:
         """A ``cross_entropy`` match run over the linear call that made its logits, where one did (else the
