@@ -4,7 +4,8 @@ Each architecture of ``TINY_ZOO`` (``demo/models/transformers_zoo.py``: hidden 6
 default dropout) runs one forward and backward in plain PyTorch and under ``compress`` with the same
 seeds; the loss is a fixed random projection of the model's first output. Per model: exact mode
 bit-identical to plain; the cosine of all parameter gradients against plain at 8, 4 and 2 bits and at
-the default, each with the op rules (``saved/op_rules.py``) and without them; the saved-bytes ratio;
+the default, each with the op rules (``saved/op_rules.py``) and without them; the saved-bytes ratio (plain
+PyTorch's saved bytes, as exact mode sees them, over the bytes stored);
 tensors quantized and kept; and, at 2 bits with the rules, which op class carries the largest error
 (only that class quantized, the rest exact, the lowest cosine). An exception is a row marked ``error``.
 
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ZOOS, build_zoo_model, recorded, write_json, zoo_entries
+from common import ZOOS, build_zoo_model, ratio_to_plain, recorded, write_json, zoo_entries
 
 import daftrain
 from daftrain.demo.models.transformers_zoo import zoo_gradient
@@ -136,20 +137,21 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
         again, _ = _step(model, inputs, None)
         row["plain_deterministic"] = bool(torch.equal(ref, again))
         row["cos_plain"] = _cos(again, ref)
-        exact, _ = _step(model, inputs, daftrain.compress(bits=None, model=model))
+        exact, exact_stats = _step(model, inputs, daftrain.compress(bits=None, model=model))
         row["exact_identical"] = bool(torch.equal(exact, ref))
+        plain_bytes = row["raw_bytes_plain"] = exact_stats.raw_bytes
         for rules in (False, True):
             tag = "rules" if rules else "norules"
             for name, kwargs in (("8", {"bits": 8}), ("4", {"bits": 4}), ("2", {"bits": 2}), ("default", {})):
                 grad, stats = _step(model, inputs, _ctx(model, rules, **kwargs, **settings))
                 row[f"cos{name}_{tag}"] = _cos(grad, ref)
-                row[f"ratio{name}_{tag}"] = stats.ratio
+                row[f"ratio{name}_{tag}"] = ratio_to_plain(plain_bytes, stats)
                 if rules and name == "default":
                     row.update(quantized=stats.compressed, bool_packed=stats.bool_packed, kept=stats.kept,
                                kept_reasons=dict(stats.kept_reasons), raw_bytes=stats.raw_bytes)
         grad, ctx = share_gradient(model, inputs, share, **settings)
         report = ctx.report()
-        row.update(cosshare=_cos(grad, ref), ratioshare=ctx.stats.ratio,
+        row.update(cosshare=_cos(grad, ref), ratioshare=ratio_to_plain(plain_bytes, ctx.stats),
                    share_estimated=report.error_share if report is not None else None,
                    share_measured=float((grad - ref).pow(2).sum() / ref.pow(2).sum()))
         worst, errors = "", {}

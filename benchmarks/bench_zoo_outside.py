@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zoo import TARGETS, _cos
-from common import recorded, write_json
+from common import ratio_to_plain, recorded, write_json
 
 import daftrain
 from daftrain.demo.models import transformers_zoo as tz
@@ -86,12 +86,14 @@ def run_model(model_type: str, max_params: int) -> dict[str, Any]:
     with recorded(row):
         ref = zoo_gradient(model, inputs)
         row["cos_plain"] = _cos(zoo_gradient(model, inputs), ref)
-        exact = zoo_gradient(model, inputs, daftrain.compress(bits=None, model=model))
+        exact_ctx = daftrain.compress(bits=None, model=model)
+        exact = zoo_gradient(model, inputs, exact_ctx)
         row["exact_identical"] = bool(torch.equal(exact, ref))
+        plain_bytes = exact_ctx.stats.raw_bytes  # what plain PyTorch saves
         for bits in (8, 4, 2):
             ctx = daftrain.compress(bits=bits, model=model)
             grad = zoo_gradient(model, inputs, ctx)
-            row[f"cos{bits}"], row[f"ratio{bits}"] = _cos(grad, ref), ctx.stats.ratio
+            row[f"cos{bits}"], row[f"ratio{bits}"] = _cos(grad, ref), ratio_to_plain(plain_bytes, ctx.stats)
             row[f"finite{bits}"] = bool(torch.isfinite(grad).all())
     return row
 

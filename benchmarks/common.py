@@ -94,3 +94,11 @@ def measured(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str
     which raised."""
     ok = [r for r in rows if r["status"] == "ok"]
     return ok, {"models": len(rows), "errors": [r["model"] for r in rows if r["status"] != "ok"]}
+
+
+def ratio_to_plain(plain_bytes: int, stats: Any) -> float:
+    """Plain PyTorch's saved bytes (``plain_bytes``: ``raw_bytes`` of an exact-mode run, which saves what plain
+    saves) over what a context stored. ``stats.ratio`` divides the bytes of what was saved *under* the context,
+    which op-level savings (attention that saves only its inputs, the loss over a head) make fewer."""
+    return plain_bytes / stats.stored_bytes if stats.stored_bytes else 1.0
+
