@@ -4,12 +4,18 @@ its stored inputs ]``)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend
 
-__all__ = ["attention_recomputed", "recomputes"]
+__all__ = ["CHUNK_BYTES", "attention_recomputed", "recomputes"]
+
+CHUNK_BYTES = 4 << 20
+"""On the CPU's math path, backward recomputes as many samples at a time as hold this many bytes of probabilities
+(at least one): its transients are a few tensors of that size, not of the whole call's probabilities."""
 
 
 # NOTE [ Attention recomputed from its stored inputs ]
@@ -22,16 +28,24 @@ __all__ = ["attention_recomputed", "recomputes"]
 # the identities fail and what they leave over is a bias of ``dq`` and ``dk`` that does not average out,
 # large where probabilities are peaked (``NOTE [ Op rules ]``, 2.). Under the ``attention_qk`` rule the call
 # runs as a function that saves only q, k, v and its mask (``NOTE [ Attention logits that need more than 8
-# bits ]`` in ``attention_precision.py`` says how precisely) and, in backward, runs the same
-# call again on the restored q, k and v (under the forward's random state: the same dropout mask) and
-# backpropagates through it: the exact gradient of attention at the rounded inputs, every identity intact.
+# bits ]`` in ``attention_precision.py`` says how precisely) and, in backward, runs the same call again on
+# the restored q, k and v (under the forward's random state: the same dropout mask) and backpropagates
+# through it: the exact gradient of attention at the rounded inputs, every identity intact.
 # It stores neither the output nor the logsumexp, nor the probabilities and the dropout mask: fewer bytes
 # and a smaller gradient error, for one more forward of the attention per call in backward. Both runs go
 # through the same path (grad enabled, the same inputs requiring grad, so the same kernel and dropout), with
 # saved-tensor hooks that keep what the inner call saves as it is (detached: a saved output that held its own
 # ``grad_fn`` would be a reference cycle through C++ that no collector frees), for as long as that one call's
 # gradient is being taken. Under ``create_graph`` the second run uses the restored tensors themselves, so
-# the gradient is differentiable in them.
+# the gradient is differentiable in them. On the CPU's math path (dropout, or a mask that requires grad) the
+# recomputation materialises the probabilities, their dropout mask and their gradients, several tensors of
+# ``n**2`` values per head that plain PyTorch's backward holds fewer of: there backward recomputes a chunk of
+# samples at a time (``CHUNK_BYTES``), with the forward's dropout mask drawn again whole, as the math path
+# draws it (``bernoulli_`` over the probabilities' shape, under the forward's random state: the same values),
+# kept as one byte a value and applied a chunk at a time, through the math path's own ops (q and k each
+# scaled by ``sqrt(scale)``, ``_safe_softmax``, the mask divided by ``1 - p``): the gradient of the same
+# function, chunk by chunk. Its forward runs without a graph (each of its transients freed as the next op
+# consumes it), which draws the same dropout mask.
 def recomputes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an SDPA call with these arguments runs as ``attention_recomputed``: it builds a graph and its
     inputs are plain dense tensors."""
@@ -95,15 +109,21 @@ class _Recomputed(torch.autograd.Function):
         ctx.random = _RandomState(q.device) if options[0] > 0 else None
         ctx.needs = tuple(t is not None and t.requires_grad for t in (q, k, v, mask))
         ctx.save_for_backward(q, k, v, mask)
+        ctx.chunked = _chunked(q, k, v, mask, options)
+        if ctx.chunked:  # the math path, whose backward replays its dropout: no graph to hold
+            with torch.no_grad():
+                return _attention(q, k, v, mask, options)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(needs) if t is not None else None
                       for t, needs in zip((q, k, v, mask), ctx.needs, strict=True)]
-            return _attention(*leaves, options).detach()
+            return _attention(*leaves, ctx.options).detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()
+        if not create_graph and ctx.chunked:
+            return (*_chunked_grads(saved, ctx.needs, ctx.options, ctx.random, grad), None)
         with torch.enable_grad():
             inputs = [t if t is None or (create_graph and t.requires_grad) else t.detach().requires_grad_(needs)
                       for t, needs in zip(saved, ctx.needs, strict=True)]
@@ -112,3 +132,90 @@ class _Recomputed(torch.autograd.Function):
         wrt = [t for t, needs in zip(inputs, ctx.needs, strict=True) if needs]
         grads = iter(torch.autograd.grad(out, wrt, grad, create_graph=create_graph))
         return (*(next(grads) if needs else None for needs in ctx.needs), None)
+
+
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             options: tuple[float, bool, float | None, bool]) -> bool:
+    """Whether backward recomputes the call a chunk of samples at a time: the CPU's math path over 4-d q, k and v
+    of one batch size, with more than one chunk's probabilities."""
+    dropout_p, is_causal, scale, enable_gqa = options
+    if q.device.type != "cpu" or not q.dim() == k.dim() == v.dim() == 4 or (scale is not None and scale < 0):
+        return False
+    if not q.shape[0] == k.shape[0] == v.shape[0] or (mask is not None and mask.dim() > 4):
+        return False
+    if torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale,
+                               enable_gqa=enable_gqa) != SDPBackend.MATH.value:
+        return False
+    return q.shape[0] > _samples_per_chunk(q, k)
+
+
+def _samples_per_chunk(q: torch.Tensor, k: torch.Tensor) -> int:
+    per_sample = q.shape[1] * q.shape[2] * k.shape[2] * 4  # probabilities, float32
+    return max(1, CHUNK_BYTES // max(1, per_sample))
+
+
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, keep: torch.Tensor | None,
+          options: tuple[float, bool, float | None, bool]) -> torch.Tensor:
+    """SDPA's math path, op for op, with its dropout ``keep`` mask given (bool, applied divided by ``1 - p``)."""
+    dropout_p, is_causal, scale, enable_gqa = options
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # the math path computes in float32 on the CPU
+        q, k, v = q.float(), k.float(), v.float()
+    if enable_gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    attn = torch.matmul(q * root, k.transpose(-2, -1) * root)
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        attn = attn + (torch.where(mask.logical_not(), -math.inf, 0.0).to(attn.dtype) if mask.dtype == torch.bool
+                       else mask)
+    attn = torch._safe_softmax(attn, -1)
+    if keep is not None:
+        attn = attn * keep.to(attn.dtype).div_(1 - dropout_p)
+    return torch.matmul(attn, v).to(dtype)
+
+
+def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
+                   options: tuple[float, bool, float | None, bool], random: _RandomState | None,
+                   grad: torch.Tensor) -> list[torch.Tensor | None]:
+    """The gradients of q, k, v and the mask, the call recomputed a chunk of samples at a time (``NOTE [ Attention
+    recomputed from its stored inputs ]``)."""
+    q, k, v, mask = saved
+    assert q is not None and k is not None and v is not None
+    keep = None
+    if random is not None:  # the forward's dropout mask, drawn again whole as the math path drew it
+        heads = max(q.shape[1], k.shape[1])
+        with random.restored():
+            noise = torch.empty(q.shape[0], heads, q.shape[2], k.shape[2], dtype=torch.float32, device=q.device)
+            keep = noise.bernoulli_(1 - options[0]).bool()
+        del noise
+    results: list[torch.Tensor | None] = [torch.zeros_like(t) if t is not None and needs else None
+                                          for t, needs in zip(saved, needs, strict=True)]
+    per_sample_mask = mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0] > 1
+    step = _samples_per_chunk(q, k)
+    for start in range(0, q.shape[0], step):
+        rows = slice(start, start + step)
+        parts = [q[rows], k[rows], v[rows], mask[rows] if per_sample_mask and mask is not None else mask]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_detached, _as_stored):
+            leaves = [t.detach().requires_grad_(n) if t is not None else None
+                      for t, n in zip(parts, needs, strict=True)]
+            if keep is None:
+                out = torch.ops.aten.scaled_dot_product_attention(
+                    *leaves, 0.0, options[1], scale=options[2], enable_gqa=options[3])
+            else:
+                out = _math(*leaves, keep[rows], options)
+        wrt = [t for t, n in zip(leaves, needs, strict=True) if n and t is not None]
+        grads = iter(torch.autograd.grad(out, wrt, grad[rows]))
+        for i, n in enumerate(needs):
+            if not n:
+                continue
+            g = next(grads)
+            target = results[i]
+            assert target is not None
+            if i < 3 or per_sample_mask:
+                target[rows] = g
+            else:  # a mask broadcast over the samples: its gradient sums over them
+                target += g
+    return results
