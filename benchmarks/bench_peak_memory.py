@@ -20,7 +20,9 @@ columns where that pays; result files before that default name the opt-in ``+col
 ``compress(fitted_grids=False)``: evenly spaced levels everywhere (``NOTE [ Fitted grids ]``); ``bits2+logits`` is
 ``compress(bits=2, linear_cross_entropy=False)``: a language model's loss saves its logits instead of running
 over its head (``NOTE [ Cross-entropy over a wide linear layer ]``). Models: ``resnet18`` (CIFAR-style, batch 128),
-``gpt2`` (GPT-2 small, 8 x 256 tokens), ``minilm_lora`` (MiniLM + LoRA, 32 x 128), ``llama_lora`` (a Llama-style
+``gpt2`` (GPT-2 small, 8 x 256 tokens), ``minilm_lora`` (MiniLM + LoRA, 32 x 128; eager attention, as the
+project's builders default to; ``minilm_lora_sdpa`` with ``F.scaled_dot_product_attention``, Hugging Face's
+default), ``llama_lora`` (a Llama-style
 decoder, 4 layers of 512, a 32000-token vocabulary, 4 x 512 tokens, LoRA on q and v, its head frozen).
 ``compile`` runs the model under ``torch.compile`` (inductor), ``compile+bits2`` / ``+bits4`` under
 ``compress`` too (the packing inlined into the compiled graphs): their first step compiles, so next to
@@ -136,11 +138,12 @@ def build(model_name: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
 
         def loss_fn(m, b):  # type: ignore[no-untyped-def]
             return m(input_ids=b[0], labels=b[0]).loss
-    elif model_name == "minilm_lora":
+    elif model_name in ("minilm_lora", "minilm_lora_sdpa"):
         from daftrain.demo.models.transformers_zoo import bert_classifier, with_lora
 
-        model = with_lora(bert_classifier(num_labels=3, num_hidden_layers=6, hidden_size=384,
-                                          num_attention_heads=12, intermediate_size=1536), r=8)
+        attention = "sdpa" if model_name.endswith("_sdpa") else "eager"
+        model = with_lora(bert_classifier(num_labels=3, num_hidden_layers=6, hidden_size=384, num_attention_heads=12,
+                                          intermediate_size=1536, attn_implementation=attention), r=8)
         ids = torch.randint(0, 30522, (32, 128))
         batch = (ids, torch.randint(0, 3, (32,)))
 
