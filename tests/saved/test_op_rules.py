@@ -331,9 +331,10 @@ def test_sdpa_with_a_learned_bias_stores_its_inputs_only() -> None:
     ctx, plain = _ctx(4), _ctx(4, rules=False)
     with_rule, without = _grads(fn, inputs, ctx), _grads(fn, inputs, plain)
     assert ctx.stats.compressed == 4 and ctx.stats.kept == 0
-    n, t = inputs[0].numel(), inputs[0].shape[-2]  # values of q; P has t / d = 4 times as many, the bias (shared
-    assert plain.stats.compressed == 4  # by the batch of 2) twice; plain: the copies of q and k, P, v at 4 bits
-    # bits per value of q's size (the groups' lo and scale add under 3 %)
+    assert plain.stats.compressed == 4  # without the rules: the copies of q and k, P and v, all at 4 bits
+    # In bits per value of q's size (the groups' lo and scale add under 3 %): P holds t / d = 4 times as many
+    # values as q, the bias (shared by the batch of 2) twice as many.
+    n, t = inputs[0].numel(), inputs[0].shape[-2]
     assert plain.stats.packed_bytes == pytest.approx(n * (4 + 4 + 4 * t // 16 + 4) / 8, rel=0.05)
     assert ctx.stats.packed_bytes == pytest.approx(n * (8 + 8 + 4 + 2 * 8) / 8, rel=0.05)
     # dv = P^T dO reads no rounded v, only P, recomputed from 8-bit q and k (~0.02x before); dq and dk ~0.4x;
