@@ -75,10 +75,21 @@ def _as_stored(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _saves_as_stored() -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks under which an inner call's saves stay as they are, detached (``NOTE [ Attention recomputed from its
+    stored inputs ]``)."""
+    return torch.autograd.graph.saved_tensors_hooks(_detached, _as_stored)
+
+
+def _leaf(t: torch.Tensor | None, needs: bool) -> torch.Tensor | None:
+    """``t`` as a new leaf that requires grad where the call's gradient ``needs`` it."""
+    return t.detach().requires_grad_(needs) if t is not None else None
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                options: tuple[float, bool, float | None, bool]) -> torch.Tensor:
     dropout_p, is_causal, scale, enable_gqa = options
-    with torch.autograd.graph.saved_tensors_hooks(_detached, _as_stored):
+    with _saves_as_stored():
         return torch.ops.aten.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale=scale,
                                                            enable_gqa=enable_gqa)
 
@@ -114,8 +125,7 @@ class _Recomputed(torch.autograd.Function):
             with torch.no_grad():
                 return _attention(q, k, v, mask, options)
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(needs) if t is not None else None
-                      for t, needs in zip((q, k, v, mask), ctx.needs, strict=True)]
+            leaves = [_leaf(t, needs) for t, needs in zip((q, k, v, mask), ctx.needs, strict=True)]
             return _attention(*leaves, ctx.options).detach()
 
     @staticmethod
@@ -125,7 +135,7 @@ class _Recomputed(torch.autograd.Function):
         if not create_graph and ctx.chunked:
             return (*_chunked_grads(saved, ctx.needs, ctx.options, ctx.random, grad), None)
         with torch.enable_grad():
-            inputs = [t if t is None or (create_graph and t.requires_grad) else t.detach().requires_grad_(needs)
+            inputs = [t if create_graph and t is not None and t.requires_grad else _leaf(t, needs)
                       for t, needs in zip(saved, ctx.needs, strict=True)]
             with ctx.random.restored() if ctx.random is not None else contextlib.nullcontext():
                 out = _attention(*inputs, ctx.options)
@@ -159,22 +169,23 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     """SDPA's math path, op for op, with its dropout ``keep`` mask given (bool, applied divided by ``1 - p``)."""
     dropout_p, is_causal, scale, enable_gqa = options
     dtype = q.dtype
-    if dtype in (torch.float16, torch.bfloat16):  # the math path computes in float32 on the CPU
-        q, k, v = q.float(), k.float(), v.float()
-    if enable_gqa:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
-        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
-    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    attn = torch.matmul(q * root, k.transpose(-2, -1) * root)
-    if is_causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        attn = attn + (torch.where(mask.logical_not(), -math.inf, 0.0).to(attn.dtype) if mask.dtype == torch.bool
-                       else mask)
-    attn = torch._safe_softmax(attn, -1)
-    if keep is not None:
-        attn = attn * keep.to(attn.dtype).div_(1 - dropout_p)
-    return torch.matmul(attn, v).to(dtype)
+    with _saves_as_stored():
+        if dtype in (torch.float16, torch.bfloat16):  # the math path computes in float32 on the CPU
+            q, k, v = q.float(), k.float(), v.float()
+        if enable_gqa:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+        root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        attn = torch.matmul(q * root, k.transpose(-2, -1) * root)
+        if is_causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            attn = attn + (torch.where(mask.logical_not(), -math.inf, 0.0).to(attn.dtype)
+                           if mask.dtype == torch.bool else mask)
+        attn = torch._safe_softmax(attn, -1)
+        if keep is not None:
+            attn = attn * keep.to(attn.dtype).div_(1 - dropout_p)
+        return torch.matmul(attn, v).to(dtype)
 
 
 def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
@@ -191,21 +202,18 @@ def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ..
             noise = torch.empty(q.shape[0], heads, q.shape[2], k.shape[2], dtype=torch.float32, device=q.device)
             keep = noise.bernoulli_(1 - options[0]).bool()
         del noise
-    results: list[torch.Tensor | None] = [torch.zeros_like(t) if t is not None and needs else None
-                                          for t, needs in zip(saved, needs, strict=True)]
     per_sample_mask = mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0] > 1
+    # each chunk writes its rows of q's, k's, v's (and a per-sample mask's) gradient; a shared mask's adds up
+    results: list[torch.Tensor | None] = [
+        None if t is None or not n else torch.empty_like(t) if i < 3 or per_sample_mask else torch.zeros_like(t)
+        for i, (t, n) in enumerate(zip(saved, needs, strict=True))]
     step = _samples_per_chunk(q, k)
     for start in range(0, q.shape[0], step):
         rows = slice(start, start + step)
         parts = [q[rows], k[rows], v[rows], mask[rows] if per_sample_mask and mask is not None else mask]
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_detached, _as_stored):
-            leaves = [t.detach().requires_grad_(n) if t is not None else None
-                      for t, n in zip(parts, needs, strict=True)]
-            if keep is None:
-                out = torch.ops.aten.scaled_dot_product_attention(
-                    *leaves, 0.0, options[1], scale=options[2], enable_gqa=options[3])
-            else:
-                out = _math(*leaves, keep[rows], options)
+        with torch.enable_grad():
+            leaves = [_leaf(t, n) for t, n in zip(parts, needs, strict=True)]
+            out = _attention(*leaves, options) if keep is None else _math(*leaves, keep[rows], options)
         wrt = [t for t, n in zip(leaves, needs, strict=True) if n and t is not None]
         grads = iter(torch.autograd.grad(out, wrt, grad[rows]))
         for i, n in enumerate(needs):
