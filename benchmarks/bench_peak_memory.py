@@ -476,6 +476,10 @@ def main() -> None:
     for model in args.models.split(","):
         def med(config: str, key: str, m: str = model) -> float:
             return statistics.median(r[key] for r in rows if r["model"] == m and r["config"] == config)
+
+        if not any(r["model"] == model and r["config"] == "plain" for r in rows):
+            print(f"{model:>12} no ratios: plain PyTorch was not among the configurations run")
+            continue
         plain_peak, plain_time = med("plain", "peak_mb"), med("plain", "step_s")
         plain_cpu = med("plain", "step_cpu_s")
         plain_steady = med("plain", "steady_peak_mb")

@@ -159,6 +159,55 @@ def test_dropout_mask_is_the_forwards(chunk_bytes: int, monkeypatch: pytest.Monk
     assert F.cosine_similarity(got, ref, dim=0) > 0.999
 
 
+def test_math_path_saves_its_dropout_mask_and_tells_its_transients(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Attention recomputed from its stored inputs ]: the forward draws the dropout mask and saves it, so
+    # backward draws nothing (the random stream is untouched by it); the transients of each chunk, in forward
+    # and in backward, are told to ``traffic`` (the context's heap trimmer), the fused path's are not.
+    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", 1)  # one sample a chunk: B chunks
+    told: list[int] = []
+    q, k, v = _qkv()
+    out = attention_recomputed(q, k, v, dropout_p=0.3, traffic=told.append)
+    assert out.grad_fn is not None
+    saved = out.grad_fn.saved_tensors
+    assert len(saved) == 5 and saved[4].dtype == torch.bool and saved[4].shape == (B, H, T, T)
+    per_sample = 6 * H * T * T * 4  # the math path's six probability-sized transients, float32
+    assert told == [per_sample] * B  # forward, a sample at a time
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    out.sum().backward()
+    assert torch.equal(torch.rand(4), expected)
+    assert told == [per_sample] * (2 * B)
+    told.clear()
+    q, k, v = _qkv()
+    attention_recomputed(q, k, v, traffic=told.append).sum().backward()  # the fused kernel
+    assert told == []
+
+
+def test_compress_stores_the_dropout_mask_at_one_bit_and_trims_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from daftrain.allocator import HeapTrimmer
+
+    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", 1)
+    noted: list[int] = []
+    note = HeapTrimmer.note
+
+    def counted(self: HeapTrimmer, nbytes: int) -> None:
+        noted.append(nbytes)
+        note(self, nbytes)
+
+    monkeypatch.setattr(HeapTrimmer, "note", counted)
+    ctx = daftrain.compress(bits=4, min_numel=0)
+    assert ctx._trimmer is not None  # CPU, the allocator tuned (the default)
+    q, k, v = _qkv()
+    with ctx:
+        out = F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, dropout_p=0.3)
+    assert ctx.stats.bool_packed == 1
+    per_sample = 6 * H * T * T * 4
+    assert noted.count(per_sample) == B
+    out.sum().backward()
+    assert noted.count(per_sample) == 2 * B
+
+
 def test_the_inner_call_leaves_no_reference_cycle() -> None:
     # A saved output kept as the tensor itself would hold its own grad_fn: a cycle through C++ that no collector
     # frees, and every forward's attention output would stay resident (NOTE [ Attention recomputed from its

@@ -211,7 +211,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._hooks: CompiledHooks = hooks_for(self.config, traceable=self._untraceable is None)
         # NOTE [ Tracing the saving op ] in op_rules.py: only while quantizing (never in exact mode).
         self._op_tracer = (OpTracer(linear_cross_entropy=self.config.linear_cross_entropy,
-                                    group_size=self.config.group_size)
+                                    group_size=self.config.group_size,
+                                    traffic=self._trimmer.note if self._trimmer is not None else None)
                            if self.config.bits is not None else _NO_TRACER)
         # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
 

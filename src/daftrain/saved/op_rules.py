@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -556,7 +556,7 @@ class OpTracer:
 
     def __init__(self, rules: tuple[OpRule, ...] = RULES, linear_cross_entropy: bool = True, exact: bool = False,
                  linears: tuple[Any, ...] = (F.linear,), weight_grads_in_place: bool = False,
-                 group_size: int = 256) -> None:
+                 group_size: int = 256, traffic: Callable[[int], None] | None = None) -> None:
         self.rules = rules
         self.linear_cross_entropy = linear_cross_entropy
         self.exact = exact
@@ -568,6 +568,9 @@ class OpTracer:
         self.local = threading.local()
         self._by_function = {f: r for r in rules for f in r.functions}
         self._attention = AttentionPrecision(ATTENTION_MIN_BITS, group_size)
+        self._recomputed = functools.partial(attention_recomputed, traffic=traffic)
+        """Attention run as a function that saves only its inputs, telling ``traffic`` the bytes its transients
+        free (``NOTE [ Attention recomputed from its stored inputs ]``)."""
         self._step = 0
 
     def start(self, step: int = 0) -> None:
@@ -612,14 +615,14 @@ class OpTracer:
             return match
         mask = _arg(args, kwargs, 3, "attn_mask")
         if mask is None:
-            return replace(match, call=attention_recomputed)
+            return replace(match, call=self._recomputed)
         learned = mask.is_floating_point() and mask.requires_grad and not match.keep_all
         storage = self._attention.mask_storage(self._step, index, mask) if learned else MaskStorage.EXACT
         if storage is MaskStorage.ROUNDED:
-            return replace(match, call=attention_recomputed)
+            return replace(match, call=self._recomputed)
         if storage is MaskStorage.AT_MIN_BITS:
-            return replace(match, call=attention_recomputed, targets=(q, k, mask))
-        return replace(match, call=attention_recomputed, keep=(mask,))
+            return replace(match, call=self._recomputed, targets=(q, k, mask))
+        return replace(match, call=self._recomputed, keep=(mask,))
 
     def over_linear(self, match: OpMatch) -> OpMatch | None:
         """A ``cross_entropy`` match run over the linear call that made its logits, where one did (else the

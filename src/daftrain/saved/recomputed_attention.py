@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,12 +40,15 @@ CHUNK_BYTES = 4 << 20
 # the gradient is differentiable in them. On the CPU's math path (dropout, or a mask that requires grad) the
 # recomputation materialises the probabilities, their dropout mask and their gradients, several tensors of
 # ``n**2`` values per head that plain PyTorch's backward holds fewer of: there backward recomputes a chunk of
-# samples at a time (``CHUNK_BYTES``), with the forward's dropout mask drawn again whole, as the math path
-# draws it (``bernoulli_`` over the probabilities' shape, under the forward's random state: the same values),
-# kept as one byte a value and applied a chunk at a time, through the math path's own ops (q and k each
-# scaled by ``sqrt(scale)``, ``_safe_softmax``, the mask divided by ``1 - p``): the gradient of the same
-# function, chunk by chunk. Its forward runs without a graph (each of its transients freed as the next op
-# consumes it), which draws the same dropout mask.
+# samples at a time (``CHUNK_BYTES``) through the math path's own ops (q and k each scaled by ``sqrt(scale)``,
+# ``_safe_softmax``, the dropout mask divided by ``1 - p``): the gradient of the same function, chunk by
+# chunk. Its forward runs those ops without a graph, a chunk at a time too, and draws the dropout mask itself
+# (whole, before the first chunk), as the math path draws it (``bernoulli_`` over the probabilities' shape and
+# dtype: the same values, the random stream left where plain leaves it), and saves it as a bool tensor, which
+# ``compress`` stores at one bit a value: drawing it again in backward cost as much time as the recomputation
+# of the probabilities. What the math path makes and frees, in forward and in each chunk, is told to the
+# context's heap trimmer as packed and restored tensors are (``traffic``): those blocks are below glibc's mmap
+# threshold, and freed they would stay in its heap (``NOTE [ Freed memory goes back to the OS ]``).
 def recomputes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an SDPA call with these arguments runs as ``attention_recomputed``: it builds a graph and its
     inputs are plain dense tensors."""
@@ -62,9 +65,12 @@ def recomputes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def attention_recomputed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                         scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (the same signature and output) that saves only its inputs."""
-    return _Recomputed.apply(query, key, value, attn_mask, (dropout_p, is_causal, scale, enable_gqa))
+                         scale: float | None = None, enable_gqa: bool = False, *,
+                         traffic: Callable[[int], None] | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (the same signature and output) that saves only its inputs;
+    ``traffic`` is told the bytes of the transients the CPU's math path makes and frees (``NOTE [ Freed memory
+    goes back to the OS ]`` in ``allocator.py``)."""
+    return _Recomputed.apply(query, key, value, attn_mask, (dropout_p, is_causal, scale, enable_gqa), traffic)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -115,15 +121,18 @@ class _RandomState:
 class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                mask: torch.Tensor | None, options: tuple[float, bool, float | None, bool]) -> torch.Tensor:
-        ctx.options = options
+                mask: torch.Tensor | None, options: tuple[float, bool, float | None, bool],
+                traffic: Callable[[int], None] | None) -> torch.Tensor:
+        ctx.options, ctx.traffic = options, traffic
         ctx.random = _RandomState(q.device) if options[0] > 0 else None
         ctx.needs = tuple(t is not None and t.requires_grad for t in (q, k, v, mask))
-        ctx.save_for_backward(q, k, v, mask)
         ctx.chunked = _chunked(q, k, v, mask, options)
-        if ctx.chunked:  # the math path, whose backward replays its dropout: no graph to hold
+        if ctx.chunked:  # the math path, recomputed a chunk at a time in backward: no graph to hold
+            keep = _dropout_keep(q, k, options) if options[0] > 0 else None
+            ctx.save_for_backward(q, k, v, mask, keep)
             with torch.no_grad():
-                return _attention(q, k, v, mask, options)
+                return _chunked_forward(q, k, v, mask, keep, options, traffic)
+        ctx.save_for_backward(q, k, v, mask)
         with torch.enable_grad():
             leaves = [_leaf(t, needs) for t, needs in zip((q, k, v, mask), ctx.needs, strict=True)]
             return _attention(*leaves, ctx.options).detach()
@@ -133,7 +142,8 @@ class _Recomputed(torch.autograd.Function):
         saved = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()
         if not create_graph and ctx.chunked:
-            return (*_chunked_grads(saved, ctx.needs, ctx.options, ctx.random, grad), None)
+            return (*_chunked_grads(saved, ctx.needs, ctx.options, grad, ctx.traffic), None, None)
+        saved = saved[:4]
         with torch.enable_grad():
             inputs = [t if create_graph and t is not None and t.requires_grad else _leaf(t, needs)
                       for t, needs in zip(saved, ctx.needs, strict=True)]
@@ -141,7 +151,7 @@ class _Recomputed(torch.autograd.Function):
                 out = _attention(*inputs, ctx.options)
         wrt = [t for t, needs in zip(inputs, ctx.needs, strict=True) if needs]
         grads = iter(torch.autograd.grad(out, wrt, grad, create_graph=create_graph))
-        return (*(next(grads) if needs else None for needs in ctx.needs), None)
+        return (*(next(grads) if needs else None for needs in ctx.needs), None, None)
 
 
 def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -159,9 +169,17 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return q.shape[0] > _samples_per_chunk(q, k)
 
 
+_TRANSIENTS = 6
+"""Tensors of the probabilities' size a run of the math path makes and frees: the logits, the probabilities, the
+dropout mask and the product (and their gradients in backward)."""
+
+
+def _probabilities_bytes(q: torch.Tensor, k: torch.Tensor, samples: int) -> int:
+    return samples * max(q.shape[1], k.shape[1]) * q.shape[2] * k.shape[2] * 4  # float32 on the CPU
+
+
 def _samples_per_chunk(q: torch.Tensor, k: torch.Tensor) -> int:
-    per_sample = q.shape[1] * q.shape[2] * k.shape[2] * 4  # probabilities, float32
-    return max(1, CHUNK_BYTES // max(1, per_sample))
+    return max(1, CHUNK_BYTES // max(1, _probabilities_bytes(q, k, 1)))
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, keep: torch.Tensor | None,
@@ -188,34 +206,67 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         return torch.matmul(attn, v).to(dtype)
 
 
+def _dropout_keep(q: torch.Tensor, k: torch.Tensor, options: tuple[float, bool, float | None, bool]) -> torch.Tensor:
+    """The math path's dropout mask for a call on ``q`` and ``k``, drawn as that path draws it (``bernoulli_``
+    over the probabilities' shape and dtype), as bool."""
+    heads = max(q.shape[1], k.shape[1])
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # half types: computed in float32
+    noise = torch.empty(q.shape[0], heads, q.shape[2], k.shape[2], dtype=dtype, device=q.device)
+    return noise.bernoulli_(1 - options[0]).bool()
+
+
+def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor | None) -> Iterator[tuple[slice, list[torch.Tensor | None]]]:
+    """Slices of the samples holding ``CHUNK_BYTES`` of probabilities each (at least one sample), with q, k, v and
+    the mask sliced to them (a mask shared by the samples whole)."""
+    step = _samples_per_chunk(q, k)
+    for start in range(0, q.shape[0], step):
+        rows = slice(start, start + step)
+        yield rows, [q[rows], k[rows], v[rows], mask[rows] if _per_sample(q, mask) and mask is not None else mask]
+
+
+def _per_sample(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    return mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0] > 1
+
+
+def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     keep: torch.Tensor | None, options: tuple[float, bool, float | None, bool],
+                     traffic: Callable[[int], None] | None) -> torch.Tensor:
+    """The call's output, a chunk of samples at a time (``NOTE [ Attention recomputed from its stored inputs ]``)."""
+    out: torch.Tensor | None = None
+    for rows, (qc, kc, vc, mc) in _chunks(q, k, v, mask):
+        assert qc is not None and kc is not None and vc is not None
+        part = _attention(qc, kc, vc, mc, options) if keep is None else _math(qc, kc, vc, mc, keep[rows], options)
+        if out is None:
+            out = part.new_empty((q.shape[0], *part.shape[1:]))
+        out[rows] = part
+        if traffic is not None:
+            traffic(_TRANSIENTS * _probabilities_bytes(q, k, part.shape[0]))
+    assert out is not None
+    return out
+
+
 def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
-                   options: tuple[float, bool, float | None, bool], random: _RandomState | None,
-                   grad: torch.Tensor) -> list[torch.Tensor | None]:
-    """The gradients of q, k, v and the mask, the call recomputed a chunk of samples at a time (``NOTE [ Attention
-    recomputed from its stored inputs ]``)."""
-    q, k, v, mask = saved
+                   options: tuple[float, bool, float | None, bool], grad: torch.Tensor,
+                   traffic: Callable[[int], None] | None) -> list[torch.Tensor | None]:
+    """The gradients of q, k, v and the mask, the call recomputed a chunk of samples at a time with the dropout
+    mask its forward drew (``NOTE [ Attention recomputed from its stored inputs ]``)."""
+    q, k, v, mask, keep = saved
+    saved = saved[:4]
     assert q is not None and k is not None and v is not None
-    keep = None
-    if random is not None:  # the forward's dropout mask, drawn again whole as the math path drew it
-        heads = max(q.shape[1], k.shape[1])
-        with random.restored():
-            noise = torch.empty(q.shape[0], heads, q.shape[2], k.shape[2], dtype=torch.float32, device=q.device)
-            keep = noise.bernoulli_(1 - options[0]).bool()
-        del noise
-    per_sample_mask = mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0] > 1
+    per_sample_mask = _per_sample(q, mask)
     # each chunk writes its rows of q's, k's, v's (and a per-sample mask's) gradient; a shared mask's adds up
     results: list[torch.Tensor | None] = [
         None if t is None or not n else torch.empty_like(t) if i < 3 or per_sample_mask else torch.zeros_like(t)
         for i, (t, n) in enumerate(zip(saved, needs, strict=True))]
-    step = _samples_per_chunk(q, k)
-    for start in range(0, q.shape[0], step):
-        rows = slice(start, start + step)
-        parts = [q[rows], k[rows], v[rows], mask[rows] if per_sample_mask and mask is not None else mask]
+    for rows, parts in _chunks(q, k, v, mask):
         with torch.enable_grad():
             leaves = [_leaf(t, n) for t, n in zip(parts, needs, strict=True)]
             out = _attention(*leaves, options) if keep is None else _math(*leaves, keep[rows], options)
         wrt = [t for t, n in zip(leaves, needs, strict=True) if n and t is not None]
         grads = iter(torch.autograd.grad(out, wrt, grad[rows]))
+        if traffic is not None:
+            traffic(_TRANSIENTS * _probabilities_bytes(q, k, out.shape[0]))
         for i, n in enumerate(needs):
             if not n:
                 continue
