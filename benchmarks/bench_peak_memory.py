@@ -23,7 +23,9 @@ over its head (``NOTE [ Cross-entropy over a wide linear layer ]``). Models: ``r
 ``gpt2`` (GPT-2 small, 8 x 256 tokens), ``minilm_lora`` (MiniLM + LoRA, 32 x 128; eager attention, as the
 project's builders default to; ``minilm_lora_sdpa`` with ``F.scaled_dot_product_attention``, Hugging Face's
 default), ``llama_lora`` (a Llama-style
-decoder, 4 layers of 512, a 32000-token vocabulary, 4 x 512 tokens, LoRA on q and v, its head frozen).
+decoder, 4 layers of 512, a 32000-token vocabulary, 4 x 512 tokens, LoRA on q and v, its head frozen),
+``bert_long_sdpa`` (a BERT encoder, 4 layers of 384 with 12 heads, SDPA with dropout, 2 x 1024 tokens: long
+sequences in a small batch).
 ``compile`` runs the model under ``torch.compile`` (inductor), ``compile+bits2`` / ``+bits4`` under
 ``compress`` too (the packing inlined into the compiled graphs): their first step compiles, so next to
 the peak over every step each row has ``steady_peak_mb``, the peak over the steps after the first two
@@ -146,6 +148,17 @@ def build(model_name: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
                                           intermediate_size=1536, attn_implementation=attention), r=8)
         ids = torch.randint(0, 30522, (32, 128))
         batch = (ids, torch.randint(0, 3, (32,)))
+
+        def loss_fn(m, b):  # type: ignore[no-untyped-def]
+            return m(input_ids=b[0], labels=b[1]).loss
+    elif model_name == "bert_long_sdpa":  # long sequences in a small batch: SDPA's math path, a sample too big a chunk
+        import transformers
+
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(
+            hidden_size=384, num_hidden_layers=4, num_attention_heads=12, intermediate_size=1536,
+            max_position_embeddings=1024, attn_implementation="sdpa"))
+        ids = torch.randint(0, 30522, (2, 1024))
+        batch = (ids, torch.randint(0, 2, (2,)))
 
         def loss_fn(m, b):  # type: ignore[no-untyped-def]
             return m(input_ids=b[0], labels=b[1]).loss

@@ -36,15 +36,17 @@ CALLS = {
 }
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+@pytest.mark.parametrize("chunk_bytes", [None, H * T * T * 4, 1], ids=["whole", "samples", "heads"])
 @pytest.mark.parametrize("call", sorted(CALLS))
-def test_plain_sdpa_bit_for_bit_on_exact_inputs(call: str, chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_sdpa_bit_for_bit_on_exact_inputs(call: str, chunk_bytes: int | None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The same output and gradients as PyTorch's SDPA (the same kernel and dropout mask, run twice), and the
-    random stream left where plain leaves it; on the math path also recomputed one sample at a time (a learned
-    bias shared by the samples then sums its gradient chunk by chunk: equal to float rounding)."""
+    random stream left where plain leaves it; on the math path also run one sample or one head at a time (a
+    learned bias shared by the samples then sums its gradient chunk by chunk: equal to float rounding)."""
     chunks: list[int] = []
+    chunked = chunk_bytes is not None
     if chunked:
-        monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", chunk_bytes)
         counted = recomputed_attention._chunked_grads
 
         def counting(*args: object) -> object:
@@ -163,7 +165,7 @@ def test_math_path_saves_its_dropout_mask_and_tells_its_transients(monkeypatch: 
     # NOTE [ Attention recomputed from its stored inputs ]: the forward draws the dropout mask and saves it, so
     # backward draws nothing (the random stream is untouched by it); the transients of each chunk, in forward
     # and in backward, are told to ``traffic`` (the context's heap trimmer), the fused path's are not.
-    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", 1)  # one sample a chunk: B chunks
+    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", H * T * T * 4)  # one sample a chunk: B chunks
     told: list[int] = []
     q, k, v = _qkv()
     out = attention_recomputed(q, k, v, dropout_p=0.3, traffic=told.append)
@@ -187,7 +189,7 @@ def test_math_path_saves_its_dropout_mask_and_tells_its_transients(monkeypatch: 
 def test_compress_stores_the_dropout_mask_at_one_bit_and_trims_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from daftrain.allocator import HeapTrimmer
 
-    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", H * T * T * 4)
     noted: list[int] = []
     note = HeapTrimmer.note
 
@@ -206,6 +208,26 @@ def test_compress_stores_the_dropout_mask_at_one_bit_and_trims_with_it(monkeypat
     assert noted.count(per_sample) == B
     out.sum().backward()
     assert noted.count(per_sample) == 2 * B
+
+
+def test_one_sample_runs_a_group_of_heads_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A long sequence in a batch of one: chunks of heads, whole groups of the query heads that share a key head
+    # (here 4 query heads a key head: two chunks), each writing its own heads' gradients; plain SDPA bit for bit.
+    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", T * T * 4)  # one head's probabilities
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, T, D, generator=gen)
+    k, v = (torch.randn(1, 2, T, D, generator=gen) for _ in range(2))
+    chunks, shared = recomputed_attention._chunks(q, k, v, None)
+    assert [(c.heads, c.kv_heads) for c in chunks] == [(slice(0, 4), slice(0, 1)), (slice(4, 8), slice(1, 2))]
+    assert not shared
+    got = []
+    for fn in (F.scaled_dot_product_attention, attention_recomputed):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(5)
+        out = fn(*leaves, dropout_p=0.2, enable_gqa=True)
+        got.append((out, torch.autograd.grad((out * out).sum(), leaves)))
+    (out, grads), (out_r, grads_r) = got
+    assert torch.equal(out, out_r) and all(torch.equal(a, b) for a, b in zip(grads, grads_r, strict=True))
 
 
 def test_the_inner_call_leaves_no_reference_cycle() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -14,8 +14,9 @@ from torch.nn.attention import SDPBackend
 __all__ = ["CHUNK_BYTES", "attention_recomputed", "recomputes"]
 
 CHUNK_BYTES = 4 << 20
-"""On the CPU's math path, backward recomputes as many samples at a time as hold this many bytes of probabilities
-(at least one): its transients are a few tensors of that size, not of the whole call's probabilities."""
+"""On the CPU's math path, the call runs as many samples at a time as hold this many bytes of probabilities, or,
+where one sample holds more, as many of its heads (at least the query heads that share a key head): its transients
+are a few tensors of that size, not of the whole call's probabilities."""
 
 
 # NOTE [ Attention recomputed from its stored inputs ]
@@ -31,8 +32,8 @@ CHUNK_BYTES = 4 << 20
 # bits ]`` in ``attention_precision.py`` says how precisely) and, in backward, runs the same call again on
 # the restored q, k and v (under the forward's random state: the same dropout mask) and backpropagates
 # through it: the exact gradient of attention at the rounded inputs, every identity intact.
-# It stores neither the output nor the logsumexp, nor the probabilities and the dropout mask: fewer bytes
-# and a smaller gradient error, for one more forward of the attention per call in backward. Both runs go
+# It stores neither the output nor the logsumexp nor the probabilities (nor the dropout mask, but where the
+# math path runs in chunks, below, at one bit a value): fewer bytes and a smaller gradient error, for one more forward of the attention per call in backward. Both runs go
 # through the same path (grad enabled, the same inputs requiring grad, so the same kernel and dropout), with
 # saved-tensor hooks that keep what the inner call saves as it is (detached: a saved output that held its own
 # ``grad_fn`` would be a reference cycle through C++ that no collector frees), for as long as that one call's
@@ -40,7 +41,8 @@ CHUNK_BYTES = 4 << 20
 # the gradient is differentiable in them. On the CPU's math path (dropout, or a mask that requires grad) the
 # recomputation materialises the probabilities, their dropout mask and their gradients, several tensors of
 # ``n**2`` values per head that plain PyTorch's backward holds fewer of: there backward recomputes a chunk of
-# samples at a time (``CHUNK_BYTES``) through the math path's own ops (q and k each scaled by ``sqrt(scale)``,
+# samples at a time, or of one sample's heads where a sample holds more than a chunk (``CHUNK_BYTES``; a long
+# sequence in a small batch), through the math path's own ops (q and k each scaled by ``sqrt(scale)``,
 # ``_safe_softmax``, the dropout mask divided by ``1 - p``): the gradient of the same function, chunk by
 # chunk. Its forward runs those ops without a graph, a chunk at a time too, and draws the dropout mask itself
 # (whole, before the first chunk), as the math path draws it (``bernoulli_`` over the probabilities' shape and
@@ -156,8 +158,8 @@ class _Recomputed(torch.autograd.Function):
 
 def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
              options: tuple[float, bool, float | None, bool]) -> bool:
-    """Whether backward recomputes the call a chunk of samples at a time: the CPU's math path over 4-d q, k and v
-    of one batch size, with more than one chunk's probabilities."""
+    """Whether the call runs a chunk at a time: the CPU's math path over 4-d q, k and v of one batch size, with
+    more than one chunk's probabilities."""
     dropout_p, is_causal, scale, enable_gqa = options
     if q.device.type != "cpu" or not q.dim() == k.dim() == v.dim() == 4 or (scale is not None and scale < 0):
         return False
@@ -166,7 +168,7 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     if torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale,
                                enable_gqa=enable_gqa) != SDPBackend.MATH.value:
         return False
-    return q.shape[0] > _samples_per_chunk(q, k)
+    return len(_chunks(q, k, v, mask)[0]) > 1
 
 
 _TRANSIENTS = 6
@@ -174,12 +176,50 @@ _TRANSIENTS = 6
 dropout mask and the product (and their gradients in backward)."""
 
 
-def _probabilities_bytes(q: torch.Tensor, k: torch.Tensor, samples: int) -> int:
-    return samples * max(q.shape[1], k.shape[1]) * q.shape[2] * k.shape[2] * 4  # float32 on the CPU
+class _Chunk(NamedTuple):
+    """Part of a call: its samples, q's (and the output's) heads, k's and v's heads, and the mask's part (of the
+    mask viewed as 4-d)."""
+
+    rows: slice
+    heads: slice
+    kv_heads: slice
+    mask: tuple[slice, slice]
 
 
-def _samples_per_chunk(q: torch.Tensor, k: torch.Tensor) -> int:
-    return max(1, CHUNK_BYTES // max(1, _probabilities_bytes(q, k, 1)))
+def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor | None) -> tuple[list[_Chunk], bool]:
+    """The call's chunks, each ``CHUNK_BYTES`` of probabilities or less where it can be: whole samples where one
+    fits, else heads of one sample (whole groups of the query heads that share a key head), else one head; and
+    whether the mask's gradient adds up over them (the mask is shared along a dim the chunks split)."""
+    samples, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+    per_head = q.shape[2] * k.shape[2] * 4  # float32 on the CPU
+    fit = CHUNK_BYTES // max(1, per_head)  # heads that fit in a chunk
+    group = heads // kv_heads if kv_heads == v.shape[1] and heads % kv_heads == 0 else 0
+    if fit >= heads or group == 0:
+        step = max(1, fit // heads)
+        spans = [(slice(b, b + step), slice(0, heads)) for b in range(0, samples, step)]
+    else:
+        step = max(group, fit // group * group)
+        spans = [(slice(b, b + 1), slice(h, h + step)) for b in range(samples) for h in range(0, heads, step)]
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape) if mask is not None else (samples, heads)
+    chunks = [_Chunk(rows, hs, slice(hs.start // group, hs.stop // group) if hs.stop - hs.start < heads
+                     else slice(None), (rows if shape[0] == samples else slice(None),
+                                        hs if shape[1] == heads else slice(None)))
+              for rows, hs in spans]
+    shared = ((shape[0] != samples and len({c.rows.start for c in chunks}) > 1)
+              or (shape[1] != heads and len({c.heads.start for c in chunks}) > 1))
+    return chunks, shared
+
+
+def _as_4d(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return mask[(None,) * (4 - mask.dim())] if mask is not None else None
+
+
+def _parts(chunk: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """q, k, v and the (4-d) mask of ``chunk``."""
+    return [q[chunk.rows, chunk.heads], k[chunk.rows, chunk.kv_heads], v[chunk.rows, chunk.kv_heads],
+            mask[chunk.mask] if mask is not None else None]
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, keep: torch.Tensor | None,
@@ -215,33 +255,22 @@ def _dropout_keep(q: torch.Tensor, k: torch.Tensor, options: tuple[float, bool, 
     return noise.bernoulli_(1 - options[0]).bool()
 
 
-def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            mask: torch.Tensor | None) -> Iterator[tuple[slice, list[torch.Tensor | None]]]:
-    """Slices of the samples holding ``CHUNK_BYTES`` of probabilities each (at least one sample), with q, k, v and
-    the mask sliced to them (a mask shared by the samples whole)."""
-    step = _samples_per_chunk(q, k)
-    for start in range(0, q.shape[0], step):
-        rows = slice(start, start + step)
-        yield rows, [q[rows], k[rows], v[rows], mask[rows] if _per_sample(q, mask) and mask is not None else mask]
-
-
-def _per_sample(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    return mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0] > 1
-
-
 def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      keep: torch.Tensor | None, options: tuple[float, bool, float | None, bool],
                      traffic: Callable[[int], None] | None) -> torch.Tensor:
-    """The call's output, a chunk of samples at a time (``NOTE [ Attention recomputed from its stored inputs ]``)."""
+    """The call's output, a chunk at a time (``NOTE [ Attention recomputed from its stored inputs ]``)."""
     out: torch.Tensor | None = None
-    for rows, (qc, kc, vc, mc) in _chunks(q, k, v, mask):
+    mask4 = _as_4d(mask)
+    for chunk in _chunks(q, k, v, mask)[0]:
+        qc, kc, vc, mc = _parts(chunk, q, k, v, mask4)
         assert qc is not None and kc is not None and vc is not None
-        part = _attention(qc, kc, vc, mc, options) if keep is None else _math(qc, kc, vc, mc, keep[rows], options)
+        part = (_attention(qc, kc, vc, mc, options) if keep is None
+                else _math(qc, kc, vc, mc, keep[chunk.rows, chunk.heads], options))
         if out is None:
-            out = part.new_empty((q.shape[0], *part.shape[1:]))
-        out[rows] = part
+            out = part.new_empty((q.shape[0], q.shape[1], *part.shape[2:]))
+        out[chunk.rows, chunk.heads] = part
         if traffic is not None:
-            traffic(_TRANSIENTS * _probabilities_bytes(q, k, part.shape[0]))
+            traffic(_TRANSIENTS * part.shape[0] * part.shape[1] * q.shape[2] * k.shape[2] * 4)
     assert out is not None
     return out
 
@@ -249,32 +278,35 @@ def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
                    options: tuple[float, bool, float | None, bool], grad: torch.Tensor,
                    traffic: Callable[[int], None] | None) -> list[torch.Tensor | None]:
-    """The gradients of q, k, v and the mask, the call recomputed a chunk of samples at a time with the dropout
-    mask its forward drew (``NOTE [ Attention recomputed from its stored inputs ]``)."""
+    """The gradients of q, k, v and the mask, the call recomputed a chunk at a time with the dropout mask its
+    forward drew (``NOTE [ Attention recomputed from its stored inputs ]``)."""
     q, k, v, mask, keep = saved
-    saved = saved[:4]
     assert q is not None and k is not None and v is not None
-    per_sample_mask = _per_sample(q, mask)
-    # each chunk writes its rows of q's, k's, v's (and a per-sample mask's) gradient; a shared mask's adds up
+    chunks, shared = _chunks(q, k, v, mask)
+    mask4 = _as_4d(mask)
+    # each chunk writes its part of q's, k's, v's (and the mask's) gradient; a shared mask's adds up
     results: list[torch.Tensor | None] = [
-        None if t is None or not n else torch.empty_like(t) if i < 3 or per_sample_mask else torch.zeros_like(t)
-        for i, (t, n) in enumerate(zip(saved, needs, strict=True))]
-    for rows, parts in _chunks(q, k, v, mask):
+        None if t is None or not n else torch.zeros_like(t) if i == 3 and shared else torch.empty_like(t)
+        for i, (t, n) in enumerate(zip((q, k, v, mask4), needs, strict=True))]
+    for chunk in chunks:
+        parts = _parts(chunk, q, k, v, mask4)
         with torch.enable_grad():
             leaves = [_leaf(t, n) for t, n in zip(parts, needs, strict=True)]
-            out = _attention(*leaves, options) if keep is None else _math(*leaves, keep[rows], options)
+            out = (_attention(*leaves, options) if keep is None
+                   else _math(*leaves, keep[chunk.rows, chunk.heads], options))
         wrt = [t for t, n in zip(leaves, needs, strict=True) if n and t is not None]
-        grads = iter(torch.autograd.grad(out, wrt, grad[rows]))
+        grads = iter(torch.autograd.grad(out, wrt, grad[chunk.rows, chunk.heads]))
         if traffic is not None:
-            traffic(_TRANSIENTS * _probabilities_bytes(q, k, out.shape[0]))
-        for i, n in enumerate(needs):
-            if not n:
-                continue
-            g = next(grads)
+            traffic(_TRANSIENTS * out.shape[0] * out.shape[1] * q.shape[2] * k.shape[2] * 4)
+        for i, index in enumerate(((chunk.rows, chunk.heads), (chunk.rows, chunk.kv_heads),
+                                   (chunk.rows, chunk.kv_heads), chunk.mask)):
             target = results[i]
-            assert target is not None
-            if i < 3 or per_sample_mask:
-                target[rows] = g
-            else:  # a mask broadcast over the samples: its gradient sums over them
-                target += g
+            if target is None:
+                continue
+            if i == 3 and shared:  # a mask shared along a split dim: its gradient sums over the chunks
+                target[index] += next(grads)
+            else:
+                target[index] = next(grads)
+    if results[3] is not None and mask is not None:
+        results[3] = results[3].view(mask.shape)
     return results

@@ -17,3 +17,5 @@ for R in 1 2 3; do
 done
 uptime >> "$LOG"
 echo done >> "$LOG"
+# bert_long_sdpa_rounds.log: the same protocol with --models bert_long_sdpa --steps 6, two variants: this revision
+# (chunks of a sample's heads where a sample holds more than a chunk) and 5bada3e (chunks of whole samples).
