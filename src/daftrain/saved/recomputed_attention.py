@@ -33,13 +33,14 @@ are a few tensors of that size, not of the whole call's probabilities."""
 # the restored q, k and v (under the forward's random state: the same dropout mask) and backpropagates
 # through it: the exact gradient of attention at the rounded inputs, every identity intact.
 # It stores neither the output nor the logsumexp nor the probabilities (nor the dropout mask, but where the
-# math path runs in chunks, below, at one bit a value): fewer bytes and a smaller gradient error, for one more forward of the attention per call in backward. Both runs go
-# through the same path (grad enabled, the same inputs requiring grad, so the same kernel and dropout), with
-# saved-tensor hooks that keep what the inner call saves as it is (detached: a saved output that held its own
-# ``grad_fn`` would be a reference cycle through C++ that no collector frees), for as long as that one call's
-# gradient is being taken. Under ``create_graph`` the second run uses the restored tensors themselves, so
-# the gradient is differentiable in them. On the CPU's math path (dropout, or a mask that requires grad) the
-# recomputation materialises the probabilities, their dropout mask and their gradients, several tensors of
+# math path runs in chunks, below, at one bit a value): fewer bytes and a smaller gradient error, for one
+# more forward of the attention per call in backward. Both runs go through the same path (grad enabled, the
+# same inputs requiring grad, so the same kernel and dropout), with saved-tensor hooks that keep what the
+# inner call saves as it is (detached: a saved output that held its own ``grad_fn`` would be a reference cycle
+# through C++ that no collector frees), for as long as that one call's gradient is being taken. Under
+# ``create_graph`` the second run uses the restored tensors themselves, so the gradient is differentiable in
+# them. On the CPU's math path (dropout, or a mask that requires grad) the recomputation materialises the
+# probabilities, their dropout mask and their gradients, several tensors of
 # ``n**2`` values per head that plain PyTorch's backward holds fewer of: there backward recomputes a chunk of
 # samples at a time, or of one sample's heads where a sample holds more than a chunk (``CHUNK_BYTES``; a long
 # sequence in a small batch), through the math path's own ops (q and k each scaled by ``sqrt(scale)``,
@@ -128,12 +129,12 @@ class _Recomputed(torch.autograd.Function):
         ctx.options, ctx.traffic = options, traffic
         ctx.random = _RandomState(q.device) if options[0] > 0 else None
         ctx.needs = tuple(t is not None and t.requires_grad for t in (q, k, v, mask))
-        ctx.chunked = _chunked(q, k, v, mask, options)
-        if ctx.chunked:  # the math path, recomputed a chunk at a time in backward: no graph to hold
+        ctx.chunking = _chunking(q, k, v, mask, options)
+        if ctx.chunking is not None:  # the math path, recomputed a chunk at a time in backward: no graph to hold
             keep = _dropout_keep(q, k, options) if options[0] > 0 else None
             ctx.save_for_backward(q, k, v, mask, keep)
             with torch.no_grad():
-                return _chunked_forward(q, k, v, mask, keep, options, traffic)
+                return _chunked_forward(q, k, v, mask, keep, options, ctx.chunking[0], traffic)
         ctx.save_for_backward(q, k, v, mask)
         with torch.enable_grad():
             leaves = [_leaf(t, needs) for t, needs in zip((q, k, v, mask), ctx.needs, strict=True)]
@@ -143,8 +144,8 @@ class _Recomputed(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()
-        if not create_graph and ctx.chunked:
-            return (*_chunked_grads(saved, ctx.needs, ctx.options, grad, ctx.traffic), None, None)
+        if not create_graph and ctx.chunking is not None:
+            return (*_chunked_grads(saved, ctx.needs, ctx.options, grad, ctx.chunking, ctx.traffic), None, None)
         saved = saved[:4]
         with torch.enable_grad():
             inputs = [t if create_graph and t is not None and t.requires_grad else _leaf(t, needs)
@@ -156,19 +157,20 @@ class _Recomputed(torch.autograd.Function):
         return (*(next(grads) if needs else None for needs in ctx.needs), None, None)
 
 
-def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-             options: tuple[float, bool, float | None, bool]) -> bool:
-    """Whether the call runs a chunk at a time: the CPU's math path over 4-d q, k and v of one batch size, with
-    more than one chunk's probabilities."""
+def _chunking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              options: tuple[float, bool, float | None, bool]) -> tuple[list[_Chunk], bool] | None:
+    """The call's chunks (``_chunks``) where it runs a chunk at a time: the CPU's math path over 4-d q, k and v of
+    one batch size, with more than one chunk's probabilities; else ``None``."""
     dropout_p, is_causal, scale, enable_gqa = options
     if q.device.type != "cpu" or not q.dim() == k.dim() == v.dim() == 4 or (scale is not None and scale < 0):
-        return False
+        return None
     if not q.shape[0] == k.shape[0] == v.shape[0] or (mask is not None and mask.dim() > 4):
-        return False
+        return None
     if torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale,
                                enable_gqa=enable_gqa) != SDPBackend.MATH.value:
-        return False
-    return len(_chunks(q, k, v, mask)[0]) > 1
+        return None
+    chunking = _chunks(q, k, v, mask)
+    return chunking if len(chunking[0]) > 1 else None
 
 
 _TRANSIENTS = 6
@@ -257,11 +259,11 @@ def _dropout_keep(q: torch.Tensor, k: torch.Tensor, options: tuple[float, bool, 
 
 def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      keep: torch.Tensor | None, options: tuple[float, bool, float | None, bool],
-                     traffic: Callable[[int], None] | None) -> torch.Tensor:
+                     chunks: list[_Chunk], traffic: Callable[[int], None] | None) -> torch.Tensor:
     """The call's output, a chunk at a time (``NOTE [ Attention recomputed from its stored inputs ]``)."""
     out: torch.Tensor | None = None
     mask4 = _as_4d(mask)
-    for chunk in _chunks(q, k, v, mask)[0]:
+    for chunk in chunks:
         qc, kc, vc, mc = _parts(chunk, q, k, v, mask4)
         assert qc is not None and kc is not None and vc is not None
         part = (_attention(qc, kc, vc, mc, options) if keep is None
@@ -277,12 +279,13 @@ def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
                    options: tuple[float, bool, float | None, bool], grad: torch.Tensor,
-                   traffic: Callable[[int], None] | None) -> list[torch.Tensor | None]:
+                   chunking: tuple[list[_Chunk], bool], traffic: Callable[[int], None] | None
+                   ) -> list[torch.Tensor | None]:
     """The gradients of q, k, v and the mask, the call recomputed a chunk at a time with the dropout mask its
     forward drew (``NOTE [ Attention recomputed from its stored inputs ]``)."""
     q, k, v, mask, keep = saved
     assert q is not None and k is not None and v is not None
-    chunks, shared = _chunks(q, k, v, mask)
+    chunks, shared = chunking
     mask4 = _as_4d(mask)
     # each chunk writes its part of q's, k's, v's (and the mask's) gradient; a shared mask's adds up
     results: list[torch.Tensor | None] = [
