@@ -225,6 +225,8 @@ def test_one_sample_runs_a_group_of_heads_at_a_time(monkeypatch: pytest.MonkeyPa
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         torch.manual_seed(5)
         out = fn(*leaves, dropout_p=0.2, enable_gqa=True)
+        if fn is attention_recomputed:  # chunked: the forward saved its dropout mask beside q, k, v and the mask
+            assert len(out.grad_fn.saved_tensors) == 5
         got.append((out, torch.autograd.grad((out * out).sum(), leaves)))
     (out, grads), (out_r, grads_r) = got
     assert torch.equal(out, out_r) and all(torch.equal(a, b) for a, b in zip(grads, grads_r, strict=True))
