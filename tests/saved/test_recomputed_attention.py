@@ -232,6 +232,26 @@ def test_one_sample_runs_a_group_of_heads_at_a_time(monkeypatch: pytest.MonkeyPa
     assert torch.equal(out, out_r) and all(torch.equal(a, b) for a, b in zip(grads, grads_r, strict=True))
 
 
+@pytest.mark.parametrize("chunk_bytes", [recomputed_attention.CHUNK_BYTES, 1], ids=["whole", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_plain_sdpa_bit_for_bit_under_autocast(chunk_bytes: int, dtype: torch.dtype,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Recomputed attention under autocast ]: float32 inputs cast as autocast's SDPA kernel casts them, the
+    # math path's ops run in float32 as SDPA's do (under autocast each would run in ``dtype``), the output in
+    # ``dtype``; the gradients flow back through the casts.
+    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", chunk_bytes)
+    got = []
+    for fn in (F.scaled_dot_product_attention, attention_recomputed):
+        q, k, v = _qkv()
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=dtype):
+            out = fn(q, k, v, dropout_p=0.3)
+        got.append((out, torch.autograd.grad(out.float().square().sum(), [q, k, v])))
+    (out, grads), (out_r, grads_r) = got
+    assert out_r.dtype == dtype and torch.equal(out, out_r)
+    assert all(g.dtype == torch.float32 and torch.equal(g, g_r) for g, g_r in zip(grads, grads_r, strict=True))
+
+
 def test_the_inner_call_leaves_no_reference_cycle() -> None:
     # A saved output kept as the tensor itself would hold its own grad_fn: a cycle through C++ that no collector
     # frees, and every forward's attention output would stay resident (NOTE [ Attention recomputed from its

@@ -63,7 +63,9 @@ def recomputes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.layout == torch.strided):
         return False
     grads = any(t.requires_grad for t in (q, k, v, mask) if isinstance(t, torch.Tensor))
-    return grads and torch.is_grad_enabled() and type(q) is torch.Tensor
+    device = q.device.type  # type: ignore[union-attr]
+    autocast = device not in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device)  # not known to cast as below
+    return grads and torch.is_grad_enabled() and type(q) is torch.Tensor and not autocast
 
 
 def attention_recomputed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,7 +75,31 @@ def attention_recomputed(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """``F.scaled_dot_product_attention`` (the same signature and output) that saves only its inputs;
     ``traffic`` is told the bytes of the transients the CPU's math path makes and frees (``NOTE [ Freed memory
     goes back to the OS ]`` in ``allocator.py``)."""
-    return _Recomputed.apply(query, key, value, attn_mask, (dropout_p, is_causal, scale, enable_gqa), traffic)
+    options = (dropout_p, is_causal, scale, enable_gqa)
+    device = query.device.type
+    if not torch.is_autocast_enabled(device):
+        return _Recomputed.apply(query, key, value, attn_mask, options, traffic)
+    # NOTE [ Recomputed attention under autocast ]
+    dtype = torch.get_autocast_dtype(device)
+    query, key, value, attn_mask = (_autocast(t, dtype) for t in (query, key, value, attn_mask))
+    with torch.autocast(device, enabled=False):
+        return _Recomputed.apply(query, key, value, attn_mask, options, traffic)
+
+
+# NOTE [ Recomputed attention under autocast ]
+# Autocast lists SDPA among the ops it runs in the lower precision on the CPU and on CUDA: its kernel casts every
+# floating input but a float64 one to the autocast dtype (a cast autograd records) and runs the op with autocast
+# off inside. A function in its place would instead run each of its ops under autocast (the math path's matmuls
+# in bfloat16 where SDPA upcasts them to float32) on inputs its backward sees uncast. So the call casts its
+# inputs as that kernel does and runs the function with autocast off: plain SDPA's output and gradients. Under
+# autocast on other devices the call is left to SDPA (``recomputes``).
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
