@@ -772,3 +772,42 @@ def test_max_pools_store_their_indices_as_window_positions(pool: torch.nn.Module
     assert torch.equal(windows, kept)  # the indices restore exactly
     assert with_rule.stats.integer_packed == 1 and without.stats.kept_reasons["integer"] == 1
     assert with_rule.stats.packed_bytes - without.stats.packed_bytes == numel  # one byte an index
+
+
+def test_multi_head_attention_runs_its_sdpa_under_the_attention_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Tracing the saving op ]: nn.MultiheadAttention calls SDPA inside F.multi_head_attention_forward, which
+    # the mode runs opened, so that call is recomputed from its inputs like any other; exact mode is plain's.
+    from daftrain.saved import recomputed_attention
+
+    calls: list[int] = []
+    apply = recomputed_attention._Recomputed.apply
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return apply(*args)
+
+    monkeypatch.setattr(recomputed_attention._Recomputed, "apply", counted)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+    x = torch.randn(4, 16, 32)
+
+    def grads(ctx: daftrain.compress | None) -> torch.Tensor:
+        layer.zero_grad()
+        torch.manual_seed(1)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            y = layer(x)
+        (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+        return torch.cat([p.grad.reshape(-1) for p in layer.parameters()])
+
+    ref = grads(None)
+    assert torch.equal(grads(daftrain.compress(bits=None)), ref) and calls == []
+    assert _cos(grads(_ctx(8)), ref) > 0.9999
+    assert calls == [1]
+
+
+def test_a_function_without_the_override_check_stays_closed() -> None:
+    from daftrain.saved.op_rules import _opened
+
+    assert _opened(F.multi_head_attention_forward) is not None
+    assert _opened(lambda x: x) is None
+    assert _opened(torch.add) is None  # a builtin: no code to copy

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -488,8 +489,28 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
 # ``TorchDispatchMode`` would see the op). So while a ``compress`` context quantizes, a
 # ``TorchFunctionMode`` notes the rule-matched call in progress (a dict lookup for any other call), and
 # the pack hooks run inside that call read it. The mode sees the outermost torch function: the saves
-# of ``F.layer_norm`` happen inside it, those of a function that calls it internally (such as
-# ``F.multi_head_attention_forward``) belong to that outer function and follow no rule.
+# of ``F.layer_norm`` happen inside it, those of a function that calls it internally belong to that outer
+# function and follow no rule. One such function is opened (``OPENED``): ``F.multi_head_attention_forward``
+# (``nn.MultiheadAttention``, ``nn.Transformer*`` layers) calls ``F.scaled_dot_product_attention`` inside.
+# A mode's handler runs with the mode off, and the function's first statement hands any call made with a mode
+# on back to the mode, so it is run as a copy of itself whose ``has_torch_function`` answers no, with the mode
+# on: its own calls (its SDPA among them) reach the rules. Where the function has no such check by that name
+# (another PyTorch), it runs closed, as before.
+OPENED = (F.multi_head_attention_forward,)
+
+
+@functools.cache
+def _opened(func: Any) -> Any:
+    """``func`` without its own override check, or ``None`` where it has none by the name it is looked for."""
+    code = getattr(func, "__code__", None)
+    if code is None or "has_torch_function" not in code.co_names:
+        return None
+    opened = types.FunctionType(code, {**func.__globals__, "has_torch_function": lambda *args: False},
+                                func.__name__, func.__defaults__, func.__closure__)
+    opened.__kwdefaults__ = func.__kwdefaults__
+    return opened
+
+
 class _RuleMode(TorchFunctionMode):
     def __init__(self, tracer: OpTracer, by_function: dict[Any, OpRule]) -> None:
         super().__init__()
@@ -501,7 +522,11 @@ class _RuleMode(TorchFunctionMode):
         rule = self.by_function.get(func)
         linear = func in self.tracer.linears
         if (rule is None and not linear) or torch.compiler.is_compiling():  # compiled graphs decide without the rules
-            return func(*args, **kwargs)
+            opened = _opened(func) if func in OPENED and not torch.compiler.is_compiling() else None
+            if opened is None:
+                return func(*args, **kwargs)
+            with self:  # NOTE [ Tracing the saving op ]: its own calls reach the rules
+                return opened(*args, **kwargs)
         found = _match(rule, func, args, kwargs) if rule is not None else None
         if found is not None and found.rule.name == "cross_entropy":
             found = self.tracer.over_linear(found)
