@@ -146,6 +146,18 @@ def test_meta_tensors_run_forward_and_backward(bits):
     assert ctx.stats.compressed == 0 and ctx.stats.kept_reasons["layout"] >= 1
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_meta_attention_runs_forward_and_backward(bits):
+    # the attention rule estimates from q's and k's values: a meta call (a dry run) has none and runs as it is
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, device="meta")
+    x = torch.randn(2, 8, 32, device="meta", requires_grad=True)
+    with daftrain.compress(bits=bits, min_numel=0) as ctx:
+        y = torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], dropout_p=0.1)
+        y = layer(y[:, 0]).sum()
+    y.backward()
+    assert x.grad.device.type == "meta" and x.grad.shape == x.shape and ctx.stats.compressed == 0
+
+
 # -- ways to run backward ---------------------------------------------------------------------------------
 
 

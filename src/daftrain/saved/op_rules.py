@@ -634,6 +634,8 @@ class OpTracer:
         if len(match.targets) != 2:
             return match
         q, k = match.targets
+        if q.is_meta or k.is_meta:  # no values to estimate from or to store: the call as it is
+            return match
         if self._attention.exact(self._step, index, q, k, _arg(args, kwargs, 6, "scale")):
             match = replace(match, targets=(), keep_all=True)
         if not recomputes(args, dict(kwargs)):

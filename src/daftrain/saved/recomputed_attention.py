@@ -64,7 +64,7 @@ def recomputes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         return False
     grads = any(t.requires_grad for t in (q, k, v, mask) if isinstance(t, torch.Tensor))
     device = q.device.type  # type: ignore[union-attr]
-    autocast = device not in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device)  # not known to cast as below
+    autocast = device not in _AUTOCAST_DEVICES and _autocasting(device)  # not known to cast as below
     return grads and torch.is_grad_enabled() and type(q) is torch.Tensor and not autocast
 
 
@@ -77,7 +77,7 @@ def attention_recomputed(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     goes back to the OS ]`` in ``allocator.py``)."""
     options = (dropout_p, is_causal, scale, enable_gqa)
     device = query.device.type
-    if not torch.is_autocast_enabled(device):
+    if not _autocasting(device):
         return _Recomputed.apply(query, key, value, attn_mask, options, traffic)
     # NOTE [ Recomputed attention under autocast ]
     dtype = torch.get_autocast_dtype(device)
@@ -94,6 +94,10 @@ def attention_recomputed(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 # inputs as that kernel does and runs the function with autocast off: plain SDPA's output and gradients. Under
 # autocast on other devices the call is left to SDPA (``recomputes``).
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def _autocasting(device: str) -> bool:
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # meta has no autocast
 
 
 def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
