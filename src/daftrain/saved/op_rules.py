@@ -521,8 +521,10 @@ class _RuleMode(TorchFunctionMode):
         kwargs = kwargs or {}
         rule = self.by_function.get(func)
         linear = func in self.tracer.linears
-        if (rule is None and not linear) or torch.compiler.is_compiling():  # compiled graphs decide without the rules
-            opened = _opened(func) if func in OPENED and not torch.compiler.is_compiling() else None
+        if torch.compiler.is_compiling():  # compiled graphs decide without the rules
+            return func(*args, **kwargs)
+        if rule is None and not linear:
+            opened = _opened(func) if func in OPENED else None
             if opened is None:
                 return func(*args, **kwargs)
             with self:  # NOTE [ Tracing the saving op ]: its own calls reach the rules

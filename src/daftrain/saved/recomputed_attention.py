@@ -40,18 +40,18 @@ are a few tensors of that size, not of the whole call's probabilities."""
 # through C++ that no collector frees), for as long as that one call's gradient is being taken. Under
 # ``create_graph`` the second run uses the restored tensors themselves, so the gradient is differentiable in
 # them. On the CPU's math path (dropout, or a mask that requires grad) the recomputation materialises the
-# probabilities, their dropout mask and their gradients, several tensors of
-# ``n**2`` values per head that plain PyTorch's backward holds fewer of: there backward recomputes a chunk of
-# samples at a time, or of one sample's heads where a sample holds more than a chunk (``CHUNK_BYTES``; a long
-# sequence in a small batch), through the math path's own ops (q and k each scaled by ``sqrt(scale)``,
-# ``_safe_softmax``, the dropout mask divided by ``1 - p``): the gradient of the same function, chunk by
-# chunk. Its forward runs those ops without a graph, a chunk at a time too, and draws the dropout mask itself
-# (whole, before the first chunk), as the math path draws it (``bernoulli_`` over the probabilities' shape and
-# dtype: the same values, the random stream left where plain leaves it), and saves it as a bool tensor, which
-# ``compress`` stores at one bit a value: drawing it again in backward cost as much time as the recomputation
-# of the probabilities. What the math path makes and frees, in forward and in each chunk, is told to the
-# context's heap trimmer as packed and restored tensors are (``traffic``): those blocks are below glibc's mmap
-# threshold, and freed they would stay in its heap (``NOTE [ Freed memory goes back to the OS ]``).
+# probabilities, their dropout mask and their gradients, several tensors of ``n**2`` values per head that
+# plain PyTorch's backward holds fewer of: there backward recomputes a chunk of samples at a time, or of one
+# sample's heads where a sample holds more than a chunk (``CHUNK_BYTES``; a long sequence in a small batch),
+# through the math path's own ops (q and k each scaled by ``sqrt(scale)``, ``_safe_softmax``, the dropout mask
+# divided by ``1 - p``): the gradient of the same function, chunk by chunk. Its forward runs those ops without
+# a graph, a chunk at a time too, and draws the dropout mask itself (whole, before the first chunk), as the
+# math path draws it (``bernoulli_`` over the probabilities' shape and dtype: the same values, the random
+# stream left where plain leaves it), and saves it as a bool tensor, which ``compress`` stores at one bit a
+# value: drawing it again in backward cost as much time as the recomputation of the probabilities. What the
+# math path makes and frees, in forward and in each chunk, is told to the context's heap trimmer as packed and
+# restored tensors are (``traffic``): those blocks are below glibc's mmap threshold, and freed they would stay
+# in its heap (``NOTE [ Freed memory goes back to the OS ]``).
 def recomputes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an SDPA call with these arguments runs as ``attention_recomputed``: it builds a graph and its
     inputs are plain dense tensors."""
@@ -224,8 +224,7 @@ def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fits, else heads of one sample (whole groups of the query heads that share a key head), else one head; and
     whether the mask's gradient adds up over them (the mask is shared along a dim the chunks split)."""
     samples, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
-    per_head = q.shape[2] * k.shape[2] * 4  # float32 on the CPU
-    fit = CHUNK_BYTES // max(1, per_head)  # heads that fit in a chunk
+    fit = CHUNK_BYTES // max(1, _head_bytes(q, k))  # heads that fit in a chunk
     group = heads // kv_heads if kv_heads == v.shape[1] and heads % kv_heads == 0 else 0
     if fit >= heads or group == 0:
         step = max(1, fit // heads)
@@ -243,6 +242,11 @@ def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return chunks, shared
 
 
+def _head_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Bytes of one head's probabilities (float32 on the CPU)."""
+    return q.shape[2] * k.shape[2] * 4
+
+
 def _as_4d(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask[(None,) * (4 - mask.dim())] if mask is not None else None
 
@@ -252,6 +256,20 @@ def _parts(chunk: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q, k, v and the (4-d) mask of ``chunk``."""
     return [q[chunk.rows, chunk.heads], k[chunk.rows, chunk.kv_heads], v[chunk.rows, chunk.kv_heads],
             mask[chunk.mask] if mask is not None else None]
+
+
+def _run(chunk: _Chunk, parts: list[torch.Tensor | None], keep: torch.Tensor | None,
+         options: tuple[float, bool, float | None, bool], head_bytes: int,
+         traffic: Callable[[int], None] | None) -> torch.Tensor:
+    """``chunk``'s output from its ``parts``: the math path op for op with the forward's dropout mask, or the call
+    itself where it has none; its transients told to ``traffic``."""
+    q, k, v, mask = parts
+    assert q is not None and k is not None and v is not None
+    out = _attention(q, k, v, mask, options) if keep is None else _math(q, k, v, mask, keep[chunk.rows, chunk.heads],
+                                                                         options)
+    if traffic is not None:
+        traffic(_TRANSIENTS * out.shape[0] * out.shape[1] * head_bytes)
+    return out
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, keep: torch.Tensor | None,
@@ -294,15 +312,10 @@ def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out: torch.Tensor | None = None
     mask4 = _as_4d(mask)
     for chunk in chunks:
-        qc, kc, vc, mc = _parts(chunk, q, k, v, mask4)
-        assert qc is not None and kc is not None and vc is not None
-        part = (_attention(qc, kc, vc, mc, options) if keep is None
-                else _math(qc, kc, vc, mc, keep[chunk.rows, chunk.heads], options))
+        part = _run(chunk, _parts(chunk, q, k, v, mask4), keep, options, _head_bytes(q, k), traffic)
         if out is None:
             out = part.new_empty((q.shape[0], q.shape[1], *part.shape[2:]))
         out[chunk.rows, chunk.heads] = part
-        if traffic is not None:
-            traffic(_TRANSIENTS * part.shape[0] * part.shape[1] * q.shape[2] * k.shape[2] * 4)
     assert out is not None
     return out
 
@@ -325,12 +338,9 @@ def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ..
         parts = _parts(chunk, q, k, v, mask4)
         with torch.enable_grad():
             leaves = [_leaf(t, n) for t, n in zip(parts, needs, strict=True)]
-            out = (_attention(*leaves, options) if keep is None
-                   else _math(*leaves, keep[chunk.rows, chunk.heads], options))
+            out = _run(chunk, leaves, keep, options, _head_bytes(q, k), traffic)
         wrt = [t for t, n in zip(leaves, needs, strict=True) if n and t is not None]
         grads = iter(torch.autograd.grad(out, wrt, grad[chunk.rows, chunk.heads]))
-        if traffic is not None:
-            traffic(_TRANSIENTS * out.shape[0] * out.shape[1] * q.shape[2] * k.shape[2] * 4)
         for i, index in enumerate(((chunk.rows, chunk.heads), (chunk.rows, chunk.kv_heads),
                                    (chunk.rows, chunk.kv_heads), chunk.mask)):
             target = results[i]
