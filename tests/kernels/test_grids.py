@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from daftrain.kernels import grids
 from daftrain.kernels.grids import fit_grid
@@ -51,6 +53,35 @@ def test_evenly_spread_values_and_relu_outputs_keep_the_uniform_grid() -> None:
     x = torch.randn(64, 1024, generator=_gen(5))
     assert fit_grid(x, 1, G) is None and fit_grid(x, 8, G) is None
     assert fit_grid(x[:1, :100], 2, G) is None  # not one whole group
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """The most bytes any op allocated (views of ``source`` not counted)."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        super().__init__()
+        self.source, self.nbytes = source.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != self.source:
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("view", ["transposed", "expanded"])
+def test_a_grid_is_fitted_on_a_view_without_copying_it(view: str) -> None:
+    # Column groups fit their grid on a transposed view (``grouping.py``): the sampled groups are read in the
+    # view's row-major order, the same grid as of its contiguous copy, and no op allocates more than the sample.
+    base = nn.functional.gelu(torch.randn(512, 1024, generator=_gen(7)))
+    values = base.t() if view == "transposed" else base[:1].expand(512, 1024)
+    assert not values.is_contiguous()
+    with _LargestAllocation(base) as largest:
+        grid = fit_grid(values, 2, G)
+    expected = fit_grid(values.contiguous(), 2, G)
+    assert grid is not None and expected is not None and torch.equal(grid, expected)
+    assert largest.nbytes <= grids._SAMPLE_GROUPS * G * 8  # the sample's offsets (int64)
 
 
 @pytest.mark.parametrize("bits", [2, 4])

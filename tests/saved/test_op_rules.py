@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import daftrain
 from daftrain.saved import attention_precision
 from daftrain.saved.op_rules import RULES, ExactSavings, OpTracer, may_have_wide_head
-from daftrain.saved.records import Derivative
+from daftrain.saved.records import _INVERSE_POINTS, _LOOKUP_ELEMENTS, Derivative, _inverse_table
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -549,6 +549,25 @@ def test_derivative_record_restores_the_derivative(kind: str) -> None:
     assert (grad - decoded)[inside].abs().max() < 1e-5
     assert record.nbytes <= x.numel() * 1.05  # 8 bits per value plus 6 bytes per group
     assert restored.shape == x.reshape(-1).shape and torch.isfinite(restored).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["gelu", "hardswish"])
+def test_derivative_restore_in_slices_matches_one_lookup(kind: str, dtype: torch.dtype) -> None:
+    # NOTE [ The inverse looked up in place ]: slices over several lookups, the last one partial, give the values
+    # of one lookup of the whole (then cast) bit for bit; a float32 restore is written over the decoded d.
+    n = 3 * _LOOKUP_ELEMENTS + 17
+    d = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 2.2 - 0.6  # past f''s range at both ends
+    table, d_min, d_max = _inverse_table(kind, d.device)
+    pos = (d - d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
+    whole = table.index_select(0, pos.round_().to(torch.int64)).to(dtype)
+    if kind == "hardswish" and dtype != torch.float32:
+        inside = float(torch.nextafter(torch.tensor(3.0, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
+        whole.clamp_(-inside, inside)
+    buffer = d.clone()
+    restored = Derivative(kind).restored(buffer, dtype)
+    assert restored.dtype == dtype and torch.equal(restored, whole)
+    assert (restored.data_ptr() == buffer.data_ptr()) == (dtype == torch.float32)
 
 
 def test_derivative_of_an_unknown_activation_is_refused() -> None:

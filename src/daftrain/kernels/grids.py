@@ -55,14 +55,16 @@ def fit_grid(values: torch.Tensor, bits: int, group_size: int) -> torch.Tensor |
     about as well (``NOTE [ Fitted grids ]``)."""
     if bits not in GRID_BITS or not values.is_floating_point():
         return None
-    flat = values.detach().reshape(-1)
-    num_groups = flat.numel() // group_size
+    values = values.detach()
+    num_groups = values.numel() // group_size
     if num_groups == 0:
         return None
     levels = (1 << bits) - 1
     with torch.no_grad():
-        picks = torch.linspace(0, num_groups - 1, min(num_groups, _SAMPLE_GROUPS), device=flat.device).round().long()
-        sample = flat[: num_groups * group_size].view(num_groups, group_size).index_select(0, picks).float()
+        picks = torch.linspace(0, num_groups - 1, min(num_groups, _SAMPLE_GROUPS), device=values.device).round().long()
+        # take: the sampled groups of ``values`` in row-major order, without a copy of a non-contiguous whole
+        offsets = (picks[:, None] * group_size + torch.arange(group_size, device=values.device)).reshape(-1)
+        sample = values.take(offsets).view(-1, group_size).float()
         lo, scale = reference.group_params(kernel_ops.group_minmax(sample.reshape(-1), group_size), bits)
         step = scale.float().abs()
         plain = ~torch.signbit(scale) & torch.isfinite(lo) & torch.isfinite(step) & (step > 0)
@@ -70,14 +72,14 @@ def fit_grid(values: torch.Tensor, bits: int, group_size: int) -> torch.Tensor |
         histogram = torch.histc(t.clamp(0, levels), _BINS, 0, levels).double()
         if not bool(histogram.sum() > 0):
             return None
-        candidates = _candidates(histogram, bits).to(flat.device)
+        candidates = _candidates(histogram, bits).to(values.device)
         variance = _variance(histogram, candidates)
         best = int(variance.argmin())
         if not bool(variance[best] <= GRID_GAIN * variance[0]):
             return None
         grid = candidates[best].float().cpu()
     check_grid(grid, bits)
-    return grid.to(flat.device)
+    return grid.to(values.device)
 
 
 def _centers(levels: int, device: torch.device) -> torch.Tensor:

@@ -874,18 +874,41 @@ def _increasing_interval(kind: str) -> tuple[float, float]:
     return -hi, hi  # f'(-x) = 1 - f'(x)
 
 
+# NOTE [ The inverse table ]
+# The table is built at the first restore of a kind, in the first backward, next to its peak. It is
+# found by bisecting f' on [lo, hi] for every table value at once: a few arrays of ``_INVERSE_POINTS``
+# float64 values (2 MiB each). ``_BISECTIONS`` halvings of [lo, hi] (at most 6 wide) leave an interval
+# below float32's resolution of x. f' evaluated in float64 increases on [lo, hi] up to its own rounding,
+# where bisection still ends on a crossing of the table value.
+_BISECTIONS = 40
+
+# NOTE [ The inverse looked up in place ]
+# A restore runs in backward, next to the gradient it multiplies, so its transients add to backward's
+# peak. Looked up whole, a restore held the decoded d, its positions (int32) and the looked-up x at
+# once: three tensors of the activation's size. It now goes in slices of ``_LOOKUP_ELEMENTS``, each
+# slice's positions made in place and its x written over its d (float32) or into the result (in the
+# narrower dtype, from the table in that dtype: the same values as looking up float32 and casting), so
+# the restore holds d and x (one tensor in float32) and one slice's positions.
+_LOOKUP_ELEMENTS = 1 << 18
+
+
 @functools.cache
-def _inverse_table(kind: str, device: torch.device) -> tuple[torch.Tensor, float, float]:
-    """x at ``_INVERSE_POINTS`` equally spaced values of f' on [f'(lo), f'(hi)], and those two bounds."""
+def _inverse_table(kind: str, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, float, float]:
+    """x at ``_INVERSE_POINTS`` equally spaced values of f' on [f'(lo), f'(hi)] (in ``dtype``), and those
+    two bounds. Found by bisection (``NOTE [ The inverse table ]``)."""
+    if dtype != torch.float32:
+        table, d_lo, d_hi = _inverse_table(kind, device)
+        return table.to(dtype), d_lo, d_hi
     lo, hi = _increasing_interval(kind)
-    xs = torch.linspace(lo, hi, 1 << 21, dtype=torch.float64)
-    fx = _derivative_of(kind, xs).cummax(0).values  # increasing on [lo, hi]; cummax irons out rounding
-    d = torch.linspace(float(fx[0]), float(fx[-1]), _INVERSE_POINTS, dtype=torch.float64)
-    j = torch.searchsorted(fx, d).clamp_(1, len(xs) - 1)
-    f0, f1 = fx[j - 1], fx[j]
-    w = torch.where(f1 > f0, (d - f0) / (f1 - f0), 0.5).clamp_(0, 1)
-    x = torch.lerp(xs[j - 1], xs[j], w)
-    return x.float().to(device), float(fx[0]), float(fx[-1])
+    d_lo, d_hi = (float(v) for v in _derivative_of(kind, torch.tensor([lo, hi], dtype=torch.float64)))
+    d = torch.linspace(d_lo, d_hi, _INVERSE_POINTS, dtype=torch.float64)
+    a, b = torch.full_like(d, lo), torch.full_like(d, hi)
+    for _ in range(_BISECTIONS):
+        mid = (a + b).mul_(0.5)
+        below = _derivative_of(kind, mid) < d
+        a, b = torch.where(below, mid, a), torch.where(below, b, mid)
+    return (a + b).mul_(0.5).float().to(device), d_lo, d_hi
 
 
 @dataclass(frozen=True)
@@ -906,12 +929,14 @@ class Derivative(_Encoding):
     def restored(self, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """An input of ``dtype`` whose derivative is ``d`` (float32, overwritten: table positions are made in
         place)."""
-        table, d_min, d_max = _inverse_table(self.kind, d.device)
-        pos = d.sub_(d_min).mul_((_INVERSE_POINTS - 1) / (d_max - d_min)).clamp_(0, _INVERSE_POINTS - 1)
-        x = table.index_select(0, pos.round_().to(torch.int32))  # int32 positions: half int64's transient
+        table, d_min, d_max = _inverse_table(self.kind, d.device, dtype)
+        x = d if dtype == torch.float32 else torch.empty(d.shape, dtype=dtype, device=d.device)
+        scale = (_INVERSE_POINTS - 1) / (d_max - d_min)
+        for part, out in zip(d.split(_LOOKUP_ELEMENTS), x.split(_LOOKUP_ELEMENTS), strict=True):
+            pos = part.sub_(d_min).mul_(scale).clamp_(0, _INVERSE_POINTS - 1).round_().to(torch.int32)
+            torch.index_select(table, 0, pos, out=out)  # NOTE [ The inverse looked up in place ]
         if dtype == torch.float32:
             return x
-        x = x.to(dtype)
         if self.kind == "hardswish":  # the ends of the table round onto the jumps in a narrower dtype
             inside = torch.nextafter(torch.tensor(3.0, dtype=dtype), torch.tensor(0.0, dtype=dtype))
             x.clamp_(-inside.item(), inside.item())
