@@ -13,7 +13,7 @@ _M_MMAP_THRESHOLD = -3
 _MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 DEFAULT_MMAP_THRESHOLD = 1 << 16
-DEFAULT_TRIM_BYTES = 64 << 20
+DEFAULT_TRIM_BYTES = 32 << 20
 
 
 @functools.cache
