@@ -90,9 +90,10 @@ class CompressionConfig:
 
     tune_allocator: bool = True
     """On CPU, hand glibc's free heap back to the OS (``malloc_trim``) when a forward starts and ends and
-    every ``allocator.DEFAULT_TRIM_BYTES`` (32 MiB) through the hooks, so the memory of freed activations and backward's transients does not
-    stay in the heap: the process peak a user sees follows live memory (``NOTE [ Freed memory goes back
-    to the OS ]`` in ``allocator.py``). It changes no allocator setting of the process."""
+    every ``allocator.DEFAULT_TRIM_BYTES`` (32 MiB) through the hooks, so the memory of freed activations and
+    backward's transients does not stay in the heap: the process peak a user sees follows live memory
+    (``NOTE [ Freed memory goes back to the OS ]`` in ``allocator.py``). It changes no allocator setting of
+    the process."""
 
     avg_bits: float | None = None
     """``bits="auto"`` only: the budget as average bits per value over the tensors it allocates, counted
