@@ -296,13 +296,18 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         return torch.matmul(attn, v).to(dtype)
 
 
+# NOTE [ The dropout mask drawn as bool ]
+# The math path draws its mask with ``bernoulli_`` on a tensor of the probabilities' dtype. On the CPU
+# ``bernoulli_`` takes the same draws from the generator whatever the tensor's dtype (one seed for MKL's
+# stream, or one draw per element) and writes them cast, so drawing into a bool tensor gives the same mask
+# and leaves the generator where the math path leaves it, without a float buffer of the probabilities'
+# size (the tests compare both with plain SDPA's, bit for bit).
 def _dropout_keep(q: torch.Tensor, k: torch.Tensor, options: tuple[float, bool, float | None, bool]) -> torch.Tensor:
     """The math path's dropout mask for a call on ``q`` and ``k``, drawn as that path draws it (``bernoulli_``
-    over the probabilities' shape and dtype), as bool."""
+    over the probabilities' shape), as bool (``NOTE [ The dropout mask drawn as bool ]``)."""
     heads = max(q.shape[1], k.shape[1])
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # half types: computed in float32
-    noise = torch.empty(q.shape[0], heads, q.shape[2], k.shape[2], dtype=dtype, device=q.device)
-    return noise.bernoulli_(1 - options[0]).bool()
+    keep = torch.empty(q.shape[0], heads, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+    return keep.bernoulli_(1 - options[0])
 
 
 def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
