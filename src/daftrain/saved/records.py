@@ -927,8 +927,8 @@ class Derivative(_Encoding):
             return _derivative_of(self.kind, x.detach().float())
 
     def restored(self, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """An input of ``dtype`` whose derivative is ``d`` (float32, overwritten: table positions are made in
-        place)."""
+        """An input of ``dtype`` whose derivative is ``d`` (float32, overwritten: a float32 input is looked up
+        over it, ``NOTE [ The inverse looked up in place ]``)."""
         table, d_min, d_max = _inverse_table(self.kind, d.device, dtype)
         x = d if dtype == torch.float32 else torch.empty(d.shape, dtype=dtype, device=d.device)
         scale = (_INVERSE_POINTS - 1) / (d_max - d_min)
