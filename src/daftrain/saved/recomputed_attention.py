@@ -46,12 +46,12 @@ are a few tensors of that size, not of the whole call's probabilities."""
 # through the math path's own ops (q and k each scaled by ``sqrt(scale)``, ``_safe_softmax``, the dropout mask
 # divided by ``1 - p``): the gradient of the same function, chunk by chunk. Its forward runs those ops without
 # a graph, a chunk at a time too, and draws the dropout mask itself (whole, before the first chunk), as the
-# math path draws it (``bernoulli_`` over the probabilities' shape and dtype: the same values, the random
-# stream left where plain leaves it), and saves it as a bool tensor, which ``compress`` stores at one bit a
-# value: drawing it again in backward cost as much time as the recomputation of the probabilities. What the
-# math path makes and frees, in forward and in each chunk, is told to the context's heap trimmer as packed and
-# restored tensors are (``traffic``): those blocks are below glibc's mmap threshold, and freed they would stay
-# in its heap (``NOTE [ Freed memory goes back to the OS ]``).
+# math path draws it (``bernoulli_`` over the probabilities' shape, into a bool tensor: the same values, the
+# random stream left where plain leaves it, ``NOTE [ The dropout mask drawn as bool ]``), and saves it, which
+# ``compress`` stores at one bit a value: drawing it again in backward cost as much time as the recomputation
+# of the probabilities. What the math path makes and frees, in forward and in each chunk, is told to the
+# context's heap trimmer as packed and restored tensors are (``traffic``): those blocks are below glibc's mmap
+# threshold, and freed they would stay in its heap (``NOTE [ Freed memory goes back to the OS ]``).
 def recomputes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an SDPA call with these arguments runs as ``attention_recomputed``: it builds a graph and its
     inputs are plain dense tensors."""

@@ -884,10 +884,10 @@ _BISECTIONS = 40
 
 # NOTE [ The inverse looked up in place ]
 # A restore runs in backward, next to the gradient it multiplies, so its transients add to backward's
-# peak. Looked up whole, a restore held the decoded d, its positions (int32) and the looked-up x at
-# once: three tensors of the activation's size. It now goes in slices of ``_LOOKUP_ELEMENTS``, each
+# peak. Looked up whole, a restore would hold the decoded d, its positions (int32) and the looked-up x at
+# once: three tensors of the activation's size. So it goes in slices of ``_LOOKUP_ELEMENTS``, each
 # slice's positions made in place and its x written over its d (float32) or into the result (in the
-# narrower dtype, from the table in that dtype: the same values as looking up float32 and casting), so
+# narrower dtype, from the table in that dtype: the same values as looking up float32 and casting), and
 # the restore holds d and x (one tensor in float32) and one slice's positions.
 _LOOKUP_ELEMENTS = 1 << 18
 
