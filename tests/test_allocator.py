@@ -50,6 +50,77 @@ def test_the_trimmer_counts_from_zero_after_each_trim(monkeypatch: pytest.Monkey
     assert calls == [0, 0, 0]
 
 
+_SLACK_CHILD = """
+import json, torch
+from daftrain.allocator import HeapTrimmer, glibc, heap_slack_bytes
+from daftrain.rss import current_rss_bytes
+glibc().mallopt(-3, 16 << 20)  # M_MMAP_THRESHOLD: 1 MiB blocks come from the heap
+glibc().mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: only an explicit malloc_trim returns memory
+trimmer = HeapTrimmer(every=16 << 20)
+trimmer.trim()
+out = {"slack": [heap_slack_bytes()]}
+blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(48)]
+out["slack"].append(heap_slack_bytes())
+with_blocks = current_rss_bytes()
+del blocks
+out["slack"].append(heap_slack_bytes())
+trimmer.note(1 << 20)  # traffic far below ``every``; the slack, read now, grew by 48 MiB
+out["released"] = with_blocks - current_rss_bytes()
+out["slack"].append(heap_slack_bytes())
+print(json.dumps(out))
+"""
+
+
+def test_the_trimmer_returns_memory_freed_between_hooks_once_the_heap_slack_grew() -> None:
+    """Memory a backward frees between two hooks (gradients, kernels' buffers) is no traffic the hooks count;
+    the heap's slack, read every ``every / 16`` of traffic, sees it: 48 MiB freed and kept by glibc are returned
+    at the next read, after 1 MiB of traffic against a 16 MiB threshold. A fresh process (glibc's settings)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SLACK_CHILD], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    after_trim, with_blocks, freed, trimmed = got["slack"]
+    mib = 1 << 20
+    assert abs(with_blocks - after_trim) < 8 * mib, got  # live blocks are no slack
+    assert freed - with_blocks > 40 * mib, got  # freed into the heap and kept: slack
+    assert got["released"] > 40 * mib and trimmed - after_trim < 8 * mib, got
+
+
+def test_the_trimmer_trims_on_slack_grown_from_its_lowest_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    readings = iter([1000, 900, 900 + 1599, 900 + 1600, 500, 500])
+    monkeypatch.setattr(allocator, "_malloc_trim_fn", lambda: calls.append)
+    monkeypatch.setattr(allocator, "heap_slack_bytes", lambda: next(readings))
+    monkeypatch.setattr(allocator, "_SLACK_READ_INTERVAL", 0.0)  # read at every note
+    trimmer = allocator.HeapTrimmer(every=1600)
+    trimmer.trim()  # reads 1000
+    assert calls == [0]
+    trimmer.note(1)  # reads 900: the lowest since the trim
+    trimmer.note(1)  # reads 2499: grown by 1599 from 900
+    assert calls == [0]
+    trimmer.note(1)  # reads 2500: grown by 1600; trims and reads 500
+    assert calls == [0, 0]
+    trimmer.note(1)  # reads 500
+    assert calls == [0, 0]
+    assert next(readings, None) is None
+
+
+def test_the_trimmer_reads_the_slack_at_most_once_an_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    readings: list[int] = []
+    monkeypatch.setattr(allocator, "_malloc_trim_fn", lambda: lambda pad: 0)
+    monkeypatch.setattr(allocator, "heap_slack_bytes", lambda: readings.append(0) or 0)
+    clock = iter([10.0, 10.0005, 10.0011, 10.0012])
+    monkeypatch.setattr(allocator.time, "perf_counter", lambda: next(clock))
+    trimmer = allocator.HeapTrimmer(every=1 << 30)
+    trimmer.trim()
+    assert len(readings) == 1
+    for _ in range(4):
+        trimmer.note(1)
+    assert len(readings) == 3  # at 10.0 and 10.0011; not at 10.0005 or 10.0012
+
+
 def test_glibc_is_shared_by_the_allocator_helpers() -> None:
     lib = allocator.glibc()
     if lib is None or not hasattr(lib, "mallopt"):

@@ -5,15 +5,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import time
 from collections.abc import Callable
 
-__all__ = ["DEFAULT_TRIM_BYTES", "HeapTrimmer", "advise_huge_pages", "glibc", "malloc_trim", "tighten_allocator"]
+__all__ = ["DEFAULT_TRIM_BYTES", "HeapTrimmer", "advise_huge_pages", "glibc", "heap_slack_bytes", "malloc_trim",
+           "tighten_allocator"]
 
 _M_MMAP_THRESHOLD = -3
 _MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 DEFAULT_MMAP_THRESHOLD = 1 << 16
 DEFAULT_TRIM_BYTES = 32 << 20
+_SLACK_READ_INTERVAL = 1e-3
 
 
 @functools.cache
@@ -79,6 +83,43 @@ def advise_huge_pages(huge: bool = True) -> bool:
     return bool(end and end > start and madvise(start, end - start, advice) == 0)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = tuple((name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                          "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"))
+
+
+@functools.cache
+def _mallinfo2_fn() -> Callable[[], _MallInfo2] | None:
+    info = getattr(glibc(), "mallinfo2", None)  # glibc 2.33 and later
+    if info is None:
+        return None
+    info.argtypes, info.restype = [], _MallInfo2
+    return info  # type: ignore[no-any-return]
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def heap_slack_bytes() -> int | None:
+    """The process's anonymous resident memory that glibc's allocator holds for no live block (freed memory it
+    keeps, with other anonymous memory it does not manage, such as Python's object arenas); None where glibc's
+    ``mallinfo2`` or ``/proc/self/statm`` cannot be read. Its growth between two readings is memory freed and
+    kept (``NOTE [ Freed memory goes back to the OS ]``)."""
+    info = _mallinfo2_fn()
+    if info is None:
+        return None
+    try:
+        fd = os.open("/proc/self/statm", os.O_RDONLY)  # opened each time: a kept descriptor would read the
+        try:                                            # parent's figures in a forked child
+            fields = os.read(fd, 256).split()
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    heap = info()
+    return (int(fields[1]) - int(fields[2])) * _PAGE_BYTES - heap.uordblks - heap.hblkhd
+
+
 def malloc_trim() -> bool:
     """Hand glibc's free heap memory back to the OS (``malloc_trim(0)``); False where glibc has none."""
     trim = _malloc_trim_fn()
@@ -98,9 +139,15 @@ def malloc_trim() -> bool:
 # docs/memory.md:
 #   * trimming (``HeapTrimmer``, what ``compress`` does: ``CompressionConfig(tune_allocator=True)``, the
 #     default, on CPU): glibc's defaults, plus ``malloc_trim(0)``, which hands every free heap page back
-#     to the OS, whenever another ``DEFAULT_TRIM_BYTES`` went through the context's pack and unpack
-#     hooks, and when its forward pass starts and ends. Blocks freed and allocated again between two
-#     trims reuse their pages;
+#     to the OS, when its forward pass starts and ends, whenever another ``DEFAULT_TRIM_BYTES`` went
+#     through the context's pack and unpack hooks, and whenever the heap's slack (resident memory glibc
+#     holds for no live block, ``heap_slack_bytes``) grew by that much since its lowest reading after the
+#     last trim. The hooks' traffic alone misses what no hook sees: between two unpacks a backward makes
+#     and frees gradients, weight-gradient products and kernels' buffers, and the slack they leave
+#     between two traffic trims can outgrow the backward's live memory (docs/memory.md). The slack is read
+#     (``mallinfo2`` and ``/proc/self/statm``, a few microseconds) at a hook's call, at most once a
+#     millisecond: a backward's late unpacks are small tensors (biases, statistics) between which its
+#     large transients are freed. Blocks freed and allocated again between two trims reuse their pages;
 #   * a fixed mmap threshold (``tighten_allocator``, which ``BudgetedStep(tune_allocator=True)``
 #     applies; what ``MALLOC_MMAP_THRESHOLD_=65536`` gives from the environment): each block of 64 KiB
 #     and more lives in its own mapping, unmapped on free. RSS follows live memory at every moment, but
@@ -121,28 +168,44 @@ def malloc_trim() -> bool:
 # filling the holes a trim made in a partly used range (RSS that grows while training pauses; measured
 # in docs/memory.md), so an idle heap is advised back to no huge pages.
 class HeapTrimmer:
-    """Returns glibc's free heap memory to the OS each time ``every`` more bytes were noted, and on
-    ``trim()``, and advises huge pages for the heap while a step uses it; see ``NOTE [ Freed memory
-    goes back to the OS ]``. Does nothing where glibc's ``malloc_trim`` is unavailable."""
+    """Returns glibc's free heap memory to the OS each time ``every`` more bytes were noted or the heap's slack
+    grew by ``every``, and on ``trim()``, and advises huge pages for the heap while a step uses it; see
+    ``NOTE [ Freed memory goes back to the OS ]``. Does nothing where glibc's ``malloc_trim`` is unavailable."""
 
-    __slots__ = ("_every", "_held", "_in_step", "_seen")
+    __slots__ = ("_every", "_held", "_in_step", "_read_at", "_seen", "_slack")
 
     def __init__(self, every: int = DEFAULT_TRIM_BYTES) -> None:
-        self._every, self._seen = every, 0
+        self._every, self._seen, self._read_at = every, 0, 0.0
+        self._slack: int | None = None
         self._held, self._in_step = False, False
 
     def note(self, nbytes: int) -> None:
-        """Count ``nbytes`` of traffic (a tensor saved or restored); trim once ``every`` have gone by."""
+        """Count ``nbytes`` of traffic (a tensor saved or restored); trim once ``every`` have gone by, or once the
+        heap's slack, read at most every ``_SLACK_READ_INTERVAL`` seconds, grew by ``every`` since its lowest
+        reading after the last trim."""
         self._seen += nbytes
         if self._seen >= self._every:
             self.trim()
+            return
+        now = time.perf_counter()
+        if now - self._read_at >= _SLACK_READ_INTERVAL:
+            self._read_at = now
+            slack = heap_slack_bytes()
+            if slack is None or self._slack is None:
+                return
+            if slack - self._slack >= self._every:
+                self.trim()
+            else:
+                self._slack = min(self._slack, slack)
 
     def trim(self) -> None:
         """``malloc_trim(0)`` now, advise huge pages for the heap if a step uses it, and start counting again."""
         self._seen = 0
-        malloc_trim()
+        if not malloc_trim():
+            return
         if self._in_step or self._held:
             advise_huge_pages()
+        self._slack = heap_slack_bytes()
 
     def begin(self) -> None:
         """A forward starts: the heap is in use (trims advise huge pages) until ``end`` and while what it saved

@@ -89,9 +89,10 @@ class CompressionConfig:
     held during backward."""
 
     tune_allocator: bool = True
-    """On CPU, hand glibc's free heap back to the OS (``malloc_trim``) when a forward starts and ends and
-    every ``allocator.DEFAULT_TRIM_BYTES`` (32 MiB) through the hooks, so the memory of freed activations and
-    backward's transients does not stay in the heap: the process peak a user sees follows live memory
+    """On CPU, hand glibc's free heap back to the OS (``malloc_trim``) when a forward starts and ends, every
+    ``allocator.DEFAULT_TRIM_BYTES`` (32 MiB) through the hooks, and whenever the memory glibc holds freed grew
+    by as much, so the memory of freed activations and backward's transients does not stay in the heap: the
+    process peak a user sees follows live memory
     (``NOTE [ Freed memory goes back to the OS ]`` in ``allocator.py``). It changes no allocator setting of
     the process."""
 
