@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend
 
 __all__ = ["CHUNK_BYTES", "attention_recomputed", "recomputes"]
 
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 2 << 20
 """On the CPU's math path, the call runs as many samples at a time as hold this many bytes of probabilities, or,
 where one sample holds more, as many of its heads (at least the query heads that share a key head): its transients
 are a few tensors of that size, not of the whole call's probabilities."""
