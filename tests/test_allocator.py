@@ -73,8 +73,8 @@ print(json.dumps(out))
 
 def test_the_trimmer_returns_memory_freed_between_hooks_once_the_heap_slack_grew() -> None:
     """Memory a backward frees between two hooks (gradients, kernels' buffers) is no traffic the hooks count;
-    the heap's slack, read every ``every / 16`` of traffic, sees it: 48 MiB freed and kept by glibc are returned
-    at the next read, after 1 MiB of traffic against a 16 MiB threshold. A fresh process (glibc's settings)."""
+    the heap's slack, read at a hook's call, sees it: 48 MiB freed and kept by glibc are returned at the next
+    read, after 1 MiB of traffic against a 16 MiB threshold. A fresh process (glibc's settings)."""
     import json
     import subprocess
     import sys
