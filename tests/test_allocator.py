@@ -93,7 +93,8 @@ def test_the_trimmer_trims_on_slack_grown_from_its_lowest_reading(monkeypatch: p
     readings = iter([1000, 900, 900 + 1599, 900 + 1600, 500, 500])
     monkeypatch.setattr(allocator, "_malloc_trim_fn", lambda: calls.append)
     monkeypatch.setattr(allocator, "heap_slack_bytes", lambda: next(readings))
-    monkeypatch.setattr(allocator, "_SLACK_READ_INTERVAL", 0.0)  # read at every note
+    monkeypatch.setattr(allocator, "_SLACK_READ_INTERVAL", 0.0)  # read at every note,
+    monkeypatch.setattr(allocator, "_SLACK_READ_SHARE", float("inf"))  # however long a read takes
     trimmer = allocator.HeapTrimmer(every=1600)
     trimmer.trim()  # reads 1000
     assert calls == [0]
@@ -111,7 +112,8 @@ def test_the_trimmer_reads_the_slack_at_most_once_an_interval(monkeypatch: pytes
     readings: list[int] = []
     monkeypatch.setattr(allocator, "_malloc_trim_fn", lambda: lambda pad: 0)
     monkeypatch.setattr(allocator, "heap_slack_bytes", lambda: readings.append(0) or 0)
-    clock = iter([10.0, 10.0005, 10.0011, 10.0012])
+    # each note reads the clock; a note that reads the slack reads it again after
+    clock = iter([10.0, 10.0, 10.0005, 10.0011, 10.0011, 10.0012])
     monkeypatch.setattr(allocator.time, "perf_counter", lambda: next(clock))
     trimmer = allocator.HeapTrimmer(every=1 << 30)
     trimmer.trim()
@@ -119,6 +121,23 @@ def test_the_trimmer_reads_the_slack_at_most_once_an_interval(monkeypatch: pytes
     for _ in range(4):
         trimmer.note(1)
     assert len(readings) == 3  # at 10.0 and 10.0011; not at 10.0005 or 10.0012
+    assert next(clock, None) is None
+
+
+def test_a_slow_slack_read_spaces_the_next_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that took 1 ms (a large, fragmented heap) is followed by none for 50 ms: reads take at most 2 % of
+    the time between them."""
+    readings: list[int] = []
+    monkeypatch.setattr(allocator, "_malloc_trim_fn", lambda: lambda pad: 0)
+    monkeypatch.setattr(allocator, "heap_slack_bytes", lambda: readings.append(0) or 0)
+    clock = iter([10.0, 10.001, 10.03, 10.0505, 10.052, 10.052])
+    monkeypatch.setattr(allocator.time, "perf_counter", lambda: next(clock))
+    trimmer = allocator.HeapTrimmer(every=1 << 30)
+    trimmer.trim()
+    for _ in range(4):
+        trimmer.note(1)
+    assert len(readings) == 3  # the trim's, at 10.0 (1 ms long) and at 10.052; not at 10.03 or 10.0505
+    assert next(clock, None) is None
 
 
 def test_glibc_is_shared_by_the_allocator_helpers() -> None:

@@ -18,6 +18,7 @@ _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 DEFAULT_MMAP_THRESHOLD = 1 << 16
 DEFAULT_TRIM_BYTES = 32 << 20
 _SLACK_READ_INTERVAL = 1e-3
+_SLACK_READ_SHARE = 0.02
 
 
 @functools.cache
@@ -145,9 +146,11 @@ def malloc_trim() -> bool:
 #     last trim. The hooks' traffic alone misses what no hook sees: between two unpacks a backward makes
 #     and frees gradients, weight-gradient products and kernels' buffers, and the slack they leave
 #     between two traffic trims can outgrow the backward's live memory (docs/memory.md). The slack is read
-#     (``mallinfo2`` and ``/proc/self/statm``, a few microseconds) at a hook's call, at most once a
-#     millisecond: a backward's late unpacks are small tensors (biases, statistics) between which its
-#     large transients are freed. Blocks freed and allocated again between two trims reuse their pages;
+#     (``/proc/self/statm`` and ``mallinfo2``, which walks the allocator's free lists: tens to hundreds
+#     of microseconds on a fragmented heap) at a hook's call, at most once a millisecond and no more
+#     often than keeps the reads to 2 % of the time between them: a backward's late unpacks are small
+#     tensors (biases, statistics) between which its large transients are freed. Blocks freed and
+#     allocated again between two trims reuse their pages;
 #   * a fixed mmap threshold (``tighten_allocator``, which ``BudgetedStep(tune_allocator=True)``
 #     applies; what ``MALLOC_MMAP_THRESHOLD_=65536`` gives from the environment): each block of 64 KiB
 #     and more lives in its own mapping, unmapped on free. RSS follows live memory at every moment, but
@@ -172,25 +175,28 @@ class HeapTrimmer:
     grew by ``every``, and on ``trim()``, and advises huge pages for the heap while a step uses it; see
     ``NOTE [ Freed memory goes back to the OS ]``. Does nothing where glibc's ``malloc_trim`` is unavailable."""
 
-    __slots__ = ("_every", "_held", "_in_step", "_read_at", "_seen", "_slack")
+    __slots__ = ("_every", "_held", "_in_step", "_read_at", "_read_every", "_seen", "_slack")
 
     def __init__(self, every: int = DEFAULT_TRIM_BYTES) -> None:
-        self._every, self._seen, self._read_at = every, 0, 0.0
+        self._every, self._seen = every, 0
+        self._read_at, self._read_every = 0.0, _SLACK_READ_INTERVAL
         self._slack: int | None = None
         self._held, self._in_step = False, False
 
     def note(self, nbytes: int) -> None:
         """Count ``nbytes`` of traffic (a tensor saved or restored); trim once ``every`` have gone by, or once the
-        heap's slack, read at most every ``_SLACK_READ_INTERVAL`` seconds, grew by ``every`` since its lowest
-        reading after the last trim."""
+        heap's slack grew by ``every`` since its lowest reading after the last trim. The slack is read at most every
+        ``_SLACK_READ_INTERVAL`` seconds, and no more often than keeps its reads to ``_SLACK_READ_SHARE`` of the
+        time between them."""
         self._seen += nbytes
         if self._seen >= self._every:
             self.trim()
             return
         now = time.perf_counter()
-        if now - self._read_at >= _SLACK_READ_INTERVAL:
-            self._read_at = now
+        if now - self._read_at >= self._read_every:
             slack = heap_slack_bytes()
+            self._read_at = time.perf_counter()
+            self._read_every = max(_SLACK_READ_INTERVAL, (self._read_at - now) / _SLACK_READ_SHARE)
             if slack is None or self._slack is None:
                 return
             if slack - self._slack >= self._every:
