@@ -108,36 +108,33 @@ def test_the_trimmer_trims_on_slack_grown_from_its_lowest_reading(monkeypatch: p
     assert next(readings, None) is None
 
 
-def test_the_trimmer_reads_the_slack_at_most_once_an_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+def _slack_reads_on_a_clock(monkeypatch: pytest.MonkeyPatch, times: list[float]) -> list[int]:
+    """The slack reads (each reads 0) of a trimmer trimmed once (one read) and then noted four times, its clock
+    giving ``times`` in turn: each note reads the clock, and a note that reads the slack reads it again after."""
     readings: list[int] = []
     monkeypatch.setattr(allocator, "_malloc_trim_fn", lambda: lambda pad: 0)
     monkeypatch.setattr(allocator, "heap_slack_bytes", lambda: readings.append(0) or 0)
-    # each note reads the clock; a note that reads the slack reads it again after
-    clock = iter([10.0, 10.0, 10.0005, 10.0011, 10.0011, 10.0012])
+    clock = iter(times)
     monkeypatch.setattr(allocator.time, "perf_counter", lambda: next(clock))
     trimmer = allocator.HeapTrimmer(every=1 << 30)
     trimmer.trim()
     assert len(readings) == 1
     for _ in range(4):
         trimmer.note(1)
-    assert len(readings) == 3  # at 10.0 and 10.0011; not at 10.0005 or 10.0012
     assert next(clock, None) is None
+    return readings
+
+
+def test_the_trimmer_reads_the_slack_at_most_once_an_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    readings = _slack_reads_on_a_clock(monkeypatch, [10.0, 10.0, 10.0005, 10.0011, 10.0011, 10.0012])
+    assert len(readings) == 3  # at 10.0 and 10.0011; not at 10.0005 or 10.0012
 
 
 def test_a_slow_slack_read_spaces_the_next_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """A read that took 1 ms (a large, fragmented heap) is followed by none for 50 ms: reads take at most 2 % of
     the time between them."""
-    readings: list[int] = []
-    monkeypatch.setattr(allocator, "_malloc_trim_fn", lambda: lambda pad: 0)
-    monkeypatch.setattr(allocator, "heap_slack_bytes", lambda: readings.append(0) or 0)
-    clock = iter([10.0, 10.001, 10.03, 10.0505, 10.052, 10.052])
-    monkeypatch.setattr(allocator.time, "perf_counter", lambda: next(clock))
-    trimmer = allocator.HeapTrimmer(every=1 << 30)
-    trimmer.trim()
-    for _ in range(4):
-        trimmer.note(1)
+    readings = _slack_reads_on_a_clock(monkeypatch, [10.0, 10.001, 10.03, 10.0505, 10.052, 10.052])
     assert len(readings) == 3  # the trim's, at 10.0 (1 ms long) and at 10.052; not at 10.03 or 10.0505
-    assert next(clock, None) is None
 
 
 def test_glibc_is_shared_by_the_allocator_helpers() -> None:
