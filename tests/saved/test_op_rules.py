@@ -322,15 +322,21 @@ def _biased_attention(gain: float):
     return fn, inputs
 
 
-def test_sdpa_with_a_learned_bias_stores_its_inputs_only() -> None:
+@pytest.mark.parametrize("chunks", [1, 8], ids=["whole", "chunked"])
+def test_sdpa_with_a_learned_bias_stores_its_inputs_only(chunks: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE [ Attention recomputed from its stored inputs ]: q and k at 8 bits, v at the model's bits, the bias
     # (which 2 bits would err by ~0.5 nats, 8 bits by ~0.006) at 8 bits; no probabilities (n**2 per head) and
-    # no copies of q and k.
+    # no copies of q and k. Run a head at a time (``NOTE [ Chunks stored apart ]``), the same for each head's q,
+    # k and v, each stored apart.
+    from daftrain.saved import recomputed_attention
+
+    if chunks > 1:
+        monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", 1)  # one head of each of the 2 samples
     fn, inputs = _biased_attention(gain=0.5)
     ref = _grads(fn, inputs, None)
     ctx, plain = _ctx(4), _ctx(4, rules=False)
     with_rule, without = _grads(fn, inputs, ctx), _grads(fn, inputs, plain)
-    assert ctx.stats.compressed == 4 and ctx.stats.kept == 0
+    assert ctx.stats.compressed == 3 * chunks + 1 and ctx.stats.kept == 0
     assert plain.stats.compressed == 4  # without the rules: the copies of q and k, P and v, all at 4 bits
     # In bits per value of q's size (the groups' lo and scale add under 3 %): P holds t / d = 4 times as many
     # values as q, the bias (shared by the batch of 2) twice as many.
@@ -830,3 +836,17 @@ def test_a_function_without_the_override_check_stays_closed() -> None:
     assert _opened(F.multi_head_attention_forward) is not None
     assert _opened(lambda x: x) is None
     assert _opened(torch.add) is None  # a builtin: no code to copy
+
+
+def test_a_slice_of_a_target_is_told_from_its_neighbours() -> None:
+    # NOTE [ Chunks stored apart ]: a chunk of q (samples, or heads of a sample) matches q; k and v cut from the same
+    # fused projection (the same memory, dims and strides, other offsets) do not.
+    from daftrain.saved.op_rules import _slice_of
+
+    b, t, h, d = 3, 8, 4, 5
+    qkv = torch.randn(b, t, 3 * h * d)
+    q, k, v = (x.view(b, t, h, d).transpose(1, 2) for x in qkv.split(h * d, -1))
+    assert _slice_of(q, q) and _slice_of(q[1:3], q) and _slice_of(q[2:3, 1:3], q) and _slice_of(k[0:1, 3:4], k)
+    assert not any(_slice_of(x, q) for x in (k, v, k[1:2], v[0:1, 2:4], v[2:3, 3:4]))
+    assert not _slice_of(q[:, :, :, 1:], q[:, :, :, :4]) and not _slice_of(q[0:1], k)
+    assert not _slice_of(q.contiguous(), q) and not _slice_of(q[0:1].double(), q) and not _slice_of(q[0], q)

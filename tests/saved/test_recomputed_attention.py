@@ -84,8 +84,12 @@ def test_grouped_query_heads() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
 
 
-def test_double_backward_as_plain() -> None:
+@pytest.mark.parametrize("chunk_bytes", [None, H * T * T * 4, 1], ids=["whole", "samples", "heads"])
+def test_double_backward_as_plain(chunk_bytes: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     # Plain SDPA's fused CPU kernel has no second derivative; with a learned bias it takes the math path, which has.
+    # Chunked, the call runs again whole on q, k and v joined from their chunks' stored parts.
+    if chunk_bytes is not None:
+        monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", chunk_bytes)
     got = []
     for fn in (F.scaled_dot_product_attention, attention_recomputed):
         q, k, v = _qkv()
@@ -170,8 +174,12 @@ def test_math_path_saves_its_dropout_mask_and_tells_its_transients(monkeypatch: 
     q, k, v = _qkv()
     out = attention_recomputed(q, k, v, dropout_p=0.3, traffic=told.append)
     assert out.grad_fn is not None
-    saved = out.grad_fn.saved_tensors
-    assert len(saved) == 5 and saved[4].dtype == torch.bool and saved[4].shape == (B, H, T, T)
+    stores = out.grad_fn.stores  # NOTE [ Chunks stored apart ]: each sample's q, k, v and dropout mask
+    assert len(stores) == B
+    for b, store in enumerate(stores):
+        q_b, k_b, v_b, keep = store.saved_tensors
+        assert all(torch.equal(part, t[b:b + 1]) for part, t in ((q_b, q), (k_b, k), (v_b, v)))
+        assert keep.dtype == torch.bool and keep.shape == (1, H, T, T)
     per_sample = 6 * H * T * T * 4  # the math path's six probability-sized transients, float32
     assert told == [per_sample] * B  # forward, a sample at a time
     torch.manual_seed(7)
@@ -203,7 +211,7 @@ def test_compress_stores_the_dropout_mask_at_one_bit_and_trims_with_it(monkeypat
     q, k, v = _qkv()
     with ctx:
         out = F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, dropout_p=0.3)
-    assert ctx.stats.bool_packed == 1
+    assert ctx.stats.bool_packed == B  # a chunk's part of the mask at a time (NOTE [ Chunks stored apart ])
     per_sample = 6 * H * T * T * 4
     assert noted.count(per_sample) == B
     out.sum().backward()
@@ -225,8 +233,8 @@ def test_one_sample_runs_a_group_of_heads_at_a_time(monkeypatch: pytest.MonkeyPa
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         torch.manual_seed(5)
         out = fn(*leaves, dropout_p=0.2, enable_gqa=True)
-        if fn is attention_recomputed:  # chunked: the forward saved its dropout mask beside q, k, v and the mask
-            assert len(out.grad_fn.saved_tensors) == 5
+        if fn is attention_recomputed:  # chunked: each chunk's part of the dropout mask stored beside its q, k, v
+            assert [store.saved_tensors[3].shape for store in out.grad_fn.stores] == [(1, 4, T, T)] * 2
         got.append((out, torch.autograd.grad((out * out).sum(), leaves)))
     (out, grads), (out_r, grads_r) = got
     assert torch.equal(out, out_r) and all(torch.equal(a, b) for a, b in zip(grads, grads_r, strict=True))
@@ -268,3 +276,58 @@ def test_the_inner_call_leaves_no_reference_cycle() -> None:
     del out
     gc.collect()
     assert alive() is None
+
+
+class _RestoredCopies:
+    """Saved-tensor hooks that store a copy and restore a fresh copy, counting at each restore how many earlier
+    restored copies are still alive."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self._ref = weakref.ref
+        self.restored: list[object] = []
+        self.alive_at_restore: list[int] = []
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), self._unpack)
+
+    def _unpack(self, stored: torch.Tensor) -> torch.Tensor:
+        self.alive_at_restore.append(sum(ref() is not None for ref in self.restored))
+        copy = stored.clone()
+        self.restored.append(self._ref(copy))
+        return copy
+
+
+@pytest.mark.parametrize("kwargs", [{"dropout_p": 0.3}, {"attn_mask": "learned"}], ids=["dropout", "learned_bias"])
+def test_backward_restores_one_chunk_at_a_time(kwargs: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Chunks stored apart ]: when a chunk's parts are restored, no earlier chunk's are alive: at the j-th
+    # restore of a chunk's parts at most j - 1 copies are (restored whole, q, k and v were alive together).
+    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", H * T * T * 4)  # one sample a chunk
+    copies = _RestoredCopies()
+    q, k, v = _qkv()
+    bias = _bias() if kwargs.get("attn_mask") == "learned" else None
+    call = {**kwargs, "attn_mask": bias * 1.0} if bias is not None else kwargs
+    w = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    with copies.hooks():
+        out = attention_recomputed(q * 1.0, k * 1.0, v * 1.0, **call)
+    parts = 4 if "dropout_p" in kwargs else 3  # q, k, v and the dropout mask (none without dropout)
+    (out * w).sum().backward()
+    restores = copies.alive_at_restore[1:] if bias is not None else copies.alive_at_restore  # the mask, first
+    assert len(restores) == B * parts
+    assert all(alive <= j % parts for j, alive in enumerate(restores)), restores
+
+
+def test_chunk_stores_are_released_by_backward_and_kept_under_retain_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recomputed_attention, "CHUNK_BYTES", H * T * T * 4)
+    q, k, v = _qkv()
+    out = attention_recomputed(q * 1.0, k * 1.0, v * 1.0, dropout_p=0.3)
+    stores = out.grad_fn.stores
+    first = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+    assert all(len(store.saved_tensors) == 4 for store in stores)  # kept for a second backward
+    second = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    for store in stores:  # released as any node's saves are, once the engine ran them
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            _ = store.saved_tensors

@@ -255,7 +255,8 @@ def _einsum_contracted(args: tuple[Any, ...], saved: torch.Tensor) -> int | None
     return None
 
 
-def _contracted(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], saved: torch.Tensor) -> int | None:
+def _contracted(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                saved: torch.Tensor) -> float | None:
     """The size ``K`` the saved tensor is contracted over by op ``name``, or ``None`` when it is not a
     contraction operand (``rows = numel / K``); see ``NOTE [ Importance estimate ]``."""
     if name == "linear":
@@ -278,13 +279,15 @@ def _contracted(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], sav
         return _einsum_contracted(args, saved)
     if name == "scaled_dot_product_attention":
         # q, k and v themselves: what the call saves under the attention rule (``NOTE [ Attention recomputed
-        # from its stored inputs ]`` in ``saved/recomputed_attention.py``), as the fused kernels do.
+        # from its stored inputs ]`` in ``saved/recomputed_attention.py``), as the fused kernels do, or a chunk of
+        # one (``NOTE [ Chunks stored apart ]``), whose noise meets its chunk's share of ``G``: the rows of the
+        # whole operand, ``K`` scaled by the chunk's share of it.
         q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
         if _same_storage(q, saved) or _same_storage(k, saved):
             t = q if _same_storage(q, saved) else k
-            return int(t.shape[-1])
+            return t.shape[-1] * saved.numel() / max(1, t.numel())
         if _same_storage(v, saved) and v.dim() >= 2:
-            return int(v.shape[-2])
+            return v.shape[-2] * saved.numel() / max(1, v.numel())
     return None
 
 

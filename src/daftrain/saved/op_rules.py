@@ -180,6 +180,9 @@ class OpMatch:
     """What runs instead of the function (an operator-level saving), if anything."""
     integers: bool = False
     """The int64 tensors the call saves (a max pool's indices) are the ones the rule treats."""
+    slices: bool = False
+    """A slice of a target matches too (recomputed attention saves its chunks' q and k apart, ``NOTE [ Chunks
+    stored apart ]`` in ``recomputed_attention.py``)."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -198,6 +201,24 @@ def _is_target(t: torch.Tensor, x: torch.Tensor) -> bool:
             and t.is_contiguous() and x.is_contiguous()):
         return True
     return copy_of(t, x, same_shape=True) or (t.shape != x.shape and copy_of(t, x, same_order=True))
+
+
+def _slice_of(t: torch.Tensor, x: torch.Tensor) -> bool:
+    """``t`` is a slice of ``x`` (``x[a:b, c:d, ...]``): the same memory, dtype, dims and strides, and its elements
+    among ``x``'s (its offset in ``x`` decomposed along ``x``'s strides, largest first, which is exact for a
+    permutation of a contiguous tensor and its slices)."""
+    if t.dtype != x.dtype or t.dim() != x.dim() or t.stride() != x.stride() or t.device != x.device:
+        return False
+    if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return False
+    offset = t.storage_offset() - x.storage_offset()
+    for d in sorted(range(x.dim()), key=lambda d: -x.stride(d)):
+        size, stride = x.shape[d], x.stride(d)
+        at = offset // stride if size > 1 and stride > 0 else 0
+        if at < 0 or at + t.shape[d] > size:
+            return False
+        offset -= at * stride
+    return offset == 0
 
 
 def keeps(match: OpMatch | None, t: torch.Tensor) -> bool:
@@ -219,6 +240,8 @@ def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
         return match if any(t.shape == x.shape and t.dtype == x.dtype for x in match.targets) else None
     if match.views:
         return match if any(_is_target(t, x) or copy_of(t, x) for x in match.targets) else None
+    if match.slices:
+        return match if any(_is_target(t, x) or _slice_of(t, x) for x in match.targets) else None
     return match if any(_is_target(t, x) for x in match.targets) else None
 
 
@@ -642,6 +665,7 @@ class OpTracer:
             match = replace(match, targets=(), keep_all=True)
         if not recomputes(args, dict(kwargs)):
             return match
+        match = replace(match, slices=True)  # NOTE [ Chunks stored apart ]: q and k may be saved a chunk at a time
         mask = _arg(args, kwargs, 3, "attn_mask")
         if mask is None:
             return replace(match, call=self._recomputed)

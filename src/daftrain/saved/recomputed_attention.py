@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -47,11 +47,12 @@ are a few tensors of that size, not of the whole call's probabilities."""
 # divided by ``1 - p``): the gradient of the same function, chunk by chunk. Its forward runs those ops without
 # a graph, a chunk at a time too, and draws the dropout mask itself (whole, before the first chunk), as the
 # math path draws it (``bernoulli_`` over the probabilities' shape, into a bool tensor: the same values, the
-# random stream left where plain leaves it, ``NOTE [ The dropout mask drawn as bool ]``), and saves it, which
-# ``compress`` stores at one bit a value: drawing it again in backward cost as much time as the recomputation
-# of the probabilities. What the math path makes and frees, in forward and in each chunk, is told to the
-# context's heap trimmer as packed and restored tensors are (``traffic``): those blocks are below glibc's mmap
-# threshold, and freed they would stay in its heap (``NOTE [ Freed memory goes back to the OS ]``).
+# random stream left where plain leaves it, ``NOTE [ The dropout mask drawn as bool ]``), and saves it, a chunk's
+# part beside the chunk's q, k and v (``NOTE [ Chunks stored apart ]``), which ``compress`` stores at one bit a
+# value: drawing it again in backward cost as much time as the recomputation of the probabilities. What the math
+# path makes and frees, in forward and in each chunk, is told to the context's heap trimmer as packed and restored
+# tensors are (``traffic``): those blocks are below glibc's mmap threshold, and freed they would stay in its heap
+# (``NOTE [ Freed memory goes back to the OS ]``).
 def recomputes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an SDPA call with these arguments runs as ``attention_recomputed``: it builds a graph and its
     inputs are plain dense tensors."""
@@ -78,12 +79,31 @@ def attention_recomputed(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     options = (dropout_p, is_causal, scale, enable_gqa)
     device = query.device.type
     if not _autocasting(device):
-        return _Recomputed.apply(query, key, value, attn_mask, options, traffic)
+        return _apply(query, key, value, attn_mask, options, traffic)
     # NOTE [ Recomputed attention under autocast ]
     dtype = torch.get_autocast_dtype(device)
     query, key, value, attn_mask = (_autocast(t, dtype) for t in (query, key, value, attn_mask))
     with torch.autocast(device, enabled=False):
-        return _Recomputed.apply(query, key, value, attn_mask, options, traffic)
+        return _apply(query, key, value, attn_mask, options, traffic)
+
+
+def _apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           options: tuple[float, bool, float | None, bool], traffic: Callable[[int], None] | None) -> torch.Tensor:
+    """The call as ``_Recomputed``, or, where it runs a chunk at a time, as ``_Chunked`` with each chunk's q, k, v
+    and dropout mask saved by a ``_ChunkStore`` of its own (``NOTE [ Chunks stored apart ]``)."""
+    chunking = _chunking(q, k, v, mask, options)
+    if chunking is None:
+        return _Recomputed.apply(q, k, v, mask, options, traffic)
+    random = _RandomState(q.device) if options[0] > 0 else None
+    keep = _dropout_keep(q, k, options) if options[0] > 0 else None
+    stores: list[Any] = []
+    if any(t.requires_grad for t in (q, k, v)):  # else the parts are constants, saved whole by ``_Chunked``
+        for chunk in chunking[0]:
+            stored = _ChunkStore.apply(*_parts(chunk, q, k, v, None)[:3],
+                                       keep[chunk.rows, chunk.heads] if keep is not None else None)
+            stores.append(stored)
+    return _Chunked.apply(q, k, v, mask, keep, options, traffic, chunking, random,
+                          [s.grad_fn for s in stores], *stores)
 
 
 # NOTE [ Recomputed attention under autocast ]
@@ -159,12 +179,6 @@ class _Recomputed(torch.autograd.Function):
         ctx.options, ctx.traffic = options, traffic
         ctx.random = _RandomState(q.device) if options[0] > 0 else None
         ctx.needs = tuple(t is not None and t.requires_grad for t in (q, k, v, mask))
-        ctx.chunking = _chunking(q, k, v, mask, options)
-        if ctx.chunking is not None:  # the math path, recomputed a chunk at a time in backward: no graph to hold
-            keep = _dropout_keep(q, k, options) if options[0] > 0 else None
-            ctx.save_for_backward(q, k, v, mask, keep)
-            with torch.no_grad():
-                return _chunked_forward(q, k, v, mask, keep, options, ctx.chunking[0], traffic)
         ctx.save_for_backward(q, k, v, mask)
         with torch.enable_grad():
             leaves = [_leaf(t, needs) for t, needs in zip((q, k, v, mask), ctx.needs, strict=True)]
@@ -172,19 +186,85 @@ class _Recomputed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (*_whole_grads(ctx.saved_tensors, ctx.needs, ctx.options, ctx.random, grad), None, None)
+
+
+def _whole_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
+                 options: tuple[float, bool, float | None, bool], random: _RandomState | None,
+                 grad: torch.Tensor) -> list[torch.Tensor | None]:
+    """The gradients of q, k, v and the mask, the call run again whole on the ``saved`` q, k, v and mask (under
+    ``create_graph`` on those tensors themselves)."""
+    create_graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        inputs = [t if create_graph and t is not None and t.requires_grad else _leaf(t, n)
+                  for t, n in zip(saved, needs, strict=True)]
+        with random.restored() if random is not None else contextlib.nullcontext():
+            out = _attention(*inputs, options)
+    wrt = [t for t, n in zip(inputs, needs, strict=True) if n]
+    grads = iter(torch.autograd.grad(out, wrt, grad, create_graph=create_graph))
+    return [next(grads) if n else None for n in needs]
+
+
+# NOTE [ Chunks stored apart ]
+# Where the call runs a chunk at a time, backward needs one chunk's q, k, v and dropout mask at a time, and
+# saved by the call itself they would be restored whole (``ctx.saved_tensors`` unpacks everything a node
+# saved): four tensors of the call's inputs' size, decoded beside the gradients of q, k and v for the whole
+# of its backward. So each chunk's parts are saved by a node of their own, ``_ChunkStore``, made before the
+# call and given to it as an input (an empty tensor): the call's backward reads one store's saved tensors at
+# a time, and the parts it decoded are freed once their chunk's gradient is written. The stores are
+# ordinary nodes of the graph after the call: the engine runs them (their gradient is nothing) and releases
+# what they saved then, as it releases any node's saves, or keeps it under ``retain_graph``. Under
+# ``compress`` the pack hooks see each part inside the attention call, and the rule treats a slice of q or k
+# as it treats q and k (``OpMatch.slices``). Under ``create_graph`` the call runs again whole on q, k and v
+# joined from the restored parts. Where none of q, k and v requires grad their parts would be no node's inputs
+# (constants, kept as they are either way) and the call saves them whole.
+class _ChunkStore(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, *parts: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*parts)
+        ctx.set_materialize_grads(False)
+        first = parts[0]
+        assert first is not None
+        return first.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
+        return (None,) * len(ctx.needs_input_grad)
+
+
+class _Chunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                mask: torch.Tensor | None, keep: torch.Tensor | None,
+                options: tuple[float, bool, float | None, bool], traffic: Callable[[int], None] | None,
+                chunking: tuple[list[_Chunk], bool], random: _RandomState | None, stores: list[Any],
+                *stored: torch.Tensor) -> torch.Tensor:
+        ctx.options, ctx.traffic, ctx.chunking, ctx.random, ctx.stores = options, traffic, chunking, random, stores
+        ctx.needs = tuple(t is not None and t.requires_grad for t in (q, k, v, mask))
+        ctx.layouts = tuple(torch.empty_like(t, device="meta") for t in (q, k, v))
+        ctx.save_for_backward(mask, *(() if stores else (q, k, v, keep)))
+        with torch.no_grad():
+            return _chunked_forward(q, k, v, mask, keep, options, chunking[0], traffic)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         saved = ctx.saved_tensors
-        create_graph = torch.is_grad_enabled()
-        if not create_graph and ctx.chunking is not None:
-            return (*_chunked_grads(saved, ctx.needs, ctx.options, grad, ctx.chunking, ctx.traffic), None, None)
-        saved = saved[:4]
-        with torch.enable_grad():
-            inputs = [t if create_graph and t is not None and t.requires_grad else _leaf(t, needs)
-                      for t, needs in zip(saved, ctx.needs, strict=True)]
-            with ctx.random.restored() if ctx.random is not None else contextlib.nullcontext():
-                out = _attention(*inputs, ctx.options)
-        wrt = [t for t, needs in zip(inputs, ctx.needs, strict=True) if needs]
-        grads = iter(torch.autograd.grad(out, wrt, grad, create_graph=create_graph))
-        return (*(next(grads) if needs else None for needs in ctx.needs), None, None)
+        mask = saved[0]
+        chunks = ctx.chunking[0]
+        parts: Iterator[tuple[torch.Tensor | None, ...]]
+        if ctx.stores:  # NOTE [ Chunks stored apart ]: one chunk restored at a time
+            parts = (store.saved_tensors for store in ctx.stores)
+        else:
+            q, k, v, keep = saved[1:]
+            parts = ((*_parts(chunk, q, k, v, None)[:3], keep[chunk.rows, chunk.heads] if keep is not None else None)
+                     for chunk in chunks)
+        if torch.is_grad_enabled():  # create_graph: the call run again whole on the restored tensors themselves
+            q, k, v = _joined(chunks, [p[:3] for p in parts])
+            grads = _whole_grads((q, k, v, mask), ctx.needs, ctx.options, ctx.random, grad)
+        else:
+            grads = _chunked_grads(parts, ctx.layouts, mask, ctx.needs, ctx.options, grad, ctx.chunking,
+                                   ctx.traffic)
+        return (*grads, None, None, None, None, None, None, *(None for _ in ctx.stores))
 
 
 def _chunking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -258,15 +338,14 @@ def _parts(chunk: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask[chunk.mask] if mask is not None else None]
 
 
-def _run(chunk: _Chunk, parts: list[torch.Tensor | None], keep: torch.Tensor | None,
+def _run(parts: list[torch.Tensor | None], keep: torch.Tensor | None,
          options: tuple[float, bool, float | None, bool], head_bytes: int,
          traffic: Callable[[int], None] | None) -> torch.Tensor:
-    """``chunk``'s output from its ``parts``: the math path op for op with the forward's dropout mask, or the call
-    itself where it has none; its transients told to ``traffic``."""
+    """A chunk's output from its ``parts`` (q, k, v and the mask): the math path op for op with the chunk's part of
+    the forward's dropout mask, or the call itself where it has none; its transients told to ``traffic``."""
     q, k, v, mask = parts
     assert q is not None and k is not None and v is not None
-    out = _attention(q, k, v, mask, options) if keep is None else _math(q, k, v, mask, keep[chunk.rows, chunk.heads],
-                                                                         options)
+    out = _attention(q, k, v, mask, options) if keep is None else _math(q, k, v, mask, keep, options)
     if traffic is not None:
         traffic(_TRANSIENTS * out.shape[0] * out.shape[1] * head_bytes)
     return out
@@ -317,7 +396,8 @@ def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out: torch.Tensor | None = None
     mask4 = _as_4d(mask)
     for chunk in chunks:
-        part = _run(chunk, _parts(chunk, q, k, v, mask4), keep, options, _head_bytes(q, k), traffic)
+        chunk_keep = keep[chunk.rows, chunk.heads] if keep is not None else None
+        part = _run(_parts(chunk, q, k, v, mask4), chunk_keep, options, _head_bytes(q, k), traffic)
         if out is None:
             out = part.new_empty((q.shape[0], q.shape[1], *part.shape[2:]))
         out[chunk.rows, chunk.heads] = part
@@ -325,27 +405,33 @@ def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out
 
 
-def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
+def _chunked_grads(parts: Iterable[tuple[torch.Tensor | None, ...]], layouts: tuple[torch.Tensor, ...],
+                   mask: torch.Tensor | None, needs: tuple[bool, ...],
                    options: tuple[float, bool, float | None, bool], grad: torch.Tensor,
                    chunking: tuple[list[_Chunk], bool], traffic: Callable[[int], None] | None
                    ) -> list[torch.Tensor | None]:
-    """The gradients of q, k, v and the mask, the call recomputed a chunk at a time with the dropout mask its
-    forward drew (``NOTE [ Attention recomputed from its stored inputs ]``)."""
-    q, k, v, mask, keep = saved
-    assert q is not None and k is not None and v is not None
+    """The gradients of q, k, v and the mask, the call recomputed a chunk at a time from each chunk's ``parts`` (its
+    q, k, v and dropout mask, restored one chunk at a time) with the dropout mask its forward drew (``NOTE [
+    Attention recomputed from its stored inputs ]``); ``layouts`` are q, k and v on the meta device."""
     chunks, shared = chunking
     mask4 = _as_4d(mask)
+    head_bytes = _head_bytes(layouts[0], layouts[1])
     # each chunk writes its part of q's, k's, v's (and the mask's) gradient; a shared mask's adds up
     results: list[torch.Tensor | None] = [
-        None if t is None or not n else torch.zeros_like(t) if i == 3 and shared else torch.empty_like(t)
-        for i, (t, n) in enumerate(zip((q, k, v, mask4), needs, strict=True))]
+        torch.empty_like(t, device=grad.device) if n else None for t, n in zip(layouts, needs[:3], strict=True)]
+    results.append(None if mask4 is None or not needs[3] else
+                   torch.zeros_like(mask4) if shared else torch.empty_like(mask4))
+    restored = iter(parts)
     for chunk in chunks:
-        parts = _parts(chunk, q, k, v, mask4)
+        q, k, v, keep = next(restored)  # no other reference to them: freed by the ``del`` below
         with torch.enable_grad():
-            leaves = [_leaf(t, n) for t, n in zip(parts, needs, strict=True)]
-            out = _run(chunk, leaves, keep, options, _head_bytes(q, k), traffic)
+            leaves = [_leaf(t, n) for t, n in zip((q, k, v, mask4[chunk.mask] if mask4 is not None else None),
+                                                  needs, strict=True)]
+            out = _run(leaves, keep, options, head_bytes, traffic)
+        del q, k, v, keep  # the restored parts: freed with the chunk (``NOTE [ Chunks stored apart ]``)
         wrt = [t for t, n in zip(leaves, needs, strict=True) if n and t is not None]
         grads = iter(torch.autograd.grad(out, wrt, grad[chunk.rows, chunk.heads]))
+        del out, leaves, wrt
         for i, index in enumerate(((chunk.rows, chunk.heads), (chunk.rows, chunk.kv_heads),
                                    (chunk.rows, chunk.kv_heads), chunk.mask)):
             target = results[i]
@@ -358,3 +444,16 @@ def _chunked_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ..
     if results[3] is not None and mask is not None:
         results[3] = results[3].view(mask.shape)
     return results
+
+
+def _joined(chunks: list[_Chunk], parts: list[tuple[torch.Tensor | None, ...]]) -> list[torch.Tensor]:
+    """q, k and v joined from their chunks' ``parts`` (differentiably: under ``create_graph`` the parts restored are
+    the saved slices themselves)."""
+    by_rows: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}
+    for chunk, part in zip(chunks, parts, strict=True):
+        by_rows.setdefault(chunk.rows.start, []).append(part)
+    joined = []
+    for i in range(3):
+        rows = [[p[i] for p in ps] for ps in by_rows.values()]
+        joined.append(torch.cat([torch.cat(r, 1) if len(r) > 1 else r[0] for r in rows], 0))  # type: ignore[misc]
+    return joined
