@@ -226,3 +226,35 @@ def test_torch_func_grad_inside_compress_raises_a_daftrain_error_that_says_what_
     assert ctx.stats.compressed > 0
     for name, p in model.named_parameters():  # 8 bits: within 2 %, as in the composing cases above
         assert (p.grad - grads[name]).norm() <= 0.02 * grads[name].norm(), name
+
+
+ATTENTION = nn.Linear(128, 384)
+
+
+def _attention_region(h: torch.Tensor) -> torch.Tensor:
+    q, k, v = (t.view(8, 8, 4, 32).transpose(1, 2) for t in ATTENTION(h.view(8, 8, 128)).split(128, -1))
+    return nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(64, 128)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_torch_checkpoint_region_runs_its_calls_as_plain(use_reentrant: bool) -> None:
+    # NOTE [ Operator-level savings under other hooks ] in op_rules.py: inside a torch.utils.checkpoint region the
+    # attention call is not run as the function that saves q, k and v only (its recomputation, outside the rules,
+    # would hand that function plain SDPA's saves: a wrong gradient without an error), nor are GELU's inputs saved
+    # as their derivative; the gradient is plain's to rounding.
+    def region(h: torch.Tensor) -> torch.Tensor:
+        return BLOCK(_attention_region(h))
+
+    def grads(ctx: daftrain.compress | None, checkpointed: bool) -> torch.Tensor:
+        MODEL.zero_grad(set_to_none=True)
+        ATTENTION.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            h = STEM(X)
+            h = checkpoint(region, h, use_reentrant=use_reentrant) if checkpointed else region(h)
+            loss = HEAD(h).square().mean()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in (*MODEL.parameters(), *ATTENTION.parameters())])
+
+    plain = grads(None, checkpointed=False)
+    got = grads(_ctx(), checkpointed=True)
+    assert ((got - plain).norm() / plain.norm()).item() < GRAD_RTOL

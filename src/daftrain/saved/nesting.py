@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NestedSavedTensorsHooksWarning", "outer_hook_name", "warn_if_nested"]
+__all__ = ["NestedSavedTensorsHooksWarning", "outer_hook_name", "saves_reach_daftrain", "warn_if_nested"]
 
 
 class NestedSavedTensorsHooksWarning(UserWarning):
@@ -55,3 +55,10 @@ def warn_if_nested(ctx: Any) -> None:
         "the innermost, so that context does nothing for the tensors saved inside compress (save_on_cpu keeps "
         "them in place, a torch.utils.checkpoint region stores them instead of recomputing). Enter compress "
         "outside it, around the whole forward", NestedSavedTensorsHooksWarning, stacklevel=3)
+
+
+def saves_reach_daftrain() -> bool:
+    """Whether a tensor saved now goes to daftrain's hooks (``compress``'s, or a ``daftrain.checkpoint`` region's,
+    whose recomputation runs under the op rules) or to none: not to another context's (``NOTE [ Operator-level
+    savings under other hooks ]`` in ``op_rules.py``)."""
+    return outer_hook_name() in (None, "daftrain.compress")

@@ -23,6 +23,7 @@ from ..lineage import copy_of
 from .attention_precision import AttentionPrecision, MaskStorage
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
+from .nesting import saves_reach_daftrain
 from .recomputed_attention import attention_recomputed, recomputes
 from .records import ClipMask, Derivative, Encoding, Normalized, PoolWindows, stored_numel
 
@@ -534,6 +535,16 @@ def _opened(func: Any) -> Any:
     return opened
 
 
+# NOTE [ Operator-level savings under other hooks ]
+# A rule that runs a call as a function of its own (``OpMatch.call``: attention recomputed from its inputs, a
+# cross-entropy that saves its logits) saves other tensors than the call does, which only daftrain's own hooks are
+# ready for. Inside another saved-tensor hook context entered in ``compress`` (a ``torch.utils.checkpoint`` region:
+# only the innermost hooks apply), those saves are that context's, and a checkpoint recomputes the region in
+# backward outside the rules, as plain PyTorch: its recomputed saves would take the places of the function's (plain
+# SDPA's in the recomputed attention's), a wrong gradient without an error. So a call runs as the rule's function
+# only where a tensor saved now reaches daftrain's hooks (``compress``'s, or a ``daftrain.checkpoint`` region's,
+# which recomputes under the rules) or no hooks at all (``ExactSavings``: plain autograd saves); anywhere else it
+# runs as it is.
 class _RuleMode(TorchFunctionMode):
     def __init__(self, tracer: OpTracer, by_function: dict[Any, OpRule]) -> None:
         super().__init__()
@@ -557,6 +568,8 @@ class _RuleMode(TorchFunctionMode):
             found = self.tracer.over_linear(found)
         elif found is not None and found.rule.name == "attention_qk":
             found = self.tracer.attention(found, args, kwargs)
+        if found is not None and found.call is not None and not saves_reach_daftrain():
+            found = None  # NOTE [ Operator-level savings under other hooks ]
         if found is None:
             out = func(*args, **kwargs)
         else:
