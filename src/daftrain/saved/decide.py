@@ -11,7 +11,7 @@ import torch
 from ..config import CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES
 from ..params import ParameterRegistry, is_parameter_like
-from .op_rules import OpMatch, keeps, match_saved
+from .op_rules import OpMatch, computed, keeps, match_saved
 from .records import (
     NARROWABLE_DTYPES,
     ClipMask,
@@ -107,7 +107,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
         return _KEEP["dtype"]
     if config.bits is None:
         return _KEEP["exact"]
-    if t.grad_fn is None:
+    if t.grad_fn is None and not computed(call, t):
         return _CONSTANT
     if type(t.grad_fn).__name__ in _NONLINEAR_OUTPUT_NODES:
         return _softmax_output(t, log=True)
@@ -165,8 +165,11 @@ def _windows_of_indices(t: torch.Tensor, match: OpMatch | None) -> PoolWindows |
 
 
 # NOTE [ Derivative encoding under bits="auto" ]
-# A GELU's, SiLU's, Hardswish's or Mish's input is stored as ``f'(x)`` (``NOTE [ Activations stored as
-# their derivative ]`` in ``records.py``) under bits="auto" too, and bits="auto" sees what the record stores: an
+# A GELU's, SiLU's, Hardswish's or Mish's input is stored as ``f'(x)`` under bits="auto" too: out of place the
+# call saves ``f'(x)`` itself (``NOTE [ Activations that save their derivative ]`` in
+# ``activation_derivative.py``), a tensor as any other to auto; in place its input's copy is stored with the
+# ``Derivative`` encoding (``NOTE [ Activations stored as their derivative ]`` in ``records.py``), and
+# bits="auto" sees what the record stores: an
 # adaptation step observes the group ranges of ``f'(x)``, not of ``x`` (``BitPolicy.assign``'s
 # ``stored_as``), and a calibration pass adds its noise to ``f'(x)`` and restores an input from it
 # (``CalibrationPass``), so the estimate and its calibration are of the quantity that is rounded.

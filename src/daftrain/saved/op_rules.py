@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..lineage import copy_of
+from .activation_derivative import saving_derivative
 from .attention_precision import AttentionPrecision, MaskStorage
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
@@ -27,8 +28,8 @@ from .nesting import saves_reach_daftrain
 from .recomputed_attention import attention_recomputed, recomputes
 from .records import ClipMask, Derivative, Encoding, Normalized, PoolWindows, stored_numel
 
-__all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpTracer", "keeps", "match_saved",
-           "may_have_wide_head"]
+__all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpTracer", "computed", "keeps",
+           "match_saved", "may_have_wide_head"]
 
 ATTENTION_MIN_BITS = 8
 WEIGHT_MIN_BITS = 8
@@ -71,8 +72,10 @@ class OpRule:
 #   5. smooth activations (GELU, SiLU, Mish) and Hardswish read their saved input only through their
 #      derivative f'(x), which is nonlinear: rounding x makes f'(x) noisier (by |f''| up to 0.8; Hardswish's
 #      jumps by 0.5 at -3 and 3) and biased, and through a stack of such layers without a residual path
-#      the errors compound (``Derivative`` encoding: f'(x) itself, quantized, see ``NOTE [ Activations
-#      stored as their derivative ]``); in place, they save a copy of their input: the same encoding;
+#      the errors compound: f'(x) itself is stored, quantized (out of place saved by the call, run as a
+#      function, ``NOTE [ Activations that save their derivative ]`` in ``activation_derivative.py``; in place,
+#      where they save a copy of their input, that copy as the ``Derivative`` encoding, ``NOTE [ Activations
+#      stored as their derivative ]``);
 #   6. a layer whose weight the forward computes (weight norm, spectral norm, a parametrization, an
 #      equalized-learning-rate scale) saves that weight: one tensor shared by every sample, so its
 #      rounding error is one draw applied to the whole batch. An activation's error averages over the
@@ -130,8 +133,9 @@ RULES: tuple[OpRule, ...] = (
     OpRule("activation_derivative", (F.gelu, F.silu, F.hardswish, F.mish),
            "the backward reads the input only as f'(x), nonlinear: a rounded x gives a biased, noisier f'(x) "
            "(Hardswish's jumps at -3 and 3 flip like a clip's mask), compounding through stacked layers without "
-           "a residual path: f'(x) (bounded) is stored quantized, unbiased, and restored as an x' with f'(x') = "
-           "that value; in place, the copy autograd saves of the input likewise"),
+           "a residual path: f'(x) (bounded) is stored quantized, unbiased: out of place saved by the call itself, "
+           "the gradient multiplied into its decode; in place, the copy autograd saves of the input stored as "
+           "f'(x) and restored as an x' with f'(x') = that value"),
     OpRule("statistic_of_rows",
            (torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide,
             torch.norm, torch.Tensor.norm, torch.linalg.vector_norm),
@@ -181,6 +185,10 @@ class OpMatch:
     """What runs instead of the function (an operator-level saving), if anything."""
     integers: bool = False
     """The int64 tensors the call saves (a max pool's indices) are the ones the rule treats."""
+    computed: bool = False
+    """The call saves a tensor of a target's shape that it computed without a graph (an activation's derivative,
+    ``NOTE [ Activations that save their derivative ]`` in ``activation_derivative.py``): quantized as the target
+    would be, not kept as a constant."""
     slices: bool = False
     """A slice of a target matches too (recomputed attention saves its chunks' q and k apart, ``NOTE [ Chunks
     stored apart ]`` in ``recomputed_attention.py``)."""
@@ -222,6 +230,11 @@ def _slice_of(t: torch.Tensor, x: torch.Tensor) -> bool:
     return offset == 0
 
 
+def computed(match: OpMatch | None, t: torch.Tensor) -> bool:
+    """``t`` is what the call of ``match`` computed without a graph in its target's place (``OpMatch.computed``)."""
+    return match is not None and match.computed and match_saved(match, t) is not None
+
+
 def keeps(match: OpMatch | None, t: torch.Tensor) -> bool:
     """The rule of ``match`` keeps ``t`` exact."""
     if match is None:
@@ -237,6 +250,8 @@ def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
         return None
     if match.integers:
         return match if t.dtype == torch.int64 else None
+    if match.computed:
+        return match if any(t.shape == x.shape for x in match.targets) else None
     if match.by_shape:
         return match if any(t.shape == x.shape and t.dtype == x.dtype for x in match.targets) else None
     if match.views:
@@ -461,8 +476,14 @@ _INPLACE_ARG = {F.hardtanh: 3, F.relu6: 1, F.threshold: 3, F.leaky_relu: 2, F.ha
 def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch | None:
     if rule.name == "activation_derivative":
         found = _derivative(func, args, kwargs)  # in place: autograd saves a clone of the input
-        inplace = func is not F.gelu and bool(_arg(args, kwargs, 1, "inplace", False))
-        return OpMatch(rule, (_arg(args, kwargs, 0, "input"),), found, by_shape=inplace) if found is not None else None
+        if found is None:
+            return None
+        x = _arg(args, kwargs, 0, "input")
+        if func is not F.gelu and bool(_arg(args, kwargs, 1, "inplace", False)):
+            return OpMatch(rule, (x,), found, by_shape=True)
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return OpMatch(rule, (x,), found)  # nothing is saved
+        return OpMatch(rule, (x,), found, computed=True)  # the tracer runs it saving f'(x) (``derivative``)
     if rule.name == "normalization":
         x = _arg(args, kwargs, 0, "input")
         enc = _normalization(func, args, kwargs)
@@ -537,14 +558,15 @@ def _opened(func: Any) -> Any:
 
 # NOTE [ Operator-level savings under other hooks ]
 # A rule that runs a call as a function of its own (``OpMatch.call``: attention recomputed from its inputs, a
-# cross-entropy that saves its logits) saves other tensors than the call does, which only daftrain's own hooks are
-# ready for. Inside another saved-tensor hook context entered in ``compress`` (a ``torch.utils.checkpoint`` region:
-# only the innermost hooks apply), those saves are that context's, and a checkpoint recomputes the region in
-# backward outside the rules, as plain PyTorch: its recomputed saves would take the places of the function's (plain
-# SDPA's in the recomputed attention's), a wrong gradient without an error. So a call runs as the rule's function
-# only where a tensor saved now reaches daftrain's hooks (``compress``'s, or a ``daftrain.checkpoint`` region's,
-# which recomputes under the rules) or no hooks at all (``ExactSavings``: plain autograd saves); anywhere else it
-# runs as it is.
+# cross-entropy that saves its logits, an activation that saves its derivative) saves other tensors than the call
+# does, which only daftrain's own hooks are ready for. Inside another saved-tensor hook context entered in
+# ``compress`` (a ``torch.utils.checkpoint`` region: only the innermost hooks apply), those saves are that
+# context's, and a checkpoint recomputes the region in backward outside the rules, as plain PyTorch: its recomputed
+# saves would take the places of the function's (plain SDPA's in the recomputed attention's, an activation's input
+# in the place of its derivative), a wrong gradient without an error. So a call runs as the rule's function only
+# where a tensor saved now reaches daftrain's hooks (``compress``'s, or a ``daftrain.checkpoint`` region's, which
+# recomputes under the rules) or no hooks at all (``ExactSavings``: plain autograd saves); anywhere else it runs as
+# it is.
 class _RuleMode(TorchFunctionMode):
     def __init__(self, tracer: OpTracer, by_function: dict[Any, OpRule]) -> None:
         super().__init__()
@@ -568,6 +590,8 @@ class _RuleMode(TorchFunctionMode):
             found = self.tracer.over_linear(found)
         elif found is not None and found.rule.name == "attention_qk":
             found = self.tracer.attention(found, args, kwargs)
+        elif found is not None and found.computed:
+            found = self.tracer.derivative(found)
         if found is not None and found.call is not None and not saves_reach_daftrain():
             found = None  # NOTE [ Operator-level savings under other hooks ]
         if found is None:
@@ -634,6 +658,8 @@ class OpTracer:
         self._recomputed = functools.partial(attention_recomputed, traffic=traffic)
         """Attention run as a function that saves only its inputs, telling ``traffic`` the bytes its transients
         free (``NOTE [ Attention recomputed from its stored inputs ]``)."""
+        self._traffic = traffic
+        self._derivatives: dict[str, Callable[..., torch.Tensor]] = {}
         self._step = 0
 
     def start(self, step: int = 0) -> None:
@@ -689,6 +715,16 @@ class OpTracer:
         if storage is MaskStorage.AT_MIN_BITS:
             return replace(match, call=self._recomputed, targets=(q, k, mask))
         return replace(match, call=self._recomputed, keep=(mask,))
+
+    def derivative(self, match: OpMatch) -> OpMatch:
+        """An out-of-place ``activation_derivative`` match (its encoding names the activation), run as a function
+        that saves f'(x) itself, stored as plain values (``NOTE [ Activations that save their derivative ]``)."""
+        assert isinstance(match.encoding, Derivative)
+        kind = match.encoding.kind
+        call = self._derivatives.get(kind)
+        if call is None:
+            call = self._derivatives[kind] = saving_derivative(kind, self._traffic)
+        return replace(match, encoding=None, call=call)
 
     def over_linear(self, match: OpMatch) -> OpMatch | None:
         """A ``cross_entropy`` match run over the linear call that made its logits, where one did (else the

@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention import SDPBackend
 
+from .saved_apart import SavedApart
+
 __all__ = ["CHUNK_BYTES", "attention_recomputed", "recomputes"]
 
 CHUNK_BYTES = 2 << 20
@@ -90,7 +92,7 @@ def attention_recomputed(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 def _apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            options: tuple[float, bool, float | None, bool], traffic: Callable[[int], None] | None) -> torch.Tensor:
     """The call as ``_Recomputed``, or, where it runs a chunk at a time, as ``_Chunked`` with each chunk's q, k, v
-    and dropout mask saved by a ``_ChunkStore`` of its own (``NOTE [ Chunks stored apart ]``)."""
+    and dropout mask saved apart (``NOTE [ Chunks stored apart ]``)."""
     chunking = _chunking(q, k, v, mask, options)
     if chunking is None:
         return _Recomputed.apply(q, k, v, mask, options, traffic)
@@ -99,9 +101,9 @@ def _apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     stores: list[Any] = []
     if any(t.requires_grad for t in (q, k, v)):  # else the parts are constants, saved whole by ``_Chunked``
         for chunk in chunking[0]:
-            stored = _ChunkStore.apply(*_parts(chunk, q, k, v, None)[:3],
-                                       keep[chunk.rows, chunk.heads] if keep is not None else None)
-            stores.append(stored)
+            parts = _parts(chunk, q, k, v, None)[:3]
+            stores.append(SavedApart.apply(parts[0], *parts, keep[chunk.rows, chunk.heads] if keep is not None
+                                           else None))
     return _Chunked.apply(q, k, v, mask, keep, options, traffic, chunking, random,
                           [s.grad_fn for s in stores], *stores)
 
@@ -209,29 +211,13 @@ def _whole_grads(saved: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...]
 # Where the call runs a chunk at a time, backward needs one chunk's q, k, v and dropout mask at a time, and
 # saved by the call itself they would be restored whole (``ctx.saved_tensors`` unpacks everything a node
 # saved): four tensors of the call's inputs' size, decoded beside the gradients of q, k and v for the whole
-# of its backward. So each chunk's parts are saved by a node of their own, ``_ChunkStore``, made before the
-# call and given to it as an input (an empty tensor): the call's backward reads one store's saved tensors at
-# a time, and the parts it decoded are freed once their chunk's gradient is written. The stores are
-# ordinary nodes of the graph after the call: the engine runs them (their gradient is nothing) and releases
-# what they saved then, as it releases any node's saves, or keeps it under ``retain_graph``. Under
-# ``compress`` the pack hooks see each part inside the attention call, and the rule treats a slice of q or k
-# as it treats q and k (``OpMatch.slices``). Under ``create_graph`` the call runs again whole on q, k and v
-# joined from the restored parts. Where none of q, k and v requires grad their parts would be no node's inputs
-# (constants, kept as they are either way) and the call saves them whole.
-class _ChunkStore(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, *parts: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(*parts)
-        ctx.set_materialize_grads(False)
-        first = parts[0]
-        assert first is not None
-        return first.new_empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
-        return (None,) * len(ctx.needs_input_grad)
-
-
+# of its backward. So each chunk's parts are saved apart (``NOTE [ Saved apart ]`` in ``saved_apart.py``),
+# before the call: the call's backward reads one chunk's at a time, and the parts it decoded are freed once
+# their chunk's gradient is written. Under ``compress`` the pack hooks see each part inside the attention
+# call, and the rule treats a slice of q or k as it treats q and k (``OpMatch.slices``). Under
+# ``create_graph`` the call runs again whole on q, k and v joined from the restored parts. Where none of q, k
+# and v requires grad their parts would make no node (constants, kept as they are either way) and the call
+# saves them whole.
 class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]

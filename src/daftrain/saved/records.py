@@ -831,8 +831,9 @@ class ClipMaskRecord(_EncodedRecord):
 # table step (2.4e-6) of the decoded d. A decoded d can lie outside f''s range by up to 2**-8 of its
 # group's range (the step is rounded up to bfloat16, ``layout.py``); it restores to lo or hi, a bias of
 # at most that much. x' is not x (the branches outside [lo, hi] fold onto it); only f'(x'), all that
-# backward reads, is kept. The encoding is elementwise, so any memory order will do. In place, these ops
-# save a copy of their input (autograd's clone of it before it is overwritten): the same encoding.
+# backward reads, is kept. The encoding is elementwise, so any memory order will do. It stores what the ops
+# save in place (autograd's clone of their input before it is overwritten); out of place the call saves f'(x)
+# itself (``NOTE [ Activations that save their derivative ]`` in ``activation_derivative.py``).
 _INVERSE_POINTS = (1 << 18) + 1
 
 
@@ -840,7 +841,7 @@ DERIVATIVE_KINDS = ("gelu", "gelu_tanh", "silu", "hardswish", "mish")
 """The activations whose input a ``Derivative`` stores as ``f'(x)``."""
 
 
-def _derivative_of(kind: str, x: torch.Tensor) -> torch.Tensor:
+def derivative_of(kind: str, x: torch.Tensor) -> torch.Tensor:
     """f'(x), as the op's backward computes it."""
     ones = torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
     if kind == "silu":
@@ -858,7 +859,7 @@ def _extremum(kind: str, lo: float, hi: float, largest: bool) -> float:
     a, b = torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64)
     for _ in range(100):
         m1, m2 = a + (b - a) / 3, b - (b - a) / 3
-        rising = _derivative_of(kind, m1) < _derivative_of(kind, m2)
+        rising = derivative_of(kind, m1) < derivative_of(kind, m2)
         a, b = (m1, b) if rising == largest else (a, m2)
     return float((a + b) / 2)
 
@@ -901,12 +902,12 @@ def _inverse_table(kind: str, device: torch.device,
         table, d_lo, d_hi = _inverse_table(kind, device)
         return table.to(dtype), d_lo, d_hi
     lo, hi = _increasing_interval(kind)
-    d_lo, d_hi = (float(v) for v in _derivative_of(kind, torch.tensor([lo, hi], dtype=torch.float64)))
+    d_lo, d_hi = (float(v) for v in derivative_of(kind, torch.tensor([lo, hi], dtype=torch.float64)))
     d = torch.linspace(d_lo, d_hi, _INVERSE_POINTS, dtype=torch.float64)
     a, b = torch.full_like(d, lo), torch.full_like(d, hi)
     for _ in range(_BISECTIONS):
         mid = (a + b).mul_(0.5)
-        below = _derivative_of(kind, mid) < d
+        below = derivative_of(kind, mid) < d
         a, b = torch.where(below, mid, a), torch.where(below, b, mid)
     return (a + b).mul_(0.5).float().to(device), d_lo, d_hi
 
@@ -924,7 +925,7 @@ class Derivative(_Encoding):
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """What the record stores of ``x``: ``f'(x)``, float32."""
         with torch.no_grad():
-            return _derivative_of(self.kind, x.detach().float())
+            return derivative_of(self.kind, x.detach().float())
 
     def restored(self, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """An input of ``dtype`` whose derivative is ``d`` (float32, overwritten: a float32 input is looked up
