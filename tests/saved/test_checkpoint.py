@@ -69,6 +69,23 @@ def test_recomputation_is_stored_compressed() -> None:
     assert inner.compressed >= 3 and inner.packed_bytes < inner.raw_bytes / 3
 
 
+def test_op_rules_functions_run_in_the_region_and_its_recomputation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Operator-level savings under other hooks ]: a region's saves reach daftrain's hooks, and backward
+    # recomputes it under the rules, so the GELU of each block runs as the function that saves its derivative in
+    # the forward and again in the recomputation (the same saves, in the same order).
+    from daftrain.saved import activation_derivative
+
+    calls: list[int] = []
+    apply = activation_derivative._SavingDerivative.apply
+    monkeypatch.setattr(activation_derivative._SavingDerivative, "apply",
+                        lambda *args: (calls.append(1), apply(*args))[1])
+    model, x = _model(), torch.randn(64, 128)
+    ref = _grads(model, x, ckpt=False)
+    ctx = daftrain.compress(bits=8, model=model)
+    assert _cos(_grads(model, x, ckpt=True, ctx=ctx, compression=ctx), ref) > 0.999
+    assert len(calls) == 2 * len(model)
+
+
 def test_two_bit_recomputation_stores_a_tenth() -> None:
     model, x = _model(), torch.randn(64, 128)
     ctx = daftrain.compress(bits=2, model=model)
