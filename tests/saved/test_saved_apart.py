@@ -16,14 +16,14 @@ class _Square(torch.autograd.Function):
     parts at another time than its own saves)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, stores: list[Any], stored: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.store = stores[0]
+    def forward(ctx: Any, x: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.store = stored.grad_fn
         return x.square()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         (x,) = ctx.store.saved_tensors
-        return grad * 2 * x, None, None
+        return grad * 2 * x, None
 
 
 def test_parts_are_packed_when_saved_and_read_when_needed() -> None:
@@ -41,7 +41,7 @@ def test_parts_are_packed_when_saved_and_read_when_needed() -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         stored = SavedApart.apply(x, x.detach())
         events.append("saved")
-        out = _Square.apply(x, [stored.grad_fn], stored)
+        out = _Square.apply(x, stored)
     assert events == ["pack", "saved"]  # packed at the call, before the function that reads it ran
     out.sum().backward()
     assert events == ["pack", "saved", "unpack"]
@@ -51,7 +51,7 @@ def test_parts_are_packed_when_saved_and_read_when_needed() -> None:
 def test_the_engine_releases_the_parts_after_the_reader_or_keeps_them_under_retain_graph() -> None:
     x = torch.randn(8, requires_grad=True)
     stored = SavedApart.apply(x, x.detach())
-    out = _Square.apply(x, [stored.grad_fn], stored)
+    out = _Square.apply(x, stored)
     out.sum().backward(retain_graph=True)
     assert len(stored.grad_fn.saved_tensors) == 1
     out.sum().backward()

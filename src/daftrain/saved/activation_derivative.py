@@ -38,8 +38,8 @@ __all__ = ["saving_derivative"]
 class _SavingDerivative(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor],  # type: ignore[override]
-                stores: list[Any], saved: tuple[StorageWeakRef, int], stored: torch.Tensor) -> torch.Tensor:
-        ctx.store, ctx.saved, ctx.dtype = stores[0], saved, x.dtype
+                saved: tuple[StorageWeakRef, int], stored: torch.Tensor) -> torch.Tensor:
+        ctx.store, ctx.saved, ctx.dtype = stored.grad_fn, saved, x.dtype
         return run(x)
 
     @staticmethod
@@ -52,7 +52,7 @@ class _SavingDerivative(torch.autograd.Function):
         (d,) = ctx.store.saved_tensors
         saved, saved_at = ctx.saved
         fresh = saved.expired() or d.data_ptr() != saved_at
-        return (d.mul_(grad) if fresh else d * grad).to(ctx.dtype), None, None, None, None
+        return (d.mul_(grad) if fresh else d * grad).to(ctx.dtype), None, None, None
 
 
 def _gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -72,13 +72,14 @@ def saving_derivative(kind: str, traffic: Callable[[int], None] | None = None) -
     run = _RUNS[kind]
 
     def call(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # F.gelu's name
+        dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
         if traffic is not None:
-            traffic(input.numel() * (8 if input.dtype == torch.float64 else 4))
+            traffic(input.numel() * dtype.itemsize)
         with torch.no_grad():
-            d = derivative_of(kind, input if input.dtype == torch.float64 else input.float())
+            d = derivative_of(kind, input.to(dtype))
         stored = SavedApart.apply(input, d)  # packed now, before the output exists
         saved = StorageWeakRef(d.untyped_storage()), d.data_ptr()
         del d
-        return _SavingDerivative.apply(input, run, [stored.grad_fn], saved, stored)
+        return _SavingDerivative.apply(input, run, saved, stored)
 
     return call

@@ -104,8 +104,7 @@ def _apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
             parts = _parts(chunk, q, k, v, None)[:3]
             stores.append(SavedApart.apply(parts[0], *parts, keep[chunk.rows, chunk.heads] if keep is not None
                                            else None))
-    return _Chunked.apply(q, k, v, mask, keep, options, traffic, chunking, random,
-                          [s.grad_fn for s in stores], *stores)
+    return _Chunked.apply(q, k, v, mask, keep, options, traffic, chunking, random, *stores)
 
 
 # NOTE [ Recomputed attention under autocast ]
@@ -223,12 +222,13 @@ class _Chunked(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 mask: torch.Tensor | None, keep: torch.Tensor | None,
                 options: tuple[float, bool, float | None, bool], traffic: Callable[[int], None] | None,
-                chunking: tuple[list[_Chunk], bool], random: _RandomState | None, stores: list[Any],
+                chunking: tuple[list[_Chunk], bool], random: _RandomState | None,
                 *stored: torch.Tensor) -> torch.Tensor:
-        ctx.options, ctx.traffic, ctx.chunking, ctx.random, ctx.stores = options, traffic, chunking, random, stores
+        ctx.options, ctx.traffic, ctx.chunking, ctx.random = options, traffic, chunking, random
+        ctx.stores = [s.grad_fn for s in stored]  # the nodes that saved each chunk's parts
         ctx.needs = tuple(t is not None and t.requires_grad for t in (q, k, v, mask))
         ctx.layouts = tuple(torch.empty_like(t, device="meta") for t in (q, k, v))
-        ctx.save_for_backward(mask, *(() if stores else (q, k, v, keep)))
+        ctx.save_for_backward(mask, *(() if stored else (q, k, v, keep)))
         with torch.no_grad():
             return _chunked_forward(q, k, v, mask, keep, options, chunking[0], traffic)
 
@@ -250,7 +250,7 @@ class _Chunked(torch.autograd.Function):
         else:
             grads = _chunked_grads(parts, ctx.layouts, mask, ctx.needs, ctx.options, grad, ctx.chunking,
                                    ctx.traffic)
-        return (*grads, None, None, None, None, None, None, *(None for _ in ctx.stores))
+        return (*grads, None, None, None, None, None, *(None for _ in ctx.stores))
 
 
 def _chunking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
