@@ -17,7 +17,8 @@ __all__ = ["CAST_AND_VIEW_NODES", "copy_of", "reaches"]
 # Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).
 CAST_AND_VIEW_NODES = frozenset(
     {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-     "ReshapeAliasBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0"}
+     "ReshapeAliasBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0", "UnsqueezeBackward0",
+     "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2"}
 )
 _CAST_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
 _COPY_NODES = CAST_AND_VIEW_NODES | _CAST_NODES

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..lineage import copy_of
+from ..lineage import CAST_AND_VIEW_NODES, copy_of, reaches
 from .activation_derivative import saving_derivative
 from .attention_precision import AttentionPrecision, MaskStorage
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
@@ -32,6 +32,7 @@ __all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpT
            "match_saved", "may_have_wide_head"]
 
 ATTENTION_MIN_BITS = 8
+COSINE_MIN_BITS = 8
 WEIGHT_MIN_BITS = 8
 LOGITS_MIN_BITS = 8
 
@@ -49,7 +50,7 @@ class OpRule:
 
 # NOTE [ Op rules ]
 # Plain quantization adds unbiased noise of the order of a group's range / 2**bits to every saved
-# value; that is harmless where backward is linear in the value with bounded factors. Seven classes of
+# value; that is harmless where backward is linear in the value with bounded factors. Eight classes of
 # ops break that (measured over the zoo, ``docs/zoo.md``), and two save more than their backward needs:
 #   1. normalisations (``F.normalize``'s unit vectors too) re-normalise their saved input with their
 #      exact statistics: the error of a row, channel or vector of small spread is multiplied by its rstd
@@ -97,7 +98,13 @@ class OpRule:
 #      over a wide linear layer ]`` in ``linear_cross_entropy.py``);
 #   9. a max pool saves int64 indices into each input plane, one per output value, each inside its output
 #      position's window: stored as the position in the window, one byte (``PoolWindows``, ``NOTE [ Max-pool
-#      indices as window positions ]`` in ``records.py``).
+#      indices as window positions ]`` in ``records.py``);
+#  10. a product of unit vectors (``F.normalize``'s, or ``x / x.norm(...)``) is a cosine similarity, which
+#      models scale by a learned temperature before a softmax (SwinV2's attention, CLIP's and SigLIP's
+#      logits: up to 100x, where a dot-product attention scales by 1/sqrt(d)): the scores' gradient enters
+#      each operand's input gradient multiplied by it, with the rounding error of the other operand, and
+#      that path then dominates the input gradient of every layer below it (the residual one is not
+#      scaled): both operands at least ``COSINE_MIN_BITS``.
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -149,6 +156,12 @@ RULES: tuple[OpRule, ...] = (
            "tensor shared by every sample: its rounding error does not average over the batch, it enters the "
            "gradient of every sample's input, and its size does not grow with the batch: at least 8 bits",
            min_bits=WEIGHT_MIN_BITS),
+    OpRule("cosine_product",
+           (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.einsum),
+           "a product of unit vectors is a cosine similarity that models scale by a learned temperature (up to "
+           "100x) before a softmax: the scores' gradient enters both operands' input gradients multiplied by it, "
+           "carrying the other operand's rounding error into every layer below: both at least 8 bits",
+           min_bits=COSINE_MIN_BITS),
     OpRule("pool_indices", (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.max_pool1d_with_indices,
                             F.max_pool2d_with_indices, F.max_pool3d_with_indices),
            "a max pool's indices are flat positions in each input plane, but each lies in its output position's "
@@ -469,6 +482,37 @@ def _pool_windows(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -
     return PoolWindows(tuple(x.shape[-dims:]), kernel, stride, padding, dilation)
 
 
+def _unit_vectors(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two operands of a ``matmul``, ``bmm`` or two-operand ``einsum`` call, if both are (views of) vectors
+    divided by their norm."""
+    if func is torch.einsum:
+        operands = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    else:
+        operands = (_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "mat2" if func in _BMM else "other"))
+    if len(operands) != 2 or not all(
+            isinstance(t, torch.Tensor) and t.is_floating_point()
+            and reaches(t.grad_fn, _divides_by_norm, CAST_AND_VIEW_NODES, _MAX_VIEWS) for t in operands):
+        return None
+    return operands[0], operands[1]
+
+
+_MAX_VIEWS = 4
+_NORM_NODES = frozenset({"LinalgVectorNormBackward0", "NormBackward0", "NormBackward1", "NormBackward2"})
+_DIVISOR_NODES = frozenset({"ExpandBackward0", "ClampMinBackward0"})
+
+
+def _divides_by_norm(node: object) -> bool:
+    """``node`` divides by a vector norm (clamped and expanded, as ``F.normalize`` does, or not)."""
+    if type(node).__name__ != "DivBackward0":
+        return False
+    inputs = node.next_functions  # type: ignore[attr-defined]
+    return len(inputs) == 2 and reaches(inputs[1][0], lambda n: type(n).__name__ in _NORM_NODES, _DIVISOR_NODES, 2)
+
+
+_BMM = (torch.bmm, torch.Tensor.bmm)
+
+
 # Where the ``inplace`` flag sits among the positional arguments of clips that have one.
 _INPLACE_ARG = {F.hardtanh: 3, F.relu6: 1, F.threshold: 3, F.leaky_relu: 2, F.hardsigmoid: 1}
 
@@ -511,6 +555,9 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         weight = _arg(args, kwargs, 2 if func is F.bilinear else 1, "weight")
         computed = isinstance(weight, torch.Tensor) and weight.grad_fn is not None
         return OpMatch(rule, (weight,), views=True) if computed else None
+    if rule.name == "cosine_product":
+        operands = _unit_vectors(func, args, kwargs)
+        return OpMatch(rule, operands, views=True) if operands is not None else None
     if rule.name == "pool_indices":
         windows = _pool_windows(func, args, kwargs)
         return OpMatch(rule, (), windows, integers=True) if windows is not None else None
