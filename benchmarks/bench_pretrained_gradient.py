@@ -74,11 +74,11 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
         if args.error_share:
-            grad, ctx = share_gradient(model, batch, args.error_share)
+            grad, ctx, forward = share_gradient(model, batch, args.error_share)
             slots = ctx.report().slots
             row = {"attention": attention, "bits": f"auto, error_share={args.error_share}",
                    "cosine": float(torch.nn.functional.cosine_similarity(grad, ref, dim=0)),
-                   "ratio": ratio_to_plain(plain_bytes, ctx.stats),
+                   "ratio": ratio_to_plain(plain_bytes, forward),
                    "calibration": {a.slot_class: a.calibration for a in slots},
                    "slots_by_class_and_bits": dict(collections.Counter(f"{a.slot_class} @ {a.bits}" for a in slots))}
             rows.append(row)

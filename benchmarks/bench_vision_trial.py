@@ -94,8 +94,8 @@ def run_model(name: str, batch: int, size: int, share: float | None = None) -> d
             row[f"cos{bits}"], row[f"ratio{bits}"] = _cos(grad, ref), ctx.stats.ratio
             row[f"finite{bits}"] = bool(grad.isfinite().all())
         if share is not None:
-            grad, ctx = share_gradient(model, inputs, share)
-            row["cosshare"], row["ratioshare"] = _cos(grad, ref), ctx.stats.ratio
+            grad, _, forward = share_gradient(model, inputs, share)
+            row["cosshare"], row["ratioshare"] = _cos(grad, ref), forward.ratio
     return row
 
 

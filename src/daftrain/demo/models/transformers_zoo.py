@@ -379,13 +379,15 @@ def _projection_loss(out: object) -> torch.Tensor:
 
 def zoo_gradient(model: nn.Module, inputs: dict[str, torch.Tensor],
                  ctx: contextlib.AbstractContextManager[object] | None = None, *,
-                 loss_under_context: bool = False, forward: Callable[..., object] | None = None) -> torch.Tensor:
+                 loss_under_context: bool = False, forward: Callable[..., object] | None = None,
+                 after_forward: Callable[[], object] | None = None) -> torch.Tensor:
     """All parameter gradients, as one float64 vector, of a fixed random projection of the model's first
     float output, with the forward under ``ctx`` and the same dropout masks in every run: what the zoo
     benchmark and tests compare between plain PyTorch and daftrain (the speech models draw their
     SpecAugment masks from numpy's global generator, seeded too). With ``loss_under_context`` the loss is
     computed inside ``ctx`` too, where ``compress(bits="auto", error_share=...)`` calibrates on it.
-    ``forward`` runs the model instead of calling it (``torch.compile(model)``)."""
+    ``forward`` runs the model instead of calling it (``torch.compile(model)``); ``after_forward`` is called
+    inside ``ctx`` once the model's forward has run, before the loss."""
     import numpy as np
 
     model.zero_grad(set_to_none=True)
@@ -393,6 +395,8 @@ def zoo_gradient(model: nn.Module, inputs: dict[str, torch.Tensor],
     np.random.seed(1234)
     with ctx if ctx is not None else contextlib.nullcontext():
         out = (model if forward is None else forward)(**inputs)
+        if after_forward is not None:
+            after_forward()
         if loss_under_context:
             loss = _projection_loss(out)
     if not loss_under_context:
