@@ -48,7 +48,7 @@ def _exact_and_8_bits_checked(model_type):
 
 # The targets for every architecture: 8 bits >= 0.999 and 4 bits >= 0.98 gradient cosine against
 # plain PyTorch on the same seeds (a one-step gradient of a random projection of the output).
-@pytest.mark.parametrize("model_type", ["vit", "deit", "qwen3", "mobilenet_v2", "yoso", "t5",
+@pytest.mark.parametrize("model_type", ["vit", "deit", "qwen3", "mobilenet_v2", "yoso", "t5", "swinv2",
                                         pytest.param("wav2vec2", marks=pytest.mark.slow)])
 def test_op_rules_meet_the_8_and_4_bit_targets(model_type):
     grads = _exact_and_8_bits_checked(model_type)
