@@ -901,13 +901,8 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(p=2, dim=-1, keepdim=True)  # CLIP's, written out
 
 
-@pytest.mark.parametrize("product", [
-    lambda a, b: F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).transpose(-2, -1),
-    lambda a, b: torch.matmul(_unit(a), _unit(b).transpose(-2, -1)),
-    lambda a, b: torch.bmm(F.normalize(a, dim=-1), F.normalize(b, dim=-1).transpose(1, 2)),
-    lambda a, b: torch.einsum("bid,bjd->bij", F.normalize(a, dim=-1), F.normalize(b, dim=-1)),
-    lambda a, b: torch.einsum("bid,bjd->bij", [_unit(a), _unit(b)])])
-def test_a_product_of_unit_vectors_stores_both_at_eight_bits(product: Any) -> None:
+def _product_records(product: Any) -> list[tuple[int, int]]:
+    """Packed bytes and records of ``product`` of two activations at 2 bits, with and without ``cosine_product``."""
     a, b = (torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in (0, 1))
     packed = []
     for rule in (True, False):
@@ -918,6 +913,17 @@ def test_a_product_of_unit_vectors_stores_both_at_eight_bits(product: Any) -> No
             y = product(a * 1.0, b * 1.0)
         y.sum().backward()
         packed.append((ctx.stats.packed_bytes, ctx.stats.compressed))
+    return packed
+
+
+@pytest.mark.parametrize("product", [
+    lambda a, b: F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).transpose(-2, -1),
+    lambda a, b: torch.matmul(_unit(a), _unit(b).transpose(-2, -1)),
+    lambda a, b: torch.bmm(F.normalize(a, dim=-1), F.normalize(b, dim=-1).transpose(1, 2)),
+    lambda a, b: torch.einsum("bid,bjd->bij", F.normalize(a, dim=-1), F.normalize(b, dim=-1)),
+    lambda a, b: torch.einsum("bid,bjd->bij", [_unit(a), _unit(b)])])
+def test_a_product_of_unit_vectors_stores_both_at_eight_bits(product: Any) -> None:
+    packed = _product_records(product)
     # The same records; two operands of 4 * 64 * 64 values with 6 bits more each.
     assert packed[0][1] == packed[1][1] and packed[0][0] - packed[1][0] == 2 * 4 * 64 * 64 * 6 // 8, packed
 
@@ -927,14 +933,5 @@ def test_a_product_of_unit_vectors_stores_both_at_eight_bits(product: Any) -> No
     lambda a, b: F.normalize(a, dim=-1) @ b.transpose(-2, -1),  # one operand a unit vector
     lambda a, b: (a / a.sum(-1, keepdim=True)) @ b.transpose(-2, -1)])  # divided by a sum, not a norm
 def test_other_products_keep_the_configured_bits(product: Any) -> None:
-    a, b = (torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in (0, 1))
-    packed = []
-    for rule in (True, False):
-        ctx = _ctx(2)
-        if not rule:
-            ctx._op_tracer = OpTracer(rules=tuple(r for r in RULES if r.name != "cosine_product"))
-        with ctx:
-            y = product(a * 1.0, b * 1.0)
-        y.sum().backward()
-        packed.append(ctx.stats.packed_bytes)
+    packed = _product_records(product)
     assert packed[0] == packed[1], packed
