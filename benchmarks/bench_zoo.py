@@ -114,6 +114,7 @@ def _ctx(model: torch.nn.Module, rules: bool, **kwargs: Any) -> daftrain.compres
     ctx = daftrain.compress(model=model, **kwargs)
     if not rules and ctx.config.bits is not None:
         ctx._op_tracer = OpTracer(rules=())  # the code before the op rules: nothing matched
+        ctx.recomputation_context()._op_tracer = OpTracer(rules=())  # checkpointed layers recompute as they ran
     return ctx
 
 
@@ -132,12 +133,17 @@ def share_gradient(model: torch.nn.Module, inputs: dict[str, torch.Tensor], shar
 
 
 def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: float,
-              settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One model's row; ``settings`` go to every compressed context (``--memory-order``, ``--uniform-grids``)."""
+              settings: dict[str, Any] | None = None, checkpointing: bool = False) -> dict[str, Any]:
+    """One model's row; ``settings`` go to every compressed context (``--memory-order``, ``--uniform-grids``);
+    ``checkpointing`` enables the model's own gradient checkpointing (``torch.utils.checkpoint`` per layer) in
+    every run, plain ones included, where the model supports it (``--gradient-checkpointing``)."""
     settings = settings or {}
     row: dict[str, Any] = {"model": model_type, "kind": kind}
     with recorded(row):
         model, inputs = build_zoo_model(model_type, kind, overrides)
+        row["checkpointed"] = checkpointing and bool(getattr(model, "supports_gradient_checkpointing", False))
+        if row["checkpointed"]:
+            model.gradient_checkpointing_enable()
         ref, _ = _step(model, inputs, None)
         again, _ = _step(model, inputs, None)
         row["plain_deterministic"] = bool(torch.equal(ref, again))
@@ -240,6 +246,9 @@ def main() -> None:
                         "(NOTE [ Groups down the columns ])")
     parser.add_argument("--uniform-grids", action="store_true",
                         help="compress(fitted_grids=False) in every compressed run (NOTE [ Fitted grids ])")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="enable each model's gradient checkpointing where it supports it, plain runs included "
+                        "(NOTE [ A checkpointed region's inputs are kept exact ])")
     args = parser.parse_args()
     settings = {**({"column_groups": False} if args.memory_order else {}),
                 **({"fitted_grids": False} if args.uniform_grids else {})}
@@ -248,7 +257,7 @@ def main() -> None:
     zoo = [z for z in zoo_entries(args.zoo) if not args.models or z[0] in args.models]
     rows = []
     for model_type, kind, overrides in zoo:
-        row = run_model(model_type, kind, overrides, args.error_share, settings or None)
+        row = run_model(model_type, kind, overrides, args.error_share, settings or None, args.gradient_checkpointing)
         if args.attribute and row["status"] == "ok":
             model, inputs = build_zoo_model(model_type, kind, overrides)
             found = attribute(model, inputs, args.attribute, args.top, settings or None)

@@ -92,7 +92,10 @@ def test_compressed_run_tracks_plain_and_saves_bytes(tmp_path, lora, checkpointi
     losses, update = _train(tmp_path / "daftrain", [callback], **kw)
     stats = callback.ctx.stats
     assert stats.compressed > 0 and stats.packed_bytes > 0
-    assert stats.ratio > 2.0, stats.summary()
+    if checkpointing:  # each layer's inputs held exact, counted as kept; the saving is the recomputation's
+        assert stats.kept_reasons["checkpoint"] > 0 and stats.stored_bytes < stats.raw_bytes, stats.summary()
+    else:
+        assert stats.ratio > 2.0, stats.summary()
     # 8-bit activations over three steps: the losses and weights stay within rounding of plain's.
     for a, b in zip(losses, plain_losses, strict=True):
         assert abs(a - b) <= 0.02 * abs(b) + 1e-3, (losses, plain_losses)

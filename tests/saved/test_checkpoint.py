@@ -187,3 +187,54 @@ def test_without_preserving_the_rng_dropout_draws_anew() -> None:
     forward_mask_draws = torch.get_rng_state()
     out.sum().backward()  # the recomputation draws its dropout mask from the global stream, which moves on
     assert not torch.equal(torch.get_rng_state(), forward_mask_draws)
+
+
+def _checkpointed_bert() -> nn.Module:
+    from daftrain.demo.models.transformers_zoo import bert_classifier
+
+    torch.manual_seed(0)
+    model = bert_classifier(num_labels=3, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                            intermediate_size=256)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _bert_grads(model: nn.Module, ctx: daftrain.compress | None, inside=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    model.zero_grad()
+    torch.manual_seed(1)
+    ids, labels = torch.randint(0, 1000, (8, 64)), torch.randint(0, 3, (8,))
+    if ctx is None:
+        loss = model(input_ids=ids, labels=labels).loss
+    else:
+        with ctx:
+            if inside is not None:
+                inside()
+            loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_compress_given_the_model_recomputes_its_checkpointed_layers_compressed() -> None:
+    # NOTE [ Hugging Face layers checkpointed under compress ]: swapped while the context is entered, put back at
+    # its exit; the layers' recomputation is stored through the recomputation context.
+    model = _checkpointed_bert()
+    layers = [m for m in model.modules() if "_gradient_checkpointing_func" in m.__dict__]
+    before = [m._gradient_checkpointing_func for m in layers]
+    assert layers
+    ref = _bert_grads(model, None)
+    ctx = daftrain.compress(bits=8, model=model)
+    swapped: list[bool] = []
+    grad = _bert_grads(model, ctx, lambda: swapped.extend(
+        getattr(m._gradient_checkpointing_func, "func", None) is daftrain.checkpoint for m in layers))
+    # The two encoder layers, which call it; BertModel holds the attribute too and never calls it.
+    assert swapped == [type(m).__name__ == "BertLayer" for m in layers] and sum(swapped) == 2
+    assert [m._gradient_checkpointing_func for m in layers] == before
+    # 8-bit saved activations: the zoo sweep's floor for every architecture (docs/zoo.md) is 0.999.
+    assert torch.nn.functional.cosine_similarity(grad, ref, dim=0) > 0.999
+    assert ctx.recomputation_context().stats.compressed > 0
+    assert ctx.stats.kept_reasons["checkpoint"] == 2  # the stats count what each layer's boundary holds exact
+    # Without the model, the layers keep PyTorch's checkpointing: recomputed exactly, their inputs kept exact.
+    plain_ctx = daftrain.compress(bits=8)
+    _bert_grads(model, plain_ctx)
+    assert plain_ctx.stats.kept_reasons["checkpoint"] == 2  # one input per encoder layer

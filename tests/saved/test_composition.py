@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import daftrain
@@ -186,6 +187,38 @@ def test_reentrant_checkpoint_inside_compress_compresses_its_saved_input():
     # The reentrant forward runs without grad (nothing saved inside); its saved input goes through
     # compress like any saved tensor, and backward recomputes the region from the restored input.
     assert ctx.stats.tensors_seen == _saves_all() - _saves_block() + 1
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointed_regions_inputs_are_kept_exact(use_reentrant: bool) -> None:
+    # NOTE [ A checkpointed region's inputs are kept exact ]: in a forward that is a stem (which saves the batch, a
+    # constant) and one checkpointed region, compress sees the region's input; kept, the recomputation and so every
+    # gradient is plain's, bit for bit (at 2 bits: quantized, the region recomputed from a rounded input moved
+    # every gradient).
+    ctx = daftrain.compress(bits=2, model=MODEL, min_numel=0)
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        return HEAD(BLOCK(h))
+
+    def run() -> torch.Tensor:
+        with ctx:
+            out = checkpoint(region, STEM(X), use_reentrant=use_reentrant)
+        return out.square().mean()
+
+    with _no_warning():
+        g = _grads(run)
+    assert torch.equal(g, _grads(lambda: region(STEM(X)).square().mean()))
+    assert ctx.stats.kept_reasons["checkpoint"] == 1 and ctx.stats.compressed == 0
+
+
+def test_only_the_checkpointed_regions_own_inputs_are_kept() -> None:
+    # A custom Function's saves (daftrain's own: the activation that saves its derivative) outside the region go
+    # through compress as before.
+    ctx = daftrain.compress(bits=2, model=MODEL, min_numel=0)
+    with ctx, _no_warning():
+        h = F.gelu(STEM(X))
+        checkpoint(BLOCK, h, use_reentrant=False).sum().backward()
+    assert ctx.stats.kept_reasons["checkpoint"] == 1 and ctx.stats.compressed == 1  # GELU's f'(x)
 
 
 def test_compress_inside_checkpoint_region_warns():

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import ArgumentTypeError, UnsupportedError
 from ..saved import compress
-from ..saved.checkpoint import checkpoint as compressed_checkpoint
+from ..saved.checkpoint import compress_recomputation, restore_recomputation
 
 __all__ = ["compress_forward"]
 
@@ -25,11 +25,8 @@ __all__ = ["compress_forward"]
 # neither count as steps nor pay for it.
 #
 # Hugging Face models with gradient checkpointing enabled (before this call, as ``Trainer`` does before
-# its callbacks' ``on_train_begin``) call each layer's ``_gradient_checkpointing_func``; where that is
-# plain ``torch.utils.checkpoint.checkpoint`` (with at most ``use_reentrant`` given), it is swapped for
-# ``daftrain.saved.checkpoint`` under ``ctx`` for as long as the wrapping lasts, so the layers' recomputation
-# in backward is stored compressed too (``NOTE [ Compressed recomputation ]``). Any other checkpointing
-# function (offloading, selective checkpointing) is left as it is.
+# its callbacks' ``on_train_begin``) have their layers' checkpointing swapped for daftrain's for as long as the
+# wrapping lasts (``NOTE [ Hugging Face layers checkpointed under compress ]`` in ``saved/checkpoint.py``).
 def compress_forward(module: nn.Module, ctx: compress) -> Callable[[], None]:
     """Run every training forward of ``module`` under ``ctx``; returns a function that undoes it."""
     if not isinstance(module, nn.Module):
@@ -51,29 +48,13 @@ def compress_forward(module: nn.Module, ctx: compress) -> Callable[[], None]:
 
     forward.__daftrain_ctx__ = ctx  # type: ignore[attr-defined]
     module.forward = forward  # type: ignore[method-assign]
-    swapped = _compress_recomputation(module, ctx)
+    swapped = compress_recomputation(module, ctx)
 
     def undo() -> None:
-        for layer, previous in swapped:
-            layer._gradient_checkpointing_func = previous
+        restore_recomputation(swapped)
         if had_instance_attr:
             module.forward = original  # type: ignore[method-assign]
         else:
             module.__dict__.pop("forward", None)
 
     return undo
-
-
-def _compress_recomputation(module: nn.Module, ctx: compress) -> list[tuple[nn.Module, Any]]:
-    """Swap plain ``torch.utils.checkpoint`` checkpointing functions of Hugging Face layers for the compressed
-    one (``NOTE [ Compressing a module's forward ]``); returns each swapped layer with its previous function."""
-    swapped: list[tuple[nn.Module, Any]] = []
-    if ctx.config.bits is None:
-        return swapped
-    for layer in module.modules():
-        func = layer.__dict__.get("_gradient_checkpointing_func")
-        if (isinstance(func, functools.partial) and func.func is torch.utils.checkpoint.checkpoint and not func.args
-                and set(func.keywords) <= {"use_reentrant"}) or func is torch.utils.checkpoint.checkpoint:
-            layer._gradient_checkpointing_func = functools.partial(compressed_checkpoint, compression=ctx)
-            swapped.append((layer, func))
-    return swapped

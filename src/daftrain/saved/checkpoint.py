@@ -10,17 +10,19 @@ packed and decodes each as its consumer runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from .hooks import compress
 from .records import check_version
 
-__all__ = ["RecomputationMismatchError", "checkpoint"]
+__all__ = ["RecomputationMismatchError", "checkpoint", "compress_recomputation", "restore_recomputation"]
 
 
 class RecomputationMismatchError(DaftrainError, RuntimeError):
@@ -49,6 +51,9 @@ class _Frame:
         self.fn, self.kwargs, self.context = fn, kwargs, context
         self.inner = context.recomputation_context() if context is not None else None
         self.args = tuple(_stash(a) for a in args)
+        for a in args:
+            if context is not None and isinstance(a, torch.Tensor):
+                context._hold_exact(a)  # the stats count what the checkpoint boundary holds
         self.cpu_rng = torch.get_rng_state() if preserve_rng_state else None
         self.devices, self.device_rng = get_device_states(*args) if preserve_rng_state else ([], [])
         self.autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
@@ -160,3 +165,47 @@ def checkpoint(fn: Callable[..., Any], *args: Any, compression: compress | None 
     if compression is not None:
         compression._region_ended()
     return out
+
+
+# NOTE [ Hugging Face layers checkpointed under compress ]
+# A Hugging Face model with gradient checkpointing enabled calls each layer's ``_gradient_checkpointing_func``;
+# where that is plain ``torch.utils.checkpoint.checkpoint`` (with at most ``use_reentrant`` given), it is swapped
+# for ``checkpoint`` here under the ``compress`` context whose model holds the layer, while that context is
+# entered (``compress(model=...)``) or a module's forward is wrapped in it (``compress_forward``): the layers'
+# recomputation in backward is stored compressed, under the op rules, and their inputs are kept exact. Left as
+# it is, plain checkpointing recomputes each layer exactly and compress stores only the layers' inputs (kept
+# exact too: ``NOTE [ A checkpointed region's inputs are kept exact ]`` in ``nesting.py``), which saves little.
+# Only the outermost checkpointed layers are swapped (a Swin stage is checkpointed, and so is each of its
+# blocks): a recomputation runs after ``compress(model=...)`` has put the functions back, and an inner layer must
+# checkpoint the same way then as in the forward, or the recomputation saves other tensors. The layers are
+# Hugging Face's ``GradientCheckpointingLayer``s, known by that class's name (no import of ``transformers``);
+# a model without them (earlier versions call the function from the enclosing model) has every candidate
+# swapped. Any other checkpointing function (offloading, selective checkpointing) is left as it is.
+def compress_recomputation(module: nn.Module, ctx: compress) -> list[tuple[nn.Module, Any]]:
+    """Swap the plain ``torch.utils.checkpoint`` checkpointing functions of ``module``'s outermost Hugging Face
+    checkpointed layers for ``checkpoint`` under ``ctx`` (``NOTE [ Hugging Face layers checkpointed under compress
+    ]``); returns each swapped layer with its previous function, for ``restore_recomputation``."""
+    if ctx.config.bits is None:
+        return []
+    candidates = [m for m in module.modules() if "_gradient_checkpointing_func" in m.__dict__]
+    layers = [m for m in candidates if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+    if layers:
+        inner = {id(n) for m in layers for n in m.modules() if n is not m}
+        candidates = [m for m in layers if id(m) not in inner]
+    candidates = [m for m in candidates if _plain_checkpointing(m.__dict__["_gradient_checkpointing_func"])]
+    swapped = [(m, m.__dict__["_gradient_checkpointing_func"]) for m in candidates]
+    for m, _ in swapped:
+        m._gradient_checkpointing_func = functools.partial(checkpoint, compression=ctx)
+    return swapped
+
+
+def _plain_checkpointing(func: Any) -> bool:
+    return func is torch.utils.checkpoint.checkpoint or (
+        isinstance(func, functools.partial) and func.func is torch.utils.checkpoint.checkpoint and not func.args
+        and set(func.keywords) <= {"use_reentrant"})
+
+
+def restore_recomputation(swapped: list[tuple[nn.Module, Any]]) -> None:
+    """Put back the checkpointing functions ``compress_recomputation`` swapped."""
+    for layer, previous in swapped:
+        layer._gradient_checkpointing_func = previous

@@ -39,7 +39,8 @@ class Treatment(enum.Enum):
 class Decision:
     treatment: Treatment
     reason: str
-    """Why a tensor is kept: parameter, layout, empty, tiny, integer, bool, dtype, exact, constant."""
+    """Why a tensor is kept: parameter, layout, empty, tiny, integer, bool, dtype, exact, constant, checkpoint (a
+    ``torch.utils.checkpoint`` region's input, ``hooks.py``)."""
     min_bits: int = 1
     """The fewest bits this tensor may be quantized to (see NOTE [ Nonlinear backward ])."""
     encoding: Encoding | None = None

@@ -31,7 +31,7 @@ from .decode_buffers import DecodeBuffers
 from .grid_choice import GridChoice
 from .grouping import ColumnChoice
 from .live_saves import LiveSaves
-from .nesting import warn_if_nested
+from .nesting import saved_by_torch_checkpoint, warn_if_nested
 from .op_rules import OpMatch, OpTracer
 from .packer import AsyncPacker
 from .per_position import PerPosition
@@ -159,6 +159,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             raise ArgumentTypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         self.registry = ParameterRegistry(model)
         self._model = model
+        self._swaps_checkpointing = True
+        self._swapped: list[tuple[nn.Module, Any]] = []
         self._recomputation: compress | None = None
         on_cpu = model is None or any(p.device.type == "cpu" for p in model.parameters())
         # NOTE [ Freed memory goes back to the OS ] in allocator.py
@@ -247,6 +249,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._forget_saves()
         self._num_records = 0
         warn_if_nested(self)  # NOTE [ Only the innermost saved-tensor hooks apply ] in nesting.py
+        if self._model is not None and self._swaps_checkpointing:
+            # NOTE [ Hugging Face layers checkpointed under compress ]; checkpoint.py imports this module
+            from .checkpoint import compress_recomputation
+            self._swapped = compress_recomputation(self._model, self)
         super().__enter__()
         self._hooks.activate(self)
         self._op_tracer.start(self.step)
@@ -277,6 +283,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        swapped, self._swapped = self._swapped, []
+        for layer, previous in swapped:  # NOTE [ Hugging Face layers checkpointed under compress ]
+            layer._gradient_checkpointing_func = previous
         catcher, self._loss_catcher = self._loss_catcher, None
         if catcher is not None:
             catcher.__exit__(None, None, None)
@@ -328,7 +337,19 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 bits = widest_bits_within(config.avg_bits) if config.avg_bits is not None else CompressionConfig.bits
                 config = dataclasses.replace(config, bits=bits, avg_bits=None, packed_bytes=None, error_share=None)
             self._recomputation = compress(config, model=self._model)
+            self._recomputation._swaps_checkpointing = False  # it runs inside the layers this one swapped
         return self._recomputation
+
+    def _hold_exact(self, t: torch.Tensor) -> None:
+        """Count a tensor daftrain holds exact for backward outside the pack hook (a ``daftrain.checkpoint``
+        region's input, ``NOTE [ Compressed recomputation ]``) in the stats, as a kept save."""
+        if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+            return
+        storage = StorageWeakRef(t.untyped_storage())
+        if storage not in self._raw_storages:
+            self._raw_storages.add(storage)
+            self._stats.raw_bytes += t.untyped_storage().nbytes()
+        self._keep(t, storage, _KEEP_CHECKPOINT_INPUT)
 
     def _note_unsaved(self, nbytes: int) -> None:
         """A tensor a checkpointed region did not save: freed within the region, so it counts towards the
@@ -373,6 +394,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.reason == "parameter":
             stats.parameters += 1
             return t.detach()
+        if decision.treatment in _ROUNDED and saved_by_torch_checkpoint():
+            decision = _KEEP_CHECKPOINT_INPUT  # NOTE [ A checkpointed region's inputs are kept exact ] in nesting.py
         # Sparse, nested and meta tensors have no storage to account or pack (decide keeps them).
         storage = None if decision.reason == "layout" else StorageWeakRef(t.untyped_storage())
         if storage is not None and storage not in self._raw_storages:
@@ -647,5 +670,7 @@ def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, poo
 
 _QUANTIZE_SMALL = Decision(Treatment.QUANTIZE, "")
 _KEEP_SMALL = Decision(Treatment.KEEP, "tiny")
+_KEEP_CHECKPOINT_INPUT = Decision(Treatment.KEEP, "checkpoint")
+_ROUNDED = (Treatment.QUANTIZE, Treatment.BATCH)
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
           Treatment.PACK_INTEGER: "integer"}

@@ -3,13 +3,18 @@ inside another one (``save_on_cpu``, a checkpointed region, another ``compress``
 
 from __future__ import annotations
 
+import inspect
+import sys
+import types
 import warnings
 import weakref
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
-__all__ = ["NestedSavedTensorsHooksWarning", "outer_hook_name", "saves_reach_daftrain", "warn_if_nested"]
+__all__ = ["NestedSavedTensorsHooksWarning", "outer_hook_name", "saved_by_torch_checkpoint", "saves_reach_daftrain",
+           "warn_if_nested"]
 
 
 class NestedSavedTensorsHooksWarning(UserWarning):
@@ -62,3 +67,47 @@ def saves_reach_daftrain() -> bool:
     whose recomputation runs under the op rules) or to none: not to another context's (``NOTE [ Operator-level
     savings under other hooks ]`` in ``op_rules.py``)."""
     return outer_hook_name() in (None, "daftrain.compress")
+
+
+# NOTE [ A checkpointed region's inputs are kept exact ]
+# A ``torch.utils.checkpoint`` region inside ``compress`` (Hugging Face's gradient checkpointing is one per layer)
+# saves its inputs through compress's hooks (its own hooks take only the saves inside the region) and recomputes
+# the region from them in backward. Quantized, the region is recomputed at a rounded input: every activation the
+# recomputation makes, and every gradient inside the region, moves with that rounding through the region's
+# nonlinearities (SwinV2 at 4 bits with every layer checkpointed: gradient cosine 0.949, against 0.983 with no
+# checkpointing and the same rounding of every activation; T5 0.959 against 0.988). ``daftrain.checkpoint`` keeps
+# its inputs exact, the checkpoint boundary; these are kept exact as well. The pack hook sees neither the saving
+# node (a custom Function's) nor a torch function in progress, so the frames that called it tell: PyTorch's
+# ``_CheckpointFrame.save_inputs`` (non-reentrant), or ``Function.apply`` called by ``checkpoint`` itself
+# (reentrant: its forward ran without grad, and what it saves are the region's inputs). Where this PyTorch has
+# neither by those names, the inputs are stored as any tensor.
+def _checkpoint_codes() -> tuple[frozenset[types.CodeType], types.CodeType | None, types.CodeType | None]:
+    save_inputs = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)
+    saves: frozenset[types.CodeType] = frozenset()
+    if isinstance(save_inputs, types.FunctionType):  # its comprehension is a code object of its own before 3.12
+        code = save_inputs.__code__
+        saves = frozenset({code, *(c for c in code.co_consts if isinstance(c, types.CodeType))})
+    caller = getattr(inspect.unwrap(torch.utils.checkpoint.checkpoint), "__code__", None)
+    apply = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
+    return saves, caller, apply
+
+
+_SAVES_INPUTS, _CHECKPOINT, _APPLY = _checkpoint_codes()
+_MAX_FRAMES = 12
+"""How far above the pack hook's frame to look: the hook's own frames and PyTorch's wrappers of it."""
+
+
+def saved_by_torch_checkpoint() -> bool:
+    """Whether the tensor being packed now is one of a ``torch.utils.checkpoint`` region's inputs (``NOTE [ A
+    checkpointed region's inputs are kept exact ]``)."""
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code in _SAVES_INPUTS:
+            return True
+        if code is _APPLY:  # the custom Function whose saves these are: checkpoint's own, or another's
+            return frame.f_back is not None and frame.f_back.f_code is _CHECKPOINT
+        frame = frame.f_back
+    return False
