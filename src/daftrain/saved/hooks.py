@@ -125,7 +125,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         config: a ``CompressionConfig``; keyword arguments override its fields
             (``daftrain.compress(bits=4)``).
         model: optional; its parameters and buffers (and any view of them) are then never compressed,
-            recognised by storage. Without it parameters are still recognised, see ``policy.py``.
+            recognised by storage. Without it parameters are still recognised, see ``policy.py``. With Hugging
+            Face gradient checkpointing enabled, its layers are recomputed compressed while the context is
+            entered (``daftrain.checkpoint``).
         pool: optional ``PagePool``; packed records then live in its pages (no allocation per
             record in steady state) and, under its byte cap (``max_bytes``), the least important are demoted to
             fewer bits or spilled to disk. Entering the context marks a step boundary for the pool.
@@ -141,7 +143,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     The object can be re-entered once per step; ``stats`` describes the latest forward pass. As with
     every saved-tensor hook, the innermost context wins: inside ``torch.utils.checkpoint`` regions
-    (``use_reentrant=False``) checkpointing decides, outside them daftrain does.
+    (``use_reentrant=False``) checkpointing decides, outside them daftrain does; a region's inputs are kept exact.
     """
 
     def __init__(self, config: CompressionConfig | None = None, /, *, model: nn.Module | None = None,
