@@ -12,15 +12,17 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
-from .hooks import compress
 from .records import check_version
+
+if TYPE_CHECKING:  # hooks.py imports this module (compress(model=...) swaps checkpointed layers)
+    from .hooks import compress
 
 __all__ = ["RecomputationMismatchError", "checkpoint", "compress_recomputation", "restore_recomputation"]
 
@@ -147,7 +149,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, compression: compress | None 
     ``preserve_rng_state=False`` skips replaying the random stream."""
     if not callable(fn):
         raise ArgumentTypeError(f"daftrain.checkpoint: fn must be callable, got {type(fn).__name__}")
-    if compression is not None and not isinstance(compression, compress):
+    if compression is not None and not callable(getattr(compression, "recomputation_context", None)):
         raise ArgumentTypeError(f"daftrain.checkpoint: compression must be a daftrain.compress context or None, "
                                 f"got {type(compression).__name__}")
     for name, value in (("use_reentrant", use_reentrant), ("preserve_rng_state", preserve_rng_state)):

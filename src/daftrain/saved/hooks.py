@@ -24,6 +24,7 @@ from ..kernels import load_fast_kernels
 from ..layout import record_seed, widest_bits_within
 from ..params import ParameterRegistry
 from ..pool import PagePool
+from .checkpoint import compress_recomputation, restore_recomputation
 from .checks import Settling
 from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
 from .decide import Decision, Treatment, decide
@@ -252,8 +253,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._num_records = 0
         warn_if_nested(self)  # NOTE [ Only the innermost saved-tensor hooks apply ] in nesting.py
         if self._model is not None and self._swaps_checkpointing:
-            # NOTE [ Hugging Face layers checkpointed under compress ]; checkpoint.py imports this module
-            from .checkpoint import compress_recomputation
+            # NOTE [ Hugging Face layers checkpointed under compress ] in checkpoint.py
             self._swapped = compress_recomputation(self._model, self)
         super().__enter__()
         self._hooks.activate(self)
@@ -285,9 +285,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        swapped, self._swapped = self._swapped, []
-        for layer, previous in swapped:  # NOTE [ Hugging Face layers checkpointed under compress ]
-            layer._gradient_checkpointing_func = previous
+        restore_recomputation(self._swapped)
+        self._swapped = []
         catcher, self._loss_catcher = self._loss_catcher, None
         if catcher is not None:
             catcher.__exit__(None, None, None)
