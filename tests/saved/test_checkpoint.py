@@ -101,6 +101,12 @@ def test_auto_bits_recompute_at_the_default_fixed_bits() -> None:
     assert ctx.recomputation_context().config.bits == daftrain.CompressionConfig().bits
 
 
+def test_an_error_share_bound_recomputes_at_eight_bits() -> None:
+    # No fixed width is known to hold the bound; a recomputation's records live one block at a time.
+    ctx = daftrain.compress(bits="auto", error_share=0.01, model=_model())
+    assert ctx.recomputation_context().config.bits == 8 and not ctx.recomputation_context().config.auto
+
+
 @pytest.mark.parametrize(("avg_bits", "bits"), [(2.0, 2), (3.5, 2), (4.0, 4), (1.5, 1), (8.0, 8)])
 def test_auto_bits_with_avg_bits_recompute_at_its_bytes(avg_bits: float, bits: int) -> None:
     """The bytes an ``avg_bits`` target asks for: what its allocation stores before the first estimate."""

@@ -100,6 +100,9 @@ class _NoTracer:
 
 _NO_TRACER = _NoTracer()
 
+RECOMPUTATION_SHARE_BITS = 8
+"""The bits a ``bits="auto", error_share=...`` context's recomputation stores at (``recomputation_context``)."""
+
 # PyTorch refuses its function transforms' own autograd while saved-tensor hooks are active, with this.
 _FUNCTORCH_REFUSAL = "don't yet support saved tensor hooks"
 _FUNCTORCH_UNDER_COMPRESS = (
@@ -331,11 +334,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         (``NOTE [ Compressed recomputation ]`` in ``checkpoint.py``): this one's configuration, at its fixed
         bits, made once. A recomputation is one block, not a forward pass to allocate over, so a
         ``bits="auto"`` context's is stored at fixed bits: those of its ``avg_bits`` rounded down to a
-        supported width where it names one (the bytes it asked for), else the default fixed bits."""
+        supported width where it names one (the bytes it asked for); under an ``error_share`` bound, which no
+        fixed width is known to hold, ``RECOMPUTATION_SHARE_BITS`` (a recomputation's records exist one block at
+        a time in backward, so their bytes weigh little on the peak); else the default fixed bits."""
         if self._recomputation is None:
             config = self.config
             if config.auto:
-                bits = widest_bits_within(config.avg_bits) if config.avg_bits is not None else CompressionConfig.bits
+                bits = (widest_bits_within(config.avg_bits) if config.avg_bits is not None
+                        else RECOMPUTATION_SHARE_BITS if config.error_share is not None else CompressionConfig.bits)
                 config = dataclasses.replace(config, bits=bits, avg_bits=None, packed_bytes=None, error_share=None)
             self._recomputation = compress(config, model=self._model)
             self._recomputation._swaps_checkpointing = False  # it runs inside the layers this one swapped
