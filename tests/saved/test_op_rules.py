@@ -901,7 +901,7 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(p=2, dim=-1, keepdim=True)  # CLIP's, written out
 
 
-def _product_records(product: Any) -> list[tuple[int, int]]:
+def _product_records(product: Any, autocast: bool = False) -> list[tuple[int, int]]:
     """Packed bytes and records of ``product`` of two activations at 2 bits, with and without ``cosine_product``."""
     a, b = (torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in (0, 1))
     packed = []
@@ -909,9 +909,9 @@ def _product_records(product: Any) -> list[tuple[int, int]]:
         ctx = _ctx(2)
         if not rule:
             ctx._op_tracer = OpTracer(rules=tuple(r for r in RULES if r.name != "cosine_product"))
-        with ctx:
+        with ctx, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             y = product(a * 1.0, b * 1.0)
-        y.sum().backward()
+        y.float().sum().backward()
         packed.append((ctx.stats.packed_bytes, ctx.stats.compressed))
     return packed
 
@@ -922,8 +922,9 @@ def _product_records(product: Any) -> list[tuple[int, int]]:
     lambda a, b: torch.bmm(F.normalize(a, dim=-1), F.normalize(b, dim=-1).transpose(1, 2)),
     lambda a, b: torch.einsum("bid,bjd->bij", F.normalize(a, dim=-1), F.normalize(b, dim=-1)),
     lambda a, b: torch.einsum("bid,bjd->bij", [_unit(a), _unit(b)])])
-def test_a_product_of_unit_vectors_stores_both_at_eight_bits(product: Any) -> None:
-    packed = _product_records(product)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_product_of_unit_vectors_stores_both_at_eight_bits(product: Any, autocast: bool) -> None:
+    packed = _product_records(product, autocast)  # under autocast the op saves the operands' bfloat16 casts
     # The same records; two operands of 4 * 64 * 64 values with 6 bits more each.
     assert packed[0][1] == packed[1][1] and packed[0][0] - packed[1][0] == 2 * 4 * 64 * 64 * 6 // 8, packed
 

@@ -499,15 +499,15 @@ def _unit_vectors(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 
 _MAX_VIEWS = 4
 _NORM_NODES = frozenset({"LinalgVectorNormBackward0", "NormBackward0", "NormBackward1", "NormBackward2"})
-_DIVISOR_NODES = frozenset({"ExpandBackward0", "ClampMinBackward0"})
+_DIVISOR_NODES = frozenset({"ExpandBackward0", "ClampMinBackward0", "ToCopyBackward0"})
 
 
 def _divides_by_norm(node: object) -> bool:
-    """``node`` divides by a vector norm (clamped and expanded, as ``F.normalize`` does, or not)."""
+    """``node`` divides by a vector norm (clamped and expanded, as ``F.normalize`` does, or not; cast or not)."""
     if type(node).__name__ != "DivBackward0":
         return False
     inputs = node.next_functions  # type: ignore[attr-defined]
-    return len(inputs) == 2 and reaches(inputs[1][0], lambda n: type(n).__name__ in _NORM_NODES, _DIVISOR_NODES, 2)
+    return len(inputs) == 2 and reaches(inputs[1][0], lambda n: type(n).__name__ in _NORM_NODES, _DIVISOR_NODES, 3)
 
 
 _BMM = (torch.bmm, torch.Tensor.bmm)
