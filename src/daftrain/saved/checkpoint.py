@@ -53,9 +53,10 @@ class _Frame:
         self.fn, self.kwargs, self.context = fn, kwargs, context
         self.inner = context.recomputation_context() if context is not None else None
         self.args = tuple(_stash(a) for a in args)
-        for a in args:
-            if context is not None and isinstance(a, torch.Tensor):
-                context._hold_exact(a)  # the stats count what the checkpoint boundary holds
+        if context is not None:  # the stats count what the checkpoint boundary holds
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    context._hold_exact(a)
         self.cpu_rng = torch.get_rng_state() if preserve_rng_state else None
         self.devices, self.device_rng = get_device_states(*args) if preserve_rng_state else ([], [])
         self.autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))

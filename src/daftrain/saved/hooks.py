@@ -352,11 +352,15 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         region's input, ``NOTE [ Compressed recomputation ]``) in the stats, as a kept save."""
         if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
             return
+        self._keep(t, self._count_raw(t), _KEEP_CHECKPOINT_INPUT)
+
+    def _count_raw(self, t: torch.Tensor) -> StorageWeakRef:
+        """``t``'s storage, its bytes counted in ``stats.raw_bytes`` once per forward."""
         storage = StorageWeakRef(t.untyped_storage())
         if storage not in self._raw_storages:
             self._raw_storages.add(storage)
             self._stats.raw_bytes += t.untyped_storage().nbytes()
-        self._keep(t, storage, _KEEP_CHECKPOINT_INPUT)
+        return storage
 
     def _note_unsaved(self, nbytes: int) -> None:
         """A tensor a checkpointed region did not save: freed within the region, so it counts towards the
@@ -404,10 +408,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.treatment in _ROUNDED and saved_by_torch_checkpoint():
             decision = _KEEP_CHECKPOINT_INPUT  # NOTE [ A checkpointed region's inputs are kept exact ] in nesting.py
         # Sparse, nested and meta tensors have no storage to account or pack (decide keeps them).
-        storage = None if decision.reason == "layout" else StorageWeakRef(t.untyped_storage())
-        if storage is not None and storage not in self._raw_storages:
-            self._raw_storages.add(storage)
-            stats.raw_bytes += t.untyped_storage().nbytes()
+        storage = None if decision.reason == "layout" else self._count_raw(t)
         if decision.treatment is Treatment.KEEP:
             return self._keep(t, storage, decision)
         if decision.treatment is Treatment.BATCH:
