@@ -297,3 +297,37 @@ def test_log_softmax_rows_keep_their_sums(monkeypatch):
     _without_rules(monkeypatch)
     without = bias_grad(daftrain.compress(bits=2, min_numel=0))
     assert abs(float(without.sum())) >= 1e-4 * float(without.norm())
+
+
+_TARGET = torch.rand(128, 64, generator=torch.Generator().manual_seed(5))
+_IMAGE = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+# NOTE [ Op rules in compiled graphs ], 7.: backward divides by what these save, or is singular in it, at values
+# the inputs put near the singularity (the eager cases: tests/saved/test_op_rules.py).
+_SINGULAR = {
+    "binary_cross_entropy": lambda h: F.binary_cross_entropy(torch.sigmoid(h * 5.0), _TARGET, reduction="none"),
+    "division": lambda h: _TARGET / (h.abs() + 0.05),
+    "soft_sign": lambda h: h / (h.abs() + 0.05),
+    "square_root": lambda h: torch.sqrt(h.abs() + 1e-4),
+    "power_below_one": lambda h: (h.abs() + 1e-4) ** 0.5,
+    "lgamma": lambda h: torch.lgamma(h.abs() + 0.01),
+    "asin": lambda h: torch.asin(h.clamp(-0.999, 0.999)),
+    "log_of_sigmoid": lambda h: torch.log(torch.sigmoid(h * 5.0)),
+    "grid_sample": lambda h: F.grid_sample(_IMAGE, torch.tanh(h * 2.0).view(4, 32, 32, 2), align_corners=False),
+}
+
+
+@pytest.mark.parametrize("name", _SINGULAR)
+def test_values_a_singular_backward_reads_are_kept(name, monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+
+    def fn(x):
+        return _SINGULAR[name](lin(x))
+
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+    plain = _grads(lin, fn, x, None, "aot_eager")
+    ctx = daftrain.compress(bits=2, min_numel=0)
+    assert _cos(_grads(lin, fn, x, ctx, "aot_eager"), plain) > 0.9995, ctx.stats.summary()
+    _without_rules(monkeypatch)
+    got = _grads(lin, fn, x, daftrain.compress(bits=2, min_numel=0), "aot_eager")
+    assert not _cos(got, plain) > 0.999, _cos(got, plain)

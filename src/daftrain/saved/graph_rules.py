@@ -44,9 +44,9 @@ class GraphRule:
 #      of it, or ``mean(x ** 2)``) is stored normalised with exact statistics, as the eager
 #      ``normalization`` rules store it, computed in the graph without data-dependent branches;
 #   3. a value the backward reads only through comparisons with constants (ReLU6 / hardtanh, threshold
-#      and leaky ReLU backward, or the ``le`` / ``lt`` / ``ge`` / ``gt`` / ``eq`` they decompose to) is
-#      stored as which side of each constant it lies on, exactly, and restored as values that compare
-#      the same way. A value from which the backward first recomputes what it compares (the
+#      and leaky ReLU backward, an absolute value's ``sgn``, or the ``le`` / ``lt`` / ``ge`` / ``gt`` / ``eq``
+#      they decompose to) is stored as which side of each constant it lies on, exactly, and restored as
+#      values that compare the same way. A value from which the backward first recomputes what it compares (the
 #      partitioner saves a convolution's output and recomputes BatchNorm and the ReLU6 mask from it) is
 #      kept: the recomputed value's bounds, in the saved value's units, depend on the norm's statistics
 #      and weights, which the pack does not see, and a rounded value near them flips the mask that eager
@@ -60,7 +60,13 @@ class GraphRule:
 #      2 bits left an offset before it a gradient 5x its input's, which is exactly zero in plain PyTorch);
 #   6. a softmax's output (``_softmax``, or inductor's ``exp / sum(exp, dim)``) is restored with rows that
 #      sum to 1, a log_softmax's (rule 4) with rows whose ``logsumexp`` is 0, as eager records are (``NOTE
-#      [ Probabilities keep their sums ]`` in records.py).
+#      [ Probabilities keep their sums ]`` in records.py);
+#   7. a value the backward divides by, or feeds to an op singular in it (a log, a square root, digamma, a
+#      negative or fractional power, binary cross-entropy's probabilities, a grid sample's grid), directly or
+#      through arithmetic that can carry it near the singularity (a shift, a product, a clamp, a view) is kept,
+#      as the eager ``singular_backward`` rule keeps it (``NOTE [ Singular backward ]`` in op_rules.py). Through
+#      ``exp``, ``sigmoid`` or ``tanh`` an absolute rounding error becomes a bounded relative one, so paths
+#      through them are not followed.
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
 def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
@@ -79,6 +85,8 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
         return GraphRule("keep", "recomputed clip mask")
     if _is_statistic(node):
         return GraphRule("keep", "normalization statistic")
+    if _singular_use(uses):
+        return GraphRule("keep", "singular_backward")
     normalized = _normalized(node)
     if normalized is not None:
         return normalized
@@ -191,6 +199,7 @@ def _depends_on_trained_inputs(node: Any, bw_graph: Any) -> bool:
 _COMPARISONS = {"aten.le.Scalar": 1, "aten.lt.Scalar": 1, "aten.ge.Scalar": 1, "aten.gt.Scalar": 1,
                 "aten.eq.Scalar": 1}
 """Comparisons of the saved value (argument 0) with a constant (this argument)."""
+_SIGNS = {"aten.sgn.default", "aten.sign.default"}
 _CLIP_BACKWARDS = {"aten.hardtanh_backward.default": (2, 3), "aten.threshold_backward.default": (2,)}
 """Backward ops that read the saved value (argument 1) only against these constant arguments."""
 
@@ -206,6 +215,8 @@ def _compared_only(uses: list[tuple[Any, Any]]) -> tuple[float, ...] | None:
             constants = [user.args[i] for i in _CLIP_BACKWARDS[target]]
         elif target == "aten.leaky_relu_backward.default" and _positions(user, placeholder) == {1}:
             constants = [0.0]  # the sign picks 1 or the slope, on the input or on a non-negative slope's output
+        elif target in _SIGNS and _positions(user, placeholder) == {0}:
+            constants = [0.0]  # an absolute value's backward: 1, -1, or 0 at 0
         else:
             return None
         if not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in constants):
@@ -377,4 +388,40 @@ def _exponentiated(uses: list[tuple[Any, Any]]) -> bool:
         if any(str(u.target) in _EXP_OF_SAVED for u in users):
             return True
         users = [v for u in users if str(u.target) in _SHIFTS for v in u.users]
+    return False
+
+
+# Rule 7: backward ops singular in an argument (its positions), and the ops a saved value's rounding error passes
+# through on its way there unchanged or scaled (``NOTE [ Op rules in compiled graphs ]``).
+_SINGULAR_AT = {"aten.div.Tensor": {1}, "aten.reciprocal.default": {0}, "aten.log.default": {0},
+                "aten.log1p.default": {0}, "aten.log2.default": {0}, "aten.log10.default": {0},
+                "aten.sqrt.default": {0}, "aten.rsqrt.default": {0}, "aten.digamma.default": {0},
+                "aten.lgamma.default": {0}, "aten.polygamma.default": {1}, "aten.xlogy.Tensor": {1},
+                "aten.atan2.default": {0, 1}, "aten.binary_cross_entropy_backward.default": {1},
+                "aten.grid_sampler_2d_backward.default": {2}, "aten.grid_sampler_3d_backward.default": {2}}
+_PASS_THROUGH = _SHIFTS | {"aten.mul.Tensor", "aten.mul.Scalar", "aten.pow.Tensor_Scalar", "aten.rsub.Scalar",
+                           "aten.rsub.Tensor", "aten.abs.default", "aten.clamp.default", "aten.clamp_min.default",
+                           "aten.clamp_max.default", "aten.slice.Tensor", "aten.select.int", "aten.permute.default",
+                           "aten.t.default", "aten.transpose.int", "aten.squeeze.dim", "aten.unsqueeze.default",
+                           "aten.detach.default", "aten.alias.default"}
+_SINGULAR_DEPTH = 6
+
+
+def _singular_use(uses: list[tuple[Any, Any]]) -> bool:
+    """Whether the backward divides by the saved value or feeds it to an op singular in it (rule 7)."""
+    frontier, seen = list(uses), set()
+    for _ in range(_SINGULAR_DEPTH):
+        following = []
+        for arg, user in frontier:
+            target = str(user.target)
+            if _positions(user, arg) & _SINGULAR_AT.get(target, set()):
+                return True
+            if target == "aten.pow.Tensor_Scalar" and _positions(user, arg) == {0}:
+                exponent = user.args[1]
+                if isinstance(exponent, (int, float)) and (exponent < 0 or 0 < exponent < 1):
+                    return True
+            if target in _PASS_THROUGH and user not in seen:
+                seen.add(user)
+                following += [(user, u) for u in user.users]
+        frontier = following
     return False

@@ -192,6 +192,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._small = SmallTensors(self.config.group_size)  # NOTE [ Small tensors packed together ]
         self._small_bits = small_tensor_bits(self.config)
         self._small_bytes = 0  # the bytes of the small tensors this forward saved that could be packed together
+        # NOTE [ Every save of a value a singular backward reads ]: such values by key, in this forward, and the
+        # records made of them before they were kept; entries go with the kept tensors and the records.
+        self._exact_saves: weakref.WeakValueDictionary[_Key, KeptTensor] = weakref.WeakValueDictionary()
+        self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = make_bit_policy(self.config, model)
@@ -327,6 +331,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         """Drop the dedup table and the storages counted: they only matter within one forward pass."""
         self._records = weakref.WeakValueDictionary()
         self._small_records = {}
+        self._exact_saves = weakref.WeakValueDictionary()
         self._raw_storages, self._kept_storages = set(), set()
 
     def recomputation_context(self) -> compress:
@@ -410,7 +415,13 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # Sparse, nested and meta tensors have no storage to account or pack (decide keeps them).
         storage = None if decision.reason == "layout" else self._count_raw(t)
         if decision.treatment is Treatment.KEEP:
-            return self._keep(t, storage, decision)
+            kept = self._keep(t, storage, decision)
+            if decision.rule == "singular_backward" and storage is not None:
+                self._keep_every_save(t, storage, kept)
+            return kept
+        if self._exact_saves and storage is not None and any(
+                key in self._exact_saves for key in _keys(t, storage)):
+            return self._keep(t, storage, _KEEP_SINGULAR)  # NOTE [ Every save of a value a singular backward reads ]
         if decision.treatment is Treatment.BATCH:
             self._small_bytes += t.numel() * t.element_size()
             if self._small_bytes <= SMALL_SHARE * stats.raw_bytes:  # NOTE [ Small tensors packed together ]
@@ -446,6 +457,21 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._live_saves.hold(handle)
         return handle
 
+    # NOTE [ Every save of a value a singular backward reads ]
+    # A value the ``singular_backward`` rule keeps exact (``NOTE [ Singular backward ]`` in op_rules.py) is often
+    # saved by the op that made it too: a sigmoid saves its output p, then binary cross-entropy (or a log) saves p
+    # and divides by it. Plain PyTorch's gradients cancel between the two: ``(p - y) / (p (1 - p))`` times
+    # ``p (1 - p)``. Kept exact for the one and rounded for the other, the factors no longer cancel and the error
+    # is again relative to p (the log of a sigmoid's output went from cosine 1.0, both saves rounded alike, to
+    # 0.97 at 8 bits with only the log's kept). So every save of those values in the forward restores them exact:
+    # a record made of them earlier is restored from the kept tensor, and a later save keeps it too.
+    def _keep_every_save(self, t: torch.Tensor, storage: StorageWeakRef, kept: KeptTensor) -> None:
+        for key in _keys(t, storage):
+            self._exact_saves[key] = kept
+            for record in (self._records.get(key), self._small_records.get(key)):
+                if record is not None:
+                    self._exact_records[record] = kept
+
     def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
         ]`` in ``small_tensors.py``): ``_pack``'s steps for a view that is never expanded, in fewer calls (a
@@ -480,6 +506,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(packed, KeptTensor):
             return packed.restore()
         packed.check_version()
+        exact = self._exact_records.get(packed.record) if self._exact_records else None
+        if exact is not None:  # NOTE [ Every save of a value a singular backward reads ]
+            return packed.restore(_flat(exact.restore()))
         if self._calibration_pass is not None:
             flat = packed.record.decode()
             index = self._record_index.get(packed.record)
@@ -678,7 +707,24 @@ def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, poo
 
 _QUANTIZE_SMALL = Decision(Treatment.QUANTIZE, "")
 _KEEP_SMALL = Decision(Treatment.KEEP, "tiny")
+_KEEP_SINGULAR = Decision(Treatment.KEEP, "op_rule", rule="singular_backward")
 _KEEP_CHECKPOINT_INPUT = Decision(Treatment.KEEP, "checkpoint")
 _ROUNDED = (Treatment.QUANTIZE, Treatment.BATCH)
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
           Treatment.PACK_INTEGER: "integer"}
+
+
+def _keys(t: torch.Tensor, storage: StorageWeakRef) -> tuple[_Key, ...]:
+    """The dedup keys ``_pack`` and ``_pack_small`` would file a save of ``t`` under."""
+    compact = compact_expanded(t) if is_expanded(t) else t
+    key: _Key = (storage, compact.dtype, compact._version, compact.storage_offset(), compact.numel())
+    packed = key if is_dense(compact) else (*key, tuple(compact.shape), compact.stride())
+    small = key if t.is_contiguous() else (*key, tuple(t.shape), t.stride())
+    return (packed,) if packed == small else (packed, small)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``_pack`` flattens what it packs, which a ``SavedHandle`` restores its view from."""
+    if is_expanded(t):
+        t = compact_expanded(t)
+    return t.as_strided((t.numel(),), (1,)) if is_dense(t) else t.contiguous().view(-1)

@@ -66,8 +66,8 @@ class OpRule:
 #      bits ]`` in ``attention_precision.py``);
 #   3. clips that save their input (hardtanh, relu6, clamp, threshold, hardsigmoid) read it only through
 #      the mask of values inside their bounds, and a leaky ReLU reads its input (or, in place, its output)
-#      only through its sign; a rounded value near a bound flips it (``ClipMask`` encoding: the mask,
-#      exact, at 1 bit per value);
+#      only through its sign, an absolute value through its sign and its zeros; a rounded value near a bound
+#      flips it (``ClipMask`` encoding: the mask, exact, at 1 bit per value; 2 with the zeros);
 #   4. an elementwise maximum or minimum against a 0-d tensor reads its input only through the
 #      comparison with it, like a clip, ties included (``ClipMask`` with ties);
 #   5. smooth activations (GELU, SiLU, Mish) and Hardswish read their saved input only through their
@@ -104,7 +104,9 @@ class OpRule:
 #      logits: up to 100x, where a dot-product attention scales by 1/sqrt(d)): the scores' gradient enters
 #      each operand's input gradient multiplied by it, with the rounding error of the other operand, and
 #      that path then dominates the input gradient of every layer below it (the residual one is not
-#      scaled): both operands at least ``COSINE_MIN_BITS``.
+#      scaled): both operands at least ``COSINE_MIN_BITS``;
+#  11. ops whose backward divides by a value they save, or is singular in it (``NOTE [ Singular backward ]``):
+#      kept exact.
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -127,10 +129,11 @@ RULES: tuple[OpRule, ...] = (
     OpRule("clip_mask",
            (F.hardtanh, F.relu6, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip,
             torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_, F.leaky_relu, F.leaky_relu_,
-            F.hardsigmoid),
+            F.hardsigmoid, torch.abs, torch.Tensor.abs, torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute,
+            torch.Tensor.abs_),
            "the backward reads the saved tensor only as the mask of values inside the bounds (a leaky ReLU's "
-           "sign picks 1 or its slope); rounding flips it near a bound: the mask is stored exactly, 1 bit per "
-           "value"),
+           "sign picks 1 or its slope; an absolute value's sign, 0 at 0, picks 1, -1 or 0); rounding flips it near "
+           "a bound: the mask is stored exactly, 1 bit per value (2 with the zeros)"),
     OpRule("comparison",
            (torch.max, torch.min, torch.maximum, torch.minimum, torch.Tensor.max, torch.Tensor.min,
             torch.Tensor.maximum, torch.Tensor.minimum),
@@ -173,6 +176,26 @@ RULES: tuple[OpRule, ...] = (
            "over a wide linear layer's output, as a function of the layer's input (exact), weight and bias that "
            "recomputes the logits tile by tile in backward: none",
            min_bits=LOGITS_MIN_BITS),
+    OpRule("singular_backward",
+           (torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide,
+            torch.Tensor.div_, torch.Tensor.__itruediv__, torch.Tensor.__rtruediv__, torch.reciprocal,
+            torch.Tensor.reciprocal, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.sqrt, torch.Tensor.sqrt,
+            torch.log, torch.Tensor.log, torch.log2, torch.Tensor.log2, torch.log10, torch.Tensor.log10, torch.log1p,
+            torch.Tensor.log1p, torch.xlogy, torch.Tensor.xlogy, torch.special.xlogy, torch.prod, torch.Tensor.prod,
+            torch.cumprod, torch.Tensor.cumprod, torch.std, torch.Tensor.std, torch.atan2, torch.Tensor.atan2,
+            torch.arctan2, torch.Tensor.arctan2, torch.asin, torch.Tensor.asin, torch.arcsin, torch.Tensor.arcsin,
+            torch.acos, torch.Tensor.acos, torch.arccos, torch.Tensor.arccos, torch.atanh, torch.Tensor.atanh,
+            torch.arctanh, torch.Tensor.arctanh, torch.erfinv, torch.Tensor.erfinv, torch.special.erfinv,
+            torch.lgamma, torch.Tensor.lgamma, torch.digamma, torch.Tensor.digamma, torch.polygamma,
+            torch.Tensor.polygamma, torch.mvlgamma, torch.Tensor.mvlgamma, torch.special.gammaln,
+            torch.special.digamma, torch.special.psi, torch.special.polygamma, torch.special.multigammaln,
+            F.binary_cross_entropy, F.gaussian_nll_loss, F.ctc_loss, F.grid_sample),
+           "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
+           "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance), is "
+           "singular in it (asin's 1 - x**2, atan2's x**2 + y**2, digamma's poles) or picks a grid cell by it "
+           "(grid_sample's grid): a value small next to its group's range, or near a pole, gets a rounding error "
+           "that no bits bound (a probability of 1e-3 at 8 bits in [0, 1]: 4x its value), so the gradient goes "
+           "wrong or NaN: the value is kept exact"),
 )
 
 
@@ -394,7 +417,13 @@ def _clip_bounds(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
     if func is F.threshold:
         value = _arg(args, kwargs, 2, "value")
         return (_arg(args, kwargs, 1, "threshold"), None, False) if value == 0 else None
+    if func in _ABSOLUTE:
+        return 0.0, None, False
     return _arg(args, kwargs, 1, "min"), _arg(args, kwargs, 2, "max"), True
+
+
+_ABSOLUTE = frozenset({torch.abs, torch.Tensor.abs, torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute,
+                       torch.Tensor.abs_})
 
 
 def _clip(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ClipMask | None:
@@ -415,7 +444,8 @@ def _clip(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ClipMa
         inside, outside = lo + max(1.0, abs(lo)), lo - max(1.0, abs(lo))
     else:
         inside, outside = hi - max(1.0, abs(hi)), hi + max(1.0, abs(hi))
-    enc = ClipMask(None if lo is None else float(lo), None if hi is None else float(hi), inclusive, inside, outside)
+    enc = ClipMask(None if lo is None else float(lo), None if hi is None else float(hi), inclusive, inside, outside,
+                   tie=0.0 if func in _ABSOLUTE else None)  # the sign of 0 is 0
     # The restored values must compare as the originals did in the tensor's own dtype.
     probe = torch.tensor([inside, outside], dtype=x.dtype)
     if probe.isfinite().all() and enc.mask(probe).tolist() == [True, False]:
@@ -518,6 +548,8 @@ _INPLACE_ARG = {F.hardtanh: 3, F.relu6: 1, F.threshold: 3, F.leaky_relu: 2, F.ha
 
 
 def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch | None:
+    if rule.name == "singular_backward":
+        return _singular(rule, func, args, kwargs)
     if rule.name == "activation_derivative":
         found = _derivative(func, args, kwargs)  # in place: autograd saves a clone of the input
         if found is None:
@@ -570,9 +602,51 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         return OpMatch(rule, targets) if targets else None
     x = _arg(args, kwargs, 0, "input")
     enc = _clip(func, args, kwargs)
-    inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_, F.leaky_relu_) or bool(
+    inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_, F.leaky_relu_, torch.Tensor.abs_) or bool(
         _arg(args, kwargs, _INPLACE_ARG[func], "inplace", False) if func in _INPLACE_ARG else False)
     return OpMatch(rule, (x,), enc, by_shape=inplace) if enc is not None else None
+
+
+_DIVISIONS = frozenset({torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide,
+                        torch.Tensor.true_divide, torch.Tensor.div_, torch.Tensor.__itruediv__})
+_POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__})
+
+
+# NOTE [ Singular backward ]
+# Rounding adds an error of the order of a group's range / 2**bits to each saved value, whatever the value. Where
+# backward divides by the value (``a / b``'s gradient is ``g / b`` and ``-g a / b**2``; a log's ``g / x``; a square
+# root's ``g / (2 sqrt(x))``; ``prod``'s ``g * prod / x``; binary cross-entropy's ``(p - y) / (p (1 - p))``;
+# a Gaussian's variance) or is singular in it (asin's ``1 / sqrt(1 - x**2)``, atan2's ``x**2 + y**2``, lgamma's
+# digamma, erfinv's ``exp(y**2)``), that error is multiplied by a factor that grows without bound as the value
+# nears the singularity: a probability of 1e-3 rounded at 8 bits in a group spanning [0, 1] is off by up to 4x
+# itself (or its sign), and those are the values whose gradient terms dominate. More bits move the threshold, not
+# the failure: measured at 8 bits, a sigmoid then binary cross-entropy gave an input gradient of cosine -0.16
+# against plain PyTorch's, ``Normal(mu, sigma).log_prob`` 0.01, asin NaN (``docs/saved.md``). So the tensors these
+# calls save are kept exact, with three narrower cases. A division keeps its divisor, and its dividend only where
+# the two are of one size: the dividend's error enters ``-g a / b**2`` linearly and averages over the elements a
+# broadcast divisor (a scalar, a learned temperature) sums it over, but an elementwise quotient of related values
+# (``x / (|x| + eps)``) has its small dividends where its small divisors are. A power keeps its base only where its
+# exponent is a tensor or below 1 (``x ** 2``'s gradient is linear in x). A grid sample keeps its grid (the cell a
+# point falls in, and so which input values its gradient reads, moves with the rounding; the input enters
+# linearly). A division by a statistic of the dividend's rows and ``x ** 2`` of an RMSNorm written out are taken
+# first by their own rules.
+def _singular(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch | None:
+    """The ``singular_backward`` match of a call (``NOTE [ Singular backward ]``): what it keeps exact."""
+    if func in _DIVISIONS:
+        dividend, divisor = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+        if not isinstance(divisor, torch.Tensor):
+            return None
+        elementwise = isinstance(dividend, torch.Tensor) and dividend.numel() == divisor.numel()
+        return OpMatch(rule, (), keep=(dividend, divisor) if elementwise else (divisor,))
+    if func in _POWERS:
+        exponent = _arg(args, kwargs, 1, "exponent")
+        if isinstance(exponent, (int, float)) and not 0 < exponent < 1 and exponent >= 0:
+            return None
+        return OpMatch(rule, (), keep_all=True)
+    if func is F.grid_sample:
+        grid = _arg(args, kwargs, 1, "grid")
+        return OpMatch(rule, (), keep=(grid,)) if isinstance(grid, torch.Tensor) else None
+    return OpMatch(rule, (), keep_all=True)
 
 
 # NOTE [ Tracing the saving op ]
@@ -614,25 +688,37 @@ def _opened(func: Any) -> Any:
 # where a tensor saved now reaches daftrain's hooks (``compress``'s, or a ``daftrain.checkpoint`` region's, which
 # recomputes under the rules) or no hooks at all (``ExactSavings``: plain autograd saves); anywhere else it runs as
 # it is.
+# NOTE [ Rules while compiling ]
+# Dynamo traces a torch function mode's handler into the graph it compiles, and guards on what the handler read: a
+# lookup of the called function in the rules' table became a guard on that table's keys, which failed on the frame
+# that made it for the functions whose bound and unbound forms differ (``x ** 0.5`` under ``torch.compile``:
+# "Guard failed on the same frame it was created"). So the handler asks whether it is being compiled before it
+# reads anything else.
 class _RuleMode(TorchFunctionMode):
-    def __init__(self, tracer: OpTracer, by_function: dict[Any, OpRule]) -> None:
+    def __init__(self, tracer: OpTracer, by_function: dict[Any, tuple[OpRule, ...]]) -> None:
         super().__init__()
         self.tracer, self.by_function = tracer, by_function
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        rule = self.by_function.get(func)
-        linear = func in self.tracer.linears
-        if torch.compiler.is_compiling():  # compiled graphs decide without the rules
+        if torch.compiler.is_compiling():  # compiled graphs decide without the rules (NOTE [ Rules while compiling ])
             return func(*args, **kwargs)
-        if rule is None and not linear:
+        rules = self.by_function.get(func)
+        linear = func in self.tracer.linears
+        if rules is None and not linear:
             opened = _opened(func) if func in OPENED else None
             if opened is None:
                 return func(*args, **kwargs)
             with self:  # NOTE [ Tracing the saving op ]: its own calls reach the rules
                 return opened(*args, **kwargs)
-        found = _match(rule, func, args, kwargs) if rule is not None else None
+        if not _strided(args, kwargs):  # NOTE [ Nested and sparse arguments ]
+            return func(*args, **kwargs)
+        found = None
+        for rule in rules or ():
+            found = _match(rule, func, args, kwargs)
+            if found is not None:
+                break
         if found is not None and found.rule.name == "cross_entropy":
             found = self.tracer.over_linear(found)
         elif found is not None and found.rule.name == "attention_qk":
@@ -654,6 +740,20 @@ class _RuleMode(TorchFunctionMode):
         if linear:
             self.tracer.note_linear(args, kwargs, out)
         return out
+
+
+# NOTE [ Nested and sparse arguments ]
+# The rules' functions (attention recomputed from its inputs, an activation saving its derivative, the
+# normalisations' encodings) are written for strided tensors, and ``decide`` keeps what a nested (jagged) or sparse
+# tensor saves as it is (reason ``layout``). A call with such an argument runs as it is: before, a GELU of a jagged
+# tensor raised inside the function that saves its derivative.
+def _strided(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """No tensor among the arguments (or in a list or tuple of them) is nested or of a layout other than strided."""
+    for value in (*args, *kwargs.values()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided):
+                return False
+    return True
 
 
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -700,7 +800,10 @@ class OpTracer:
         self.weight_grads_in_place = weight_grads_in_place
         """A loss over a head adds the head's weight gradient into ``.grad`` itself, where it may."""
         self.local = threading.local()
-        self._by_function = {f: r for r in rules for f in r.functions}
+        self._by_function: dict[Any, tuple[OpRule, ...]] = {}
+        for rule in rules:  # in the table's order: a division by a row statistic before any other division
+            for f in rule.functions:
+                self._by_function[f] = (*self._by_function.get(f, ()), rule)
         self._attention = AttentionPrecision(ATTENTION_MIN_BITS, group_size)
         self._recomputed = functools.partial(attention_recomputed, traffic=traffic)
         """Attention run as a function that saves only its inputs, telling ``traffic`` the bytes its transients

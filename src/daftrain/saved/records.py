@@ -376,7 +376,7 @@ class KeptTensor:
     """What the pack hook returns for a tensor kept as it is: the tensor (detached: see NOTE [ Kept tensors
     are detached ]) and its version when saved, so that unpacking detects an in-place modification."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("__weakref__", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor, version: int) -> None:
         self.tensor, self.version = tensor, version
