@@ -368,6 +368,10 @@ def test_relu6_and_clamp_masks_are_exact() -> None:
         "leaky_relu_": lambda x: F.leaky_relu_(x * 1.0),
         "hardsigmoid": lambda x: F.hardsigmoid(x * 2.0 - 3.0),
         "hardsigmoid_inplace": lambda x: torch.nn.Hardsigmoid(inplace=True)((x * 2.0).sub_(3.0)),
+        # the gradient passes outside the bounds; an L1 loss reads its input less its target through the sign
+        "hardshrink": lambda x: F.hardshrink(x - 6.0, 6.0),
+        "softshrink": lambda x: torch.nn.Softshrink(6.0)(x - 6.0),
+        "l1_loss": lambda x: F.l1_loss(x * 1.0, torch.full_like(x, 6.0), reduction="none"),
     }
     for name, fn in fns.items():
         ref = _grads(fn, [x], None)[0]
@@ -970,6 +974,7 @@ SINGULAR_CALLS = {
     "xlogy": lambda x: torch.xlogy(_TARGET, torch.sigmoid(x * 5.0)),
     "log_of_sigmoid": lambda x: torch.log(torch.sigmoid(x * 5.0)),
     "grid_sample": lambda x: F.grid_sample(_IMAGE, torch.tanh(x * 2.0).view(8, 32, 32, 2), align_corners=False),
+    "cdist": lambda x: torch.cdist(x.view(16, 16, 64), x.view(16, 16, 64).detach() + 0.01 * _VALUES.view(16, 16, 64)),
 }
 
 
@@ -1044,3 +1049,26 @@ def test_dynamo_compiles_a_power_under_the_rule_mode() -> None:
         assert x.grad is not None and torch.isfinite(x.grad).all()
     finally:
         torch._dynamo.reset()
+
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: (x * 1.0).amax(-1), lambda x: torch.amax(x * 1.0, dim=(0, 1), keepdim=True),
+    lambda x: (x * 1.0).amin(0, True), lambda x: (x * 1.0) - (x * 1.0).amax(-1, keepdim=True)])
+def test_extrema_save_the_positions_of_their_result(call: Any) -> None:
+    # NOTE [ Extrema save their positions ] in extremum.py: ties included (the gradient is split between them);
+    # rows of 64 values, so that a group of 256 spans four.
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0)).round(decimals=1)
+    ref = _grads(call, [x], None)[0]
+    ctx = _ctx(2)
+    assert torch.equal(_grads(call, [x], ctx)[0], ref)
+    assert ctx.stats.bool_packed >= 1
+    plain = _grads(call, [x], _ctx(8, rules=False))[0]  # a rounded row's maximum equals no rounded value: NaN
+    assert not torch.equal(plain, ref)
+
+
+def test_an_extremum_of_rows_with_a_nan_gives_plain_pytorchs_gradient() -> None:
+    x = torch.randn(8, 512)
+    x[3, 7] = float("nan")
+    ref, got = (_grads(lambda x: (x * 1.0).amax(-1), [x], ctx)[0] for ctx in (None, _ctx(2)))
+    assert torch.equal(ref.isnan(), got.isnan()) and torch.equal(ref.nan_to_num(), got.nan_to_num())

@@ -398,7 +398,8 @@ _SINGULAR_AT = {"aten.div.Tensor": {1}, "aten.reciprocal.default": {0}, "aten.lo
                 "aten.sqrt.default": {0}, "aten.rsqrt.default": {0}, "aten.digamma.default": {0},
                 "aten.lgamma.default": {0}, "aten.polygamma.default": {1}, "aten.xlogy.Tensor": {1},
                 "aten.atan2.default": {0, 1}, "aten.binary_cross_entropy_backward.default": {1},
-                "aten.grid_sampler_2d_backward.default": {2}, "aten.grid_sampler_3d_backward.default": {2}}
+                "aten.grid_sampler_2d_backward.default": {2}, "aten.grid_sampler_3d_backward.default": {2},
+                "aten._cdist_backward.default": {1, 2, 4}}
 _PASS_THROUGH = _SHIFTS | {"aten.mul.Tensor", "aten.mul.Scalar", "aten.pow.Tensor_Scalar", "aten.rsub.Scalar",
                            "aten.rsub.Tensor", "aten.abs.default", "aten.clamp.default", "aten.clamp_min.default",
                            "aten.clamp_max.default", "aten.slice.Tensor", "aten.select.int", "aten.permute.default",

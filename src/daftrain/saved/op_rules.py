@@ -23,6 +23,7 @@ from ..lineage import CAST_AND_VIEW_NODES, copy_of, reaches
 from .activation_derivative import saving_derivative
 from .attention_precision import AttentionPrecision, MaskStorage
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
+from .extremum import extremum_saving_positions
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
 from .nesting import saves_reach_daftrain
 from .recomputed_attention import attention_recomputed, recomputes
@@ -106,7 +107,10 @@ class OpRule:
 #      that path then dominates the input gradient of every layer below it (the residual one is not
 #      scaled): both operands at least ``COSINE_MIN_BITS``;
 #  11. ops whose backward divides by a value they save, or is singular in it (``NOTE [ Singular backward ]``):
-#      kept exact.
+#      kept exact;
+#  12. a maximum or minimum over dims reads its input only through which values equal its result; rounded,
+#      none may, and the gradient is NaN: the call runs as a function that saves those positions (``NOTE
+#      [ Extrema save their positions ]`` in ``extremum.py``).
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -129,17 +133,22 @@ RULES: tuple[OpRule, ...] = (
     OpRule("clip_mask",
            (F.hardtanh, F.relu6, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip,
             torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_, F.leaky_relu, F.leaky_relu_,
-            F.hardsigmoid, torch.abs, torch.Tensor.abs, torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute,
-            torch.Tensor.abs_),
-           "the backward reads the saved tensor only as the mask of values inside the bounds (a leaky ReLU's "
-           "sign picks 1 or its slope; an absolute value's sign, 0 at 0, picks 1, -1 or 0); rounding flips it near "
-           "a bound: the mask is stored exactly, 1 bit per value (2 with the zeros)"),
+            F.hardsigmoid, F.hardshrink, torch.Tensor.hardshrink, F.softshrink, torch.abs, torch.Tensor.abs,
+            torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute, torch.Tensor.abs_, F.l1_loss),
+           "the backward reads the saved tensor only as the mask of values inside the bounds (a shrink's outside "
+           "them; a leaky ReLU's sign picks 1 or its slope; an absolute value's sign, 0 at 0, picks 1, -1 or 0, "
+           "an L1 loss's of its input less its target); rounding flips it near a bound: the mask is stored "
+           "exactly, 1 bit per value (2 with the zeros)"),
     OpRule("comparison",
            (torch.max, torch.min, torch.maximum, torch.minimum, torch.Tensor.max, torch.Tensor.min,
             torch.Tensor.maximum, torch.Tensor.minimum),
            "an elementwise maximum or minimum against a 0-d tensor reads its input only through the comparison "
            "with it (ties split the gradient): the comparison and the ties are stored exactly, 2 bits per value; "
            "quantized, an attention mask's finfo.min floor gives the input a group range of ~1e38"),
+    OpRule("extremum", (torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin),
+           "amax / amin over dims send the gradient to the values equal to the result; a rounded row's maximum "
+           "equals none of its rounded values where a quantization group spans rows (a count of 0: a NaN "
+           "gradient): the call runs as a function that saves those positions, exact, 1 bit per value"),
     OpRule("activation_derivative", (F.gelu, F.silu, F.hardswish, F.mish),
            "the backward reads the input only as f'(x), nonlinear: a rounded x gives a biased, noisier f'(x) "
            "(Hardswish's jumps at -3 and 3 flip like a clip's mask), compounding through stacked layers without "
@@ -189,9 +198,10 @@ RULES: tuple[OpRule, ...] = (
             torch.lgamma, torch.Tensor.lgamma, torch.digamma, torch.Tensor.digamma, torch.polygamma,
             torch.Tensor.polygamma, torch.mvlgamma, torch.Tensor.mvlgamma, torch.special.gammaln,
             torch.special.digamma, torch.special.psi, torch.special.polygamma, torch.special.multigammaln,
-            F.binary_cross_entropy, F.gaussian_nll_loss, F.ctc_loss, F.grid_sample),
+            F.binary_cross_entropy, F.gaussian_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
-           "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance), is "
+           "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
+           "distance), is "
            "singular in it (asin's 1 - x**2, atan2's x**2 + y**2, digamma's poles) or picks a grid cell by it "
            "(grid_sample's grid): a value small next to its group's range, or near a pole, gets a rounding error "
            "that no bits bound (a probability of 1e-3 at 8 bits in [0, 1]: 4x its value), so the gradient goes "
@@ -419,11 +429,17 @@ def _clip_bounds(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
         return (_arg(args, kwargs, 1, "threshold"), None, False) if value == 0 else None
     if func in _ABSOLUTE:
         return 0.0, None, False
+    if func in _SHRINKS:  # the gradient passes outside [-lambd, lambd]: the same mask, read the other way
+        lambd = _arg(args, kwargs, 1, "lambd", 0.5)
+        return (-lambd, lambd, True) if isinstance(lambd, (int, float)) and lambd > 0 else None
     return _arg(args, kwargs, 1, "min"), _arg(args, kwargs, 2, "max"), True
 
 
+# An L1 loss saves the difference of its input and target (of the input's shape, made inside the call) for its
+# absolute value.
 _ABSOLUTE = frozenset({torch.abs, torch.Tensor.abs, torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute,
-                       torch.Tensor.abs_})
+                       torch.Tensor.abs_, F.l1_loss})
+_SHRINKS = frozenset({F.hardshrink, torch.Tensor.hardshrink, F.softshrink})
 
 
 def _clip(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ClipMask | None:
@@ -550,6 +566,9 @@ _INPLACE_ARG = {F.hardtanh: 3, F.relu6: 1, F.threshold: 3, F.leaky_relu: 2, F.ha
 def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch | None:
     if rule.name == "singular_backward":
         return _singular(rule, func, args, kwargs)
+    if rule.name == "extremum":
+        call = extremum_saving_positions(func, args, dict(kwargs))
+        return OpMatch(rule, (), call=call) if call is not None else None
     if rule.name == "activation_derivative":
         found = _derivative(func, args, kwargs)  # in place: autograd saves a clone of the input
         if found is None:
@@ -602,7 +621,8 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         return OpMatch(rule, targets) if targets else None
     x = _arg(args, kwargs, 0, "input")
     enc = _clip(func, args, kwargs)
-    inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_, F.leaky_relu_, torch.Tensor.abs_) or bool(
+    inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_, F.leaky_relu_, torch.Tensor.abs_,
+                       F.l1_loss) or bool(
         _arg(args, kwargs, _INPLACE_ARG[func], "inplace", False) if func in _INPLACE_ARG else False)
     return OpMatch(rule, (x,), enc, by_shape=inplace) if enc is not None else None
 
