@@ -962,6 +962,7 @@ _IMAGE = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(7))
 SINGULAR_CALLS = {
     "binary_cross_entropy": lambda x: F.binary_cross_entropy(torch.sigmoid(x * 5.0), _TARGET, reduction="none"),
     "normal_log_prob": lambda x: torch.distributions.Normal(x, F.softplus(x * 3.0) + 1e-3).log_prob(_VALUES),
+    "poisson_nll": lambda x: F.poisson_nll_loss(torch.sigmoid(x * 5.0), _TARGET, log_input=False, reduction="none"),
     "division": lambda x: _VALUES / (x.abs() + 0.05),
     "soft_sign": lambda x: x / (x.abs() + 0.05),
     "reciprocal": lambda x: 1.0 / (x.abs() + 0.05),
@@ -991,6 +992,38 @@ def test_a_singular_backward_reads_its_values_exact(name: str) -> None:
     # product's 0.04, asin's NaN: its input rounded past 1).
     plain = _grads(fn, [x], _ctx(bits, rules=False))[0]
     assert not _cos(plain, ref) > 0.999, (name, _cos(plain, ref))
+
+
+_ONE_HOT = F.one_hot(torch.arange(256) % 64, 64).float()
+# A log of probabilities shifted or clamped by a constant: the probabilities' own save must be exact too.
+SHIFTED_PROBABILITIES = {
+    "softmax_log_eps": lambda x: -(_ONE_HOT * torch.log(F.softmax(x * 3.0, -1) + 1e-8)),
+    "sigmoid_one_minus_eps": lambda x: torch.log(1.0 - torch.sigmoid(x * 5.0) + 1e-7),
+    "softmax_clamped": lambda x: torch.log(F.softmax(x * 3.0, -1).clamp(min=1e-8)) * _ONE_HOT,
+}
+
+
+@pytest.mark.parametrize("name", SHIFTED_PROBABILITIES)
+def test_a_value_kept_exact_makes_the_save_it_was_shifted_from_exact(name: str) -> None:
+    # NOTE [ Every save of a value a singular backward reads ] in hooks.py.
+    fn, x = SHIFTED_PROBABILITIES[name], torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    ref = _grads(fn, [x], None)[0]
+    assert _cos(_grads(fn, [x], _ctx(2))[0], ref) > 0.99999
+    plain = _grads(fn, [x], _ctx(8, rules=False))[0]
+    assert not _cos(plain, ref) > 0.999, _cos(plain, ref)
+
+
+def test_only_small_saves_are_held_for_a_value_shifted_from_them() -> None:
+    from daftrain.saved.hooks import RECENT_SAVE_BYTES, RECENT_SAVES
+
+    ctx = _ctx(2)
+    with ctx:
+        for rows in (64, 8192):  # 64 KiB, then 8 MiB of probabilities a call
+            for _ in range(3):
+                F.softmax(torch.randn(rows, 256, requires_grad=True) * 2.0, -1)
+        held = list(ctx._recent_saves)
+        assert len(held) == RECENT_SAVES - 1 and all(t.numel() * 4 <= RECENT_SAVE_BYTES for _, _, t in held)
+    assert not ctx._recent_saves  # released with the forward
 
 
 def test_every_save_of_a_value_a_singular_backward_reads_is_exact() -> None:

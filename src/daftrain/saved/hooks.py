@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -22,6 +23,7 @@ from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from ..kernels import load_fast_kernels
 from ..layout import record_seed, widest_bits_within
+from ..lineage import CAST_AND_VIEW_NODES, reaches
 from ..params import ParameterRegistry
 from ..pool import PagePool
 from .checkpoint import compress_recomputation, restore_recomputation
@@ -196,6 +198,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # records made of them before they were kept; entries go with the kept tensors and the records.
         self._exact_saves: weakref.WeakValueDictionary[_Key, KeptTensor] = weakref.WeakValueDictionary()
         self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
+        # The latest rounded saves of this forward, their tensors held until ``RECENT_SAVES`` more came.
+        self._recent_saves: collections.deque[tuple[Any, Any, torch.Tensor]] = collections.deque(maxlen=RECENT_SAVES)
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = make_bit_policy(self.config, model)
@@ -332,6 +336,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._records = weakref.WeakValueDictionary()
         self._small_records = {}
         self._exact_saves = weakref.WeakValueDictionary()
+        self._recent_saves.clear()
         self._raw_storages, self._kept_storages = set(), set()
 
     def recomputation_context(self) -> compress:
@@ -455,6 +460,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         handle = SavedHandle(record, t, dense, source, expand_to)
         if self._live_saves is not None and t.device.type == "cpu":
             self._live_saves.hold(handle)
+        if source.grad_fn is not None and source.numel() * source.element_size() <= RECENT_SAVE_BYTES:
+            self._recent_saves.append((source.grad_fn, record, source))  # NOTE [ Every save of a value a ...
         return handle
 
     # NOTE [ Every save of a value a singular backward reads ]
@@ -464,13 +471,25 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # ``p (1 - p)``. Kept exact for the one and rounded for the other, the factors no longer cancel and the error
     # is again relative to p (the log of a sigmoid's output went from cosine 1.0, both saves rounded alike, to
     # 0.97 at 8 bits with only the log's kept). So every save of those values in the forward restores them exact:
-    # a record made of them earlier is restored from the kept tensor, and a later save keeps it too.
+    # a record made of them earlier is restored from the kept tensor, and a later save keeps it too. The same
+    # holds where the kept value is the saved one shifted or scaled by constants: ``log(softmax(x) + 1e-8)``,
+    # ``log(1 - sigmoid(x) + eps)``, ``p.clamp(min=eps)`` (8 bits: 0.84 and 0.27 with the log's input alone
+    # kept). Such a value is made within a few ops of the save it comes from, so the latest ``RECENT_SAVES``
+    # rounded saves of at most ``RECENT_SAVE_BYTES`` (a loss's probabilities, not an attention's) hold their
+    # tensors until that many more came (or the forward ended), and a kept value whose graph reaches the node that
+    # made one of them through such ops (``SHIFTS``) makes that save's record exact. A larger one stays rounded:
+    # memory held for a transient's lifetime is bounded by ``RECENT_SAVES * RECENT_SAVE_BYTES``.
     def _keep_every_save(self, t: torch.Tensor, storage: StorageWeakRef, kept: KeptTensor) -> None:
         for key in _keys(t, storage):
             self._exact_saves[key] = kept
             for record in (self._records.get(key), self._small_records.get(key)):
                 if record is not None:
                     self._exact_records[record] = kept
+        recent = {node for node, _, _ in self._recent_saves}
+        reached: list[Any] = []
+        reaches(t.grad_fn, lambda node: node in recent and not reached.append(node), SHIFTS, len(SHIFTS))
+        for record, source in [(r, s) for node, r, s in self._recent_saves if reached and node is reached[0]]:
+            self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
 
     def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
@@ -489,6 +508,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._small_records[key] = record
             if record.offset == 0 and self._live_saves is not None and t.device.type == "cpu":
                 self._live_saves.hold(record.batch)  # each batch once: its slices' handles hold it
+        if t.grad_fn is not None:  # NOTE [ Every save of a value a singular backward reads ]: small, held
+            self._recent_saves.append((t.grad_fn, record, t))
         return SavedHandle(record, t, contiguous, t)
 
     def _note_shared(self, record: Any) -> None:
@@ -708,6 +729,12 @@ def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, poo
 _QUANTIZE_SMALL = Decision(Treatment.QUANTIZE, "")
 _KEEP_SMALL = Decision(Treatment.KEEP, "tiny")
 _KEEP_SINGULAR = Decision(Treatment.KEEP, "op_rule", rule="singular_backward")
+RECENT_SAVES = 4
+RECENT_SAVE_BYTES = 4 << 20
+# Nodes of a value made from one other by constants (``NOTE [ Every save of a value a singular backward reads ]``).
+SHIFTS = CAST_AND_VIEW_NODES | {"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0",
+                                "RsubBackward1", "NegBackward0", "MulBackward0", "MulBackward1", "DivBackward0",
+                                "DivBackward1", "ClampMinBackward0", "ClampBackward1", "CloneBackward0"}
 _KEEP_CHECKPOINT_INPUT = Decision(Treatment.KEEP, "checkpoint")
 _ROUNDED = (Treatment.QUANTIZE, Treatment.BATCH)
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",

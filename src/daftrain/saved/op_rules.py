@@ -198,7 +198,7 @@ RULES: tuple[OpRule, ...] = (
             torch.lgamma, torch.Tensor.lgamma, torch.digamma, torch.Tensor.digamma, torch.polygamma,
             torch.Tensor.polygamma, torch.mvlgamma, torch.Tensor.mvlgamma, torch.special.gammaln,
             torch.special.digamma, torch.special.psi, torch.special.polygamma, torch.special.multigammaln,
-            F.binary_cross_entropy, F.gaussian_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist),
+            F.binary_cross_entropy, F.gaussian_nll_loss, F.poisson_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
            "distance), is "
