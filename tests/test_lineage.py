@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from daftrain.lineage import copy_of
+from daftrain.lineage import copy_of, reached, reaches
 
 
 def _activation(*shape: int) -> torch.Tensor:
@@ -31,3 +31,14 @@ def test_same_order_copies_hold_the_logical_order_contiguously() -> None:
     assert not copy_of(y.t(), y, same_order=True)  # not contiguous
     leaf = torch.randn(6, 8)
     assert not copy_of(leaf.reshape(48), leaf, same_order=True)  # no graph to follow
+
+
+def test_reached_names_the_node_a_walk_back_through_shifts_ends_at() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    p = torch.softmax(x, -1)
+    shifted = (p + 1e-8).clamp(min=1e-9).view(32)
+    through = frozenset({"AddBackward0", "ClampBackward1", "ViewBackward0"})
+    assert reached(shifted.grad_fn, lambda n: n is p.grad_fn, through, 3) is p.grad_fn
+    assert reached(shifted.grad_fn, lambda n: n is p.grad_fn, through, 2) is None  # three steps back
+    assert reached((p * x).grad_fn, lambda n: n is p.grad_fn, frozenset({"MulBackward0"}), 3) is None  # two inputs
+    assert reaches(shifted.grad_fn, lambda n: n is p.grad_fn, through, 3)

@@ -29,18 +29,23 @@ _MAX_STEPS = 5
 def reaches(node: object, end: Callable[[object], bool], through: frozenset[str], max_steps: int) -> bool:
     """Whether walking back from the autograd ``node``, through single-input nodes whose class is named in
     ``through``, reaches a node ``end`` accepts within ``max_steps`` steps."""
+    return reached(node, end, through, max_steps) is not None
+
+
+def reached(node: object, end: Callable[[object], bool], through: frozenset[str], max_steps: int) -> object | None:
+    """The node ``reaches`` finds, or ``None``."""
     for _ in range(max_steps + 1):
         if node is None:
-            return False
+            return None
         if end(node):
-            return True
+            return node
         if type(node).__name__ not in through:
-            return False
+            return None
         inputs = [fn for fn, _ in node.next_functions if fn is not None]  # type: ignore[attr-defined]
         if len(inputs) != 1:
-            return False
+            return None
         node = inputs[0]
-    return False
+    return None
 
 
 # NOTE [ Copies an op saves ]

@@ -23,7 +23,7 @@ from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from ..kernels import load_fast_kernels
 from ..layout import record_seed, widest_bits_within
-from ..lineage import CAST_AND_VIEW_NODES, reaches
+from ..lineage import CAST_AND_VIEW_NODES, reached
 from ..params import ParameterRegistry
 from ..pool import PagePool
 from .checkpoint import compress_recomputation, restore_recomputation
@@ -486,9 +486,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 if record is not None:
                     self._exact_records[record] = kept
         recent = {node for node, _, _ in self._recent_saves}
-        reached: list[Any] = []
-        reaches(t.grad_fn, lambda node: node in recent and not reached.append(node), SHIFTS, len(SHIFTS))
-        for record, source in [(r, s) for node, r, s in self._recent_saves if reached and node is reached[0]]:
+        origin = reached(t.grad_fn, recent.__contains__, SHIFTS, len(SHIFTS))
+        for record, source in [(r, s) for node, r, s in self._recent_saves if origin is not None and node is origin]:
             self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
 
     def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:

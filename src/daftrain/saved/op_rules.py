@@ -201,11 +201,10 @@ RULES: tuple[OpRule, ...] = (
             F.binary_cross_entropy, F.gaussian_nll_loss, F.poisson_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
-           "distance), is "
-           "singular in it (asin's 1 - x**2, atan2's x**2 + y**2, digamma's poles) or picks a grid cell by it "
-           "(grid_sample's grid): a value small next to its group's range, or near a pole, gets a rounding error "
-           "that no bits bound (a probability of 1e-3 at 8 bits in [0, 1]: 4x its value), so the gradient goes "
-           "wrong or NaN: the value is kept exact"),
+           "distance), is singular in it (asin's 1 - x**2, atan2's x**2 + y**2, digamma's poles) or picks a grid "
+           "cell by it (grid_sample's grid): a value small next to its group's range, or near a pole, gets a "
+           "rounding error that no bits bound (a probability of 1e-3 at 8 bits in [0, 1]: 4x its value), so the "
+           "gradient goes wrong or NaN: the value is kept exact"),
 )
 
 
