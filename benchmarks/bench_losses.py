@@ -1,0 +1,118 @@
+"""Losses, distributions and ops whose backward divides by, compares or is singular in what it saves, tried as
+a user would: each after a ``Linear`` (256 x 64 values), the input gradient under ``compress(bits=b)`` against
+plain PyTorch's, with the op rules and without them (the hooks as before any rule), eager and compiled
+(``aot_eager``). Cosines are of one gradient; a NaN is reported as such.
+
+    flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_losses.py
+    .venv/bin/python benchmarks/bench_losses.py --cases binary_cross_entropy amax --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json
+
+import daftrain
+from daftrain.saved.op_rules import OpTracer
+
+ROWS, WIDTH = 256, 64
+_GEN = torch.Generator().manual_seed(5)
+TARGET = torch.rand(ROWS, WIDTH, generator=_GEN)
+VALUES = torch.randn(ROWS, WIDTH, generator=_GEN)
+ONE_HOT = F.one_hot(torch.arange(ROWS) % WIDTH, WIDTH).float()
+IMAGE = torch.randn(8, 3, 16, 16, generator=_GEN)
+
+CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "binary_cross_entropy": lambda h: F.binary_cross_entropy(torch.sigmoid(h * 5.0), TARGET, reduction="none"),
+    "bce_written_out": lambda h: -(TARGET * torch.log(torch.sigmoid(h * 5.0) + 1e-7)
+                                   + (1 - TARGET) * torch.log(1 - torch.sigmoid(h * 5.0) + 1e-7)),
+    "cross_entropy_written_out": lambda h: -(ONE_HOT * torch.log(F.softmax(h * 3.0, -1) + 1e-8)),
+    "kl_of_probabilities": lambda h: TARGET.softmax(-1) * (TARGET.softmax(-1).log()
+                                                           - torch.log(F.softmax(h * 3.0, -1) + 1e-8)),
+    "focal": lambda h: -((1 - F.softmax(h * 3.0, -1)) ** 2 * ONE_HOT * torch.log(F.softmax(h * 3.0, -1) + 1e-8)),
+    "normal_log_prob": lambda h: torch.distributions.Normal(h, F.softplus(h * 3.0) + 1e-3).log_prob(VALUES),
+    "gaussian_nll": lambda h: F.gaussian_nll_loss(h, VALUES, F.softplus(h * 3.0) + 1e-3, reduction="none"),
+    "poisson_nll": lambda h: F.poisson_nll_loss(torch.sigmoid(h * 5.0), TARGET, log_input=False, reduction="none"),
+    "division": lambda h: VALUES / (h.abs() + 0.05),
+    "soft_sign": lambda h: h / (h.abs() + 0.05),
+    "reciprocal": lambda h: 1.0 / (h.abs() + 0.05),
+    "square_root": lambda h: torch.sqrt(h.abs() + 1e-4),
+    "smooth_abs": lambda h: torch.sqrt(h * h + 1e-6),
+    "product": lambda h: h.reshape(ROWS, 16, 4).prod(-1),
+    "atan2": lambda h: torch.atan2(h, h * 0.3 + 0.01),
+    "lgamma": lambda h: torch.lgamma(h.abs() + 0.01),
+    "asin": lambda h: torch.asin(torch.tanh(h) * 0.9999),
+    "cdist": lambda h: torch.cdist(h.reshape(16, 16, WIDTH), h.reshape(16, 16, WIDTH).detach() + 0.01),
+    "grid_sample": lambda h: F.grid_sample(IMAGE, torch.tanh(h * 2.0).reshape(8, 32, 32, 2), align_corners=False),
+    "amax": lambda h: h - h.amax(-1, keepdim=True),
+    "l1_loss": lambda h: F.l1_loss(h, TARGET, reduction="none"),
+    "hardshrink": lambda h: F.hardshrink(h, 0.5),
+    "bce_with_logits": lambda h: F.binary_cross_entropy_with_logits(h * 5.0, TARGET, reduction="none"),
+}
+
+
+def gradient(case: str, ctx: daftrain.compress | None, compiled: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return CASES[case](linear(x))
+
+    run = torch.compile(fn, backend="aot_eager") if compiled else fn
+    with ctx if ctx is not None else torch.enable_grad():
+        out = run(x)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (grad,) = torch.autograd.grad((out * weights).sum(), x)
+    return grad
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    value = float(F.cosine_similarity(a.reshape(-1).double(), b.reshape(-1).double(), dim=0))
+    return value if math.isfinite(value) else float("nan")
+
+
+def measure(case: str, bits: int, rules: bool, compiled: bool) -> float:
+    ctx = daftrain.compress(bits=bits)
+    if not rules:
+        ctx._op_tracer = OpTracer(rules=())
+    try:
+        return cosine(gradient(case, ctx, compiled), gradient(case, None, False))
+    finally:
+        torch._dynamo.reset()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--bits", type=int, nargs="*", default=[8, 4, 2])
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/singular_backward/losses.json")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    rows = []
+    for case in args.cases:
+        row: dict[str, object] = {"case": case}
+        for bits in args.bits:
+            row[f"rules{bits}"] = measure(case, bits, True, False)
+            row[f"norules{bits}"] = measure(case, bits, False, False)
+        if not args.no_compile:
+            row["compiled2"] = measure(case, 2, True, True)
+        rows.append(row)
+        print(case, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "case"},
+              flush=True)
+    write_json(args.out, {"command": " ".join(sys.argv), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
