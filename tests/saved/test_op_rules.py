@@ -1021,8 +1021,10 @@ def test_only_small_saves_are_held_for_a_value_shifted_from_them() -> None:
         for rows in (64, 8192):  # 64 KiB, then 8 MiB of probabilities a call
             for _ in range(3):
                 F.softmax(torch.randn(rows, 256, requires_grad=True) * 2.0, -1)
+        (torch.randn(64, 256, requires_grad=True) * 2.0).pow(3)  # a save of no probability's op
         held = list(ctx._recent_saves)
         assert len(held) == RECENT_SAVES - 1 and all(t.numel() * 4 <= RECENT_SAVE_BYTES for _, _, t in held)
+        assert all(type(node).__name__ == "SoftmaxBackward0" for node, _, _ in held)
     assert not ctx._recent_saves  # released with the forward
 
 

@@ -460,9 +460,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         handle = SavedHandle(record, t, dense, source, expand_to)
         if self._live_saves is not None and t.device.type == "cpu":
             self._live_saves.hold(handle)
-        if source.grad_fn is not None and source.numel() * source.element_size() <= RECENT_SAVE_BYTES:
-            self._recent_saves.append((source.grad_fn, record, source))  # NOTE [ Every save of a value a ...
+        self._note_recent(source, record)
         return handle
+
+    def _note_recent(self, t: torch.Tensor, record: Any) -> None:
+        """Hold a small saved output of a probability's op for the saves shifted from it (``NOTE [ Every save of a
+        value a singular backward reads ]``)."""
+        if type(t.grad_fn).__name__ in HELD_PRODUCERS and t.numel() * t.element_size() <= RECENT_SAVE_BYTES:
+            self._recent_saves.append((t.grad_fn, record, t))
 
     # NOTE [ Every save of a value a singular backward reads ]
     # A value the ``singular_backward`` rule keeps exact (``NOTE [ Singular backward ]`` in op_rules.py) is often
@@ -475,10 +480,12 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # holds where the kept value is the saved one shifted or scaled by constants: ``log(softmax(x) + 1e-8)``,
     # ``log(1 - sigmoid(x) + eps)``, ``p.clamp(min=eps)`` (8 bits: 0.84 and 0.27 with the log's input alone
     # kept). Such a value is made within a few ops of the save it comes from, so the latest ``RECENT_SAVES``
-    # rounded saves of at most ``RECENT_SAVE_BYTES`` (a loss's probabilities, not an attention's) hold their
+    # rounded saves of a softmax's, sigmoid's, exp's or tanh's output (``HELD_PRODUCERS``: what a log or a
+    # division follows) of at most ``RECENT_SAVE_BYTES`` (a loss's probabilities, not an attention's) hold their
     # tensors until that many more came (or the forward ended), and a kept value whose graph reaches the node that
-    # made one of them through such ops (``SHIFTS``) makes that save's record exact. A larger one stays rounded:
-    # memory held for a transient's lifetime is bounded by ``RECENT_SAVES * RECENT_SAVE_BYTES``.
+    # made one of them through such ops (``SHIFTS``) makes that save's record exact. A larger one stays rounded.
+    # Memory held longer is bounded by ``RECENT_SAVES * RECENT_SAVE_BYTES``; holding every small save instead
+    # raised MiniLM + LoRA's forward peak by 14-20 MB (``benchmarks/results/singular_backward/``).
     def _keep_every_save(self, t: torch.Tensor, storage: StorageWeakRef, kept: KeptTensor) -> None:
         for key in _keys(t, storage):
             self._exact_saves[key] = kept
@@ -507,8 +514,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._small_records[key] = record
             if record.offset == 0 and self._live_saves is not None and t.device.type == "cpu":
                 self._live_saves.hold(record.batch)  # each batch once: its slices' handles hold it
-        if t.grad_fn is not None:  # NOTE [ Every save of a value a singular backward reads ]: small, held
-            self._recent_saves.append((t.grad_fn, record, t))
+        self._note_recent(t, record)
         return SavedHandle(record, t, contiguous, t)
 
     def _note_shared(self, record: Any) -> None:
@@ -730,6 +736,8 @@ _KEEP_SMALL = Decision(Treatment.KEEP, "tiny")
 _KEEP_SINGULAR = Decision(Treatment.KEEP, "op_rule", rule="singular_backward")
 RECENT_SAVES = 4
 RECENT_SAVE_BYTES = 4 << 20
+HELD_PRODUCERS = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0", "SigmoidBackward0", "ExpBackward0",
+                            "TanhBackward0"})
 # Nodes of a value made from one other by constants (``NOTE [ Every save of a value a singular backward reads ]``).
 SHIFTS = CAST_AND_VIEW_NODES | {"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0",
                                 "RsubBackward1", "NegBackward0", "MulBackward0", "MulBackward1", "DivBackward0",
