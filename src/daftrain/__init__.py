@@ -27,6 +27,7 @@ from .kernels import ops as _ops  # registers the daftrain:: custom ops
 from .layout import LayoutError, PackedLayout
 from .pool import AdaptiveGrowth, FixedGrowth, PagePool, PoolBudgetError, PoolConfig, PoolError, TrackingGrowth
 from .saved import (
+    AmplifiedRoundingWarning,
     CompileFallbackWarning,
     CompressionStats,
     InPlaceModificationError,
@@ -44,6 +45,7 @@ __all__ = [
     "AdaptiveGrowth",
     "AllocationError",
     "AllocationReport",
+    "AmplifiedRoundingWarning",
     "ArgumentTypeError",
     "Budget",
     "BudgetError",

@@ -314,6 +314,8 @@ _SINGULAR = {
     "log_of_sigmoid": lambda h: torch.log(torch.sigmoid(h * 5.0)),
     "grid_sample": lambda h: F.grid_sample(_IMAGE, torch.tanh(h * 2.0).view(4, 32, 32, 2), align_corners=False),
     "cdist": lambda h: torch.cdist(h.view(16, 8, 64), h.view(16, 8, 64).detach() + 0.01 * _TARGET.view(16, 8, 64)),
+    "eigh": lambda h: torch.linalg.eigh(h.reshape(128, 8, 8) + h.reshape(128, 8, 8).transpose(-1, -2))[1].abs(),
+    "spectral_norm": lambda h: torch.linalg.matrix_norm(h.reshape(128, 8, 8), ord=2),
 }
 
 

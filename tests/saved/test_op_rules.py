@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -976,6 +977,9 @@ SINGULAR_CALLS = {
     "log_of_sigmoid": lambda x: torch.log(torch.sigmoid(x * 5.0)),
     "grid_sample": lambda x: F.grid_sample(_IMAGE, torch.tanh(x * 2.0).view(8, 32, 32, 2), align_corners=False),
     "cdist": lambda x: torch.cdist(x.view(16, 16, 64), x.view(16, 16, 64).detach() + 0.01 * _VALUES.view(16, 16, 64)),
+    "eigh": lambda x: torch.linalg.eigh(x.view(256, 8, 8) + x.view(256, 8, 8).transpose(-1, -2))[1].abs(),
+    "solve": lambda x: torch.linalg.solve(x.view(256, 8, 8), _VALUES.view(256, 8, 8)),
+    "spectral_norm": lambda x: torch.linalg.matrix_norm(x.view(256, 8, 8), ord=2),
 }
 
 
@@ -1107,3 +1111,25 @@ def test_an_extremum_of_rows_with_a_nan_gives_plain_pytorchs_gradient() -> None:
     x[3, 7] = float("nan")
     ref, got = (_grads(lambda x: (x * 1.0).amax(-1), [x], ctx)[0] for ctx in (None, _ctx(2)))
     assert torch.equal(ref.isnan(), got.isnan()) and torch.equal(ref.nan_to_num(), got.nan_to_num())
+
+
+def test_a_product_of_rounded_tensors_before_a_singular_backward_is_warned_of() -> None:
+    # NOTE [ Products before a singular backward ] in hooks.py: a Gram matrix's operands are saved rounded by the
+    # product, and the Cholesky factor's gradient multiplies that by up to the matrix's condition number.
+    linear = torch.nn.Linear(64, 64)
+    x = torch.randn(256, 64)
+
+    def gram(h: torch.Tensor) -> torch.Tensor:
+        m = h.view(256, 8, 8)
+        return torch.linalg.cholesky(m @ m.transpose(-1, -2) + 1e-3 * torch.eye(8))
+
+    with pytest.warns(daftrain.AmplifiedRoundingWarning, match="Gram or covariance"), _ctx(8):
+        gram(linear(x))
+    quiet = [lambda h: F.binary_cross_entropy(torch.sigmoid(h), _TARGET[:, :64]), lambda h: torch.log(h.abs() + 1.0),
+             lambda h: h / (h * h + 1.0),  # an elementwise division: not warned of
+             lambda h: torch.linalg.inv(h.view(-1, 8, 8))]  # a layer's output: its backward reads the weight exact
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", daftrain.AmplifiedRoundingWarning)
+        for fn in quiet:
+            with _ctx(8):
+                fn(linear(x))

@@ -5,7 +5,8 @@ from ..errors import InPlaceModificationError
 from .checkpoint import RecomputationMismatchError, checkpoint
 from .compiled import CompileFallbackWarning
 from .hooks import compress
+from .op_rules import AmplifiedRoundingWarning
 from .stats import CompressionStats
 
-__all__ = ["CompileFallbackWarning", "CompressionStats", "InPlaceModificationError", "RecomputationMismatchError",
-           "checkpoint", "compress"]
+__all__ = ["AmplifiedRoundingWarning", "CompileFallbackWarning", "CompressionStats", "InPlaceModificationError",
+           "RecomputationMismatchError", "checkpoint", "compress"]

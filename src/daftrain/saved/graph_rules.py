@@ -66,7 +66,9 @@ class GraphRule:
 #      through arithmetic that can carry it near the singularity (a shift, a product, a clamp, a view) is kept,
 #      as the eager ``singular_backward`` rule keeps it (``NOTE [ Singular backward ]`` in op_rules.py). Through
 #      ``exp``, ``sigmoid`` or ``tanh`` an absolute rounding error becomes a bounded relative one, so paths
-#      through them are not followed.
+#      through them are not followed. A decomposition's, inverse's or solve's input and outputs are kept
+#      whatever the backward graph does with them (``_linalg_svd``'s backward divides by gaps between singular
+#      values through ops the walk does not follow).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
 def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
@@ -85,7 +87,7 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
         return GraphRule("keep", "recomputed clip mask")
     if _is_statistic(node):
         return GraphRule("keep", "normalization statistic")
-    if _singular_use(uses):
+    if _singular_use(uses) or _linear_algebra(node):
         return GraphRule("keep", "singular_backward")
     normalized = _normalized(node)
     if normalized is not None:
@@ -426,3 +428,33 @@ def _singular_use(uses: list[tuple[Any, Any]]) -> bool:
                 following += [(user, u) for u in user.users]
         frontier = following
     return False
+
+
+_LINEAR_ALGEBRA = ("aten._linalg_", "aten.linalg_", "aten.cholesky", "aten.triangular_solve", "aten.lu_",
+                   "aten.ormqr", "aten.orgqr", "aten.geqrf", "aten.logdet", "aten.det")
+
+
+def _linear_algebra(node: Any) -> bool:
+    """Whether ``node`` is an output of a decomposition, inverse or solve or an input of one, or a view of either
+    (rule 7)."""
+    source = node
+    for _ in range(_VIEW_DEPTH):  # an output, or a view or copy of one
+        if getattr(source, "op", None) != "call_function":
+            break
+        if str(source.target).startswith(_LINEAR_ALGEBRA):
+            return True
+        if source.target is not operator.getitem and str(source.target) not in _VIEWS:
+            break
+        source = source.args[0]
+    users = list(node.users)
+    for _ in range(_VIEW_DEPTH):  # the input itself, or a view or copy of it
+        if any(u.op == "call_function" and str(u.target).startswith(_LINEAR_ALGEBRA) for u in users):
+            return True
+        users = [v for u in users if str(u.target) in _VIEWS for v in u.users]
+    return False
+
+
+_VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
+          "aten.transpose.int", "aten.t.default", "aten.expand.default", "aten.clone.default", "aten.alias.default",
+          "aten.unsqueeze.default", "aten.squeeze.dim", "prims.convert_element_type.default", "aten.detach.default"}
+_VIEW_DEPTH = 3

@@ -5,9 +5,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
 import threading
 import warnings
 import weakref
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -35,7 +37,7 @@ from .grid_choice import GridChoice
 from .grouping import ColumnChoice
 from .live_saves import LiveSaves
 from .nesting import saved_by_torch_checkpoint, warn_if_nested
-from .op_rules import OpMatch, OpTracer
+from .op_rules import AmplifiedRoundingWarning, OpMatch, OpTracer
 from .packer import AsyncPacker
 from .per_position import PerPosition
 from .records import (
@@ -200,6 +202,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
         # The latest rounded saves of this forward, their tensors held until ``RECENT_SAVES`` more came.
         self._recent_saves: collections.deque[tuple[Any, Any, torch.Tensor]] = collections.deque(maxlen=RECENT_SAVES)
+        self._amplified_warned = False
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
         self._bit_policy = make_bit_policy(self.config, model)
@@ -422,7 +425,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.treatment is Treatment.KEEP:
             kept = self._keep(t, storage, decision)
             if decision.rule == "singular_backward" and storage is not None:
-                self._keep_every_save(t, storage, kept)
+                self._keep_every_save(t, storage, kept, self._op_tracer.current())
             return kept
         if self._exact_saves and storage is not None and any(
                 key in self._exact_saves for key in _keys(t, storage)):
@@ -486,7 +489,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # made one of them through such ops (``SHIFTS``) makes that save's record exact. A larger one stays rounded.
     # Memory held longer is bounded by ``RECENT_SAVES * RECENT_SAVE_BYTES``; holding every small save instead
     # raised MiniLM + LoRA's forward peak by 14-20 MB (``benchmarks/results/singular_backward/``).
-    def _keep_every_save(self, t: torch.Tensor, storage: StorageWeakRef, kept: KeptTensor) -> None:
+    def _keep_every_save(self, t: torch.Tensor, storage: StorageWeakRef, kept: KeptTensor,
+                         call: OpMatch | None) -> None:
         for key in _keys(t, storage):
             self._exact_saves[key] = kept
             for record in (self._records.get(key), self._small_records.get(key)):
@@ -496,6 +500,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         origin = reached(t.grad_fn, recent.__contains__, SHIFTS, len(SHIFTS))
         for record, source in [(r, s) for node, r, s in self._recent_saves if origin is not None and node is origin]:
             self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
+        if call is not None and call.inverts and not self._amplified_warned and _after_product(t.grad_fn):
+            self._amplified_warned = True  # NOTE [ Products before a singular backward ]
+            warnings.warn(
+                "daftrain: the matrix a decomposition, an inverse or a solve reads (a Cholesky factor, an "
+                "eigendecomposition, a log-determinant) is a product of two tensors compress stored rounded, such "
+                "as a Gram or covariance matrix x @ x.T: its gradient multiplies their rounding error by up to that "
+                "matrix's condition number. Compute that part outside the compress context, or under "
+                "compress(bits=None)", AmplifiedRoundingWarning, stacklevel=_caller_level())
 
     def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
@@ -746,6 +758,53 @@ _KEEP_CHECKPOINT_INPUT = Decision(Treatment.KEEP, "checkpoint")
 _ROUNDED = (Treatment.QUANTIZE, Treatment.BATCH)
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
           Treatment.PACK_INTEGER: "integer"}
+
+
+# NOTE [ Products before a singular backward ]
+# The ``singular_backward`` rule keeps what an inverse, a decomposition or a division reads, and the save it was
+# shifted from (``NOTE [ Every save of a value a singular backward reads ]``), but not the operands of a product
+# made before it: for ``S = m @ m.T + eps * I`` then ``cholesky(S)`` the matmul saves ``m`` rounded, and the
+# gradient ``(G + G.T) m`` carries that rounding times ``G ~ inverse(S)``, unbounded as S nears singular (a
+# log-determinant of such a matrix: 0.83 at 8 bits). Their values are gone by the time the kept one is saved, so
+# the context says so once, where the value a decomposition, an inverse or a solve keeps is, through shifts and
+# views, a product of two tensors that both carry a gradient from the graph (not a layer's activation times its
+# weight, whose backward reads the weight exact). An elementwise division by such a product (``a / (h * h + 1)``)
+# is not warned of: its divisor is rarely near 0, and nothing in the graph says when it is.
+_PRODUCTS = frozenset({"MmBackward0", "BmmBackward0", "MulBackward0", "MvBackward0", "DotBackward0",
+                       "BaddbmmBackward0", "AddmmBackward0", "AddbmmBackward0"})
+
+
+_LIBRARIES = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning raised in a pack hook that names the first frame outside daftrain and torch:
+    the user's call that saved the tensor."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _after_product(node: Any) -> bool:
+    """Whether the kept value of ``node`` is, through shifts and views, a product of two computed tensors; where
+    ``node`` is neither (the decomposition's own node, for a saved output), whether one of its inputs is."""
+    if node is None:
+        return False
+    name = type(node).__name__
+    starts = [node] if name in SHIFTS or name in _PRODUCTS else [fn for fn, _ in node.next_functions if fn is not None]
+    return any(reached(n, _product_of_activations, SHIFTS, len(SHIFTS)) is not None for n in starts)
+
+
+def _product_of_activations(node: Any) -> bool:
+    if type(node).__name__ not in _PRODUCTS:
+        return False
+    return sum(1 for fn, _ in node.next_functions if fn is not None and _computed(fn)) >= 2
+
+
+def _computed(node: Any) -> bool:
+    """An input made in the graph: not a leaf (a weight) nor a view or cast of one (a linear layer's weight.T)."""
+    return reached(node, lambda n: type(n).__name__ == "AccumulateGrad", CAST_AND_VIEW_NODES, 4) is None
 
 
 def _keys(t: torch.Tensor, storage: StorageWeakRef) -> tuple[_Key, ...]:

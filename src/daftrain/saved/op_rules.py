@@ -29,13 +29,30 @@ from .nesting import saves_reach_daftrain
 from .recomputed_attention import attention_recomputed, recomputes
 from .records import ClipMask, Derivative, Encoding, Normalized, PoolWindows, stored_numel
 
-__all__ = ["LOGITS_MIN_BITS", "RULES", "ExactSavings", "OpMatch", "OpRule", "OpTracer", "computed", "keeps",
-           "match_saved", "may_have_wide_head"]
+__all__ = ["LOGITS_MIN_BITS", "RULES", "AmplifiedRoundingWarning", "ExactSavings", "OpMatch", "OpRule", "OpTracer",
+           "computed", "keeps", "match_saved", "may_have_wide_head"]
 
 ATTENTION_MIN_BITS = 8
+LINEAR_ALGEBRA = (
+    *(getattr(torch.linalg, name) for name in (
+        "eigh", "eigvalsh", "eig", "eigvals", "svd", "svdvals", "cholesky", "cholesky_ex", "inv", "inv_ex", "solve",
+        "solve_ex", "solve_triangular", "lstsq", "pinv", "qr", "det", "slogdet", "matrix_norm", "cond", "lu",
+        "lu_factor", "lu_factor_ex", "lu_solve", "ldl_factor", "ldl_factor_ex", "ldl_solve", "householder_product",
+        "tensorinv", "tensorsolve")),
+    *(getattr(owner, name) for owner in (torch, torch.Tensor) for name in (
+        "cholesky_solve", "cholesky_inverse", "logdet", "det", "slogdet", "inverse", "pinverse", "svd",
+        "triangular_solve", "lu_solve", "qr", "cholesky", "orgqr", "ormqr")))
+"""Decompositions, inverses and solves: their backward inverts what they save, or divides by gaps between its
+eigenvalues or singular values (``singular_backward``)."""
 COSINE_MIN_BITS = 8
 WEIGHT_MIN_BITS = 8
 LOGITS_MIN_BITS = 8
+
+
+class AmplifiedRoundingWarning(UserWarning):
+    """A value an op inverts or divides by in backward is a product of two tensors ``compress`` stored rounded (a
+    Gram or covariance matrix before a Cholesky factor, an eigendecomposition or a log-determinant): the gradient
+    multiplies their rounding error by up to that matrix's condition number."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +123,8 @@ class OpRule:
 #      each operand's input gradient multiplied by it, with the rounding error of the other operand, and
 #      that path then dominates the input gradient of every layer below it (the residual one is not
 #      scaled): both operands at least ``COSINE_MIN_BITS``;
-#  11. ops whose backward divides by a value they save, or is singular in it (``NOTE [ Singular backward ]``):
-#      kept exact;
+#  11. ops whose backward divides by a value they save, inverts it, or is singular in it (``NOTE [ Singular
+#      backward ]``): kept exact;
 #  12. a maximum or minimum over dims reads its input only through which values equal its result; rounded,
 #      none may, and the gradient is NaN: the call runs as a function that saves those positions (``NOTE
 #      [ Extrema save their positions ]`` in ``extremum.py``).
@@ -198,10 +215,12 @@ RULES: tuple[OpRule, ...] = (
             torch.lgamma, torch.Tensor.lgamma, torch.digamma, torch.Tensor.digamma, torch.polygamma,
             torch.Tensor.polygamma, torch.mvlgamma, torch.Tensor.mvlgamma, torch.special.gammaln,
             torch.special.digamma, torch.special.psi, torch.special.polygamma, torch.special.multigammaln,
-            F.binary_cross_entropy, F.gaussian_nll_loss, F.poisson_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist),
+            F.binary_cross_entropy, F.gaussian_nll_loss, F.poisson_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist,
+            *LINEAR_ALGEBRA),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
-           "distance), is singular in it (asin's 1 - x**2, atan2's x**2 + y**2, digamma's poles) or picks a grid "
+           "distance), inverts it (a matrix, a triangular factor, gaps between eigenvalues or singular values), "
+           "is singular in it (asin's 1 - x**2, atan2's x**2 + y**2, digamma's poles) or picks a grid "
            "cell by it (grid_sample's grid): a value small next to its group's range, or near a pole, gets a "
            "rounding error that no bits bound (a probability of 1e-3 at 8 bits in [0, 1]: 4x its value), so the "
            "gradient goes wrong or NaN: the value is kept exact"),
@@ -237,6 +256,9 @@ class OpMatch:
     slices: bool = False
     """A slice of a target matches too (recomputed attention saves its chunks' q and k apart, ``NOTE [ Chunks
     stored apart ]`` in ``recomputed_attention.py``)."""
+    inverts: bool = False
+    """The call inverts what it saves (a decomposition, an inverse, a solve): ``NOTE [ Products before a singular
+    backward ]`` in ``hooks.py``."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -640,7 +662,9 @@ _POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__})
 # nears the singularity: a probability of 1e-3 rounded at 8 bits in a group spanning [0, 1] is off by up to 4x
 # itself (or its sign), and those are the values whose gradient terms dominate. More bits move the threshold, not
 # the failure: measured at 8 bits, a sigmoid then binary cross-entropy gave an input gradient of cosine -0.16
-# against plain PyTorch's, ``Normal(mu, sigma).log_prob`` 0.01, asin NaN (``docs/saved.md``). So the tensors these
+# against plain PyTorch's, ``Normal(mu, sigma).log_prob`` 0.01, asin NaN, and the linear algebra that inverts what
+# it saves (a solve, a Cholesky factor) or divides by gaps between eigenvalues (eigh: NaN) likewise
+# (``docs/saved.md``). So the tensors these
 # calls save are kept exact, with three narrower cases. A division keeps its divisor, and its dividend only where
 # the two are of one size: the dividend's error enters ``-g a / b**2`` linearly and averages over the elements a
 # broadcast divisor (a scalar, a learned temperature) sums it over, but an elementwise quotient of related values
@@ -665,7 +689,10 @@ def _singular(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[st
     if func is F.grid_sample:
         grid = _arg(args, kwargs, 1, "grid")
         return OpMatch(rule, (), keep=(grid,)) if isinstance(grid, torch.Tensor) else None
-    return OpMatch(rule, (), keep_all=True)
+    return OpMatch(rule, (), keep_all=True, inverts=func in _INVERTING)
+
+
+_INVERTING = frozenset(LINEAR_ALGEBRA)
 
 
 # NOTE [ Tracing the saving op ]
