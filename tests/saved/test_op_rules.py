@@ -1018,7 +1018,7 @@ def test_a_value_kept_exact_makes_the_save_it_was_shifted_from_exact(name: str) 
 
 
 def test_only_small_saves_are_held_for_a_value_shifted_from_them() -> None:
-    from daftrain.saved.hooks import RECENT_SAVE_BYTES, RECENT_SAVES
+    from daftrain.saved.singular import RECENT_SAVE_BYTES, RECENT_SAVES
 
     ctx = _ctx(2)
     with ctx:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import sys
 import threading
 import warnings
 import weakref
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -25,7 +23,7 @@ from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from ..kernels import load_fast_kernels
 from ..layout import record_seed, widest_bits_within
-from ..lineage import CAST_AND_VIEW_NODES, reached
+from ..lineage import reached
 from ..params import ParameterRegistry
 from ..pool import PagePool
 from .checkpoint import compress_recomputation, restore_recomputation
@@ -60,6 +58,7 @@ from .records import (
     is_expanded,
     on_fitted_grid,
 )
+from .singular import HELD_PRODUCERS, RECENT_SAVE_BYTES, RECENT_SAVES, SHIFTS, after_product, caller_level
 from .small_tensors import SMALL_SHARE, BatchedSlice, SmallTensors, small_tensor_bits
 from .stats import CompressionStats
 
@@ -200,7 +199,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # records made of them before they were kept; entries go with the kept tensors and the records.
         self._exact_saves: weakref.WeakValueDictionary[_Key, KeptTensor] = weakref.WeakValueDictionary()
         self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
-        # The latest rounded saves of this forward, their tensors held until ``RECENT_SAVES`` more came.
+        # The latest rounded saves of ``HELD_PRODUCERS``' outputs, held until ``RECENT_SAVES`` more came.
         self._recent_saves: collections.deque[tuple[Any, Any, torch.Tensor]] = collections.deque(maxlen=RECENT_SAVES)
         self._amplified_warned = False
         # Records saved more than once; entries go with their records (after backward frees the graph).
@@ -500,14 +499,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         origin = reached(t.grad_fn, recent.__contains__, SHIFTS, len(SHIFTS))
         for record, source in [(r, s) for node, r, s in self._recent_saves if origin is not None and node is origin]:
             self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
-        if call is not None and call.inverts and not self._amplified_warned and _after_product(t.grad_fn):
-            self._amplified_warned = True  # NOTE [ Products before a singular backward ]
+        if call is not None and call.inverts and not self._amplified_warned and after_product(t.grad_fn):
+            self._amplified_warned = True  # NOTE [ Products before a singular backward ] in singular.py
             warnings.warn(
                 "daftrain: the matrix a decomposition, an inverse or a solve reads (a Cholesky factor, an "
                 "eigendecomposition, a log-determinant) is a product of two tensors compress stored rounded, such "
                 "as a Gram or covariance matrix x @ x.T: its gradient multiplies their rounding error by up to that "
                 "matrix's condition number. Compute that part outside the compress context, or under "
-                "compress(bits=None)", AmplifiedRoundingWarning, stacklevel=_caller_level())
+                "compress(bits=None)", AmplifiedRoundingWarning, stacklevel=caller_level())
 
     def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
@@ -746,65 +745,10 @@ def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, poo
 _QUANTIZE_SMALL = Decision(Treatment.QUANTIZE, "")
 _KEEP_SMALL = Decision(Treatment.KEEP, "tiny")
 _KEEP_SINGULAR = Decision(Treatment.KEEP, "op_rule", rule="singular_backward")
-RECENT_SAVES = 4
-RECENT_SAVE_BYTES = 4 << 20
-HELD_PRODUCERS = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0", "SigmoidBackward0", "ExpBackward0",
-                            "TanhBackward0"})
-# Nodes of a value made from one other by constants (``NOTE [ Every save of a value a singular backward reads ]``).
-SHIFTS = CAST_AND_VIEW_NODES | {"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0",
-                                "RsubBackward1", "NegBackward0", "MulBackward0", "MulBackward1", "DivBackward0",
-                                "DivBackward1", "ClampMinBackward0", "ClampBackward1", "CloneBackward0"}
 _KEEP_CHECKPOINT_INPUT = Decision(Treatment.KEEP, "checkpoint")
 _ROUNDED = (Treatment.QUANTIZE, Treatment.BATCH)
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
           Treatment.PACK_INTEGER: "integer"}
-
-
-# NOTE [ Products before a singular backward ]
-# The ``singular_backward`` rule keeps what an inverse, a decomposition or a division reads, and the save it was
-# shifted from (``NOTE [ Every save of a value a singular backward reads ]``), but not the operands of a product
-# made before it: for ``S = m @ m.T + eps * I`` then ``cholesky(S)`` the matmul saves ``m`` rounded, and the
-# gradient ``(G + G.T) m`` carries that rounding times ``G ~ inverse(S)``, unbounded as S nears singular (a
-# log-determinant of such a matrix: 0.83 at 8 bits). Their values are gone by the time the kept one is saved, so
-# the context says so once, where the value a decomposition, an inverse or a solve keeps is, through shifts and
-# views, a product of two tensors that both carry a gradient from the graph (not a layer's activation times its
-# weight, whose backward reads the weight exact). An elementwise division by such a product (``a / (h * h + 1)``)
-# is not warned of: its divisor is rarely near 0, and nothing in the graph says when it is.
-_PRODUCTS = frozenset({"MmBackward0", "BmmBackward0", "MulBackward0", "MvBackward0", "DotBackward0",
-                       "BaddbmmBackward0", "AddmmBackward0", "AddbmmBackward0"})
-
-
-_LIBRARIES = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of a warning raised in a pack hook that names the first frame outside daftrain and torch:
-    the user's call that saved the tensor."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_LIBRARIES):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _after_product(node: Any) -> bool:
-    """Whether the kept value of ``node`` is, through shifts and views, a product of two computed tensors; where
-    ``node`` is neither (the decomposition's own node, for a saved output), whether one of its inputs is."""
-    if node is None:
-        return False
-    name = type(node).__name__
-    starts = [node] if name in SHIFTS or name in _PRODUCTS else [fn for fn, _ in node.next_functions if fn is not None]
-    return any(reached(n, _product_of_activations, SHIFTS, len(SHIFTS)) is not None for n in starts)
-
-
-def _product_of_activations(node: Any) -> bool:
-    if type(node).__name__ not in _PRODUCTS:
-        return False
-    return sum(1 for fn, _ in node.next_functions if fn is not None and _computed(fn)) >= 2
-
-
-def _computed(node: Any) -> bool:
-    """An input made in the graph: not a leaf (a weight) nor a view or cast of one (a linear layer's weight.T)."""
-    return reached(node, lambda n: type(n).__name__ == "AccumulateGrad", CAST_AND_VIEW_NODES, 4) is None
 
 
 def _keys(t: torch.Tensor, storage: StorageWeakRef) -> tuple[_Key, ...]:

@@ -1,0 +1,74 @@
+"""What the ``singular_backward`` rule's saves need beyond the rule: the saves a kept value was shifted from, and
+the warning where a decomposition reads a product of rounded tensors (``NOTE [ Every save of a value a singular
+backward reads ]`` in ``hooks.py``, ``NOTE [ Products before a singular backward ]``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..lineage import CAST_AND_VIEW_NODES, reached
+
+__all__ = ["HELD_PRODUCERS", "RECENT_SAVES", "RECENT_SAVE_BYTES", "SHIFTS", "after_product", "caller_level"]
+
+# Saved outputs held for the values shifted from them: the latest ``RECENT_SAVES`` of these ops, of at most
+# ``RECENT_SAVE_BYTES`` each.
+RECENT_SAVES = 4
+RECENT_SAVE_BYTES = 4 << 20
+HELD_PRODUCERS = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0", "SigmoidBackward0", "ExpBackward0",
+                            "TanhBackward0"})
+# Nodes of a value made from one other by constants.
+SHIFTS = CAST_AND_VIEW_NODES | {"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0",
+                                "RsubBackward1", "NegBackward0", "MulBackward0", "MulBackward1", "DivBackward0",
+                                "DivBackward1", "ClampMinBackward0", "ClampBackward1", "CloneBackward0"}
+
+
+# NOTE [ Products before a singular backward ]
+# The ``singular_backward`` rule keeps what an inverse, a decomposition or a division reads, and the save it was
+# shifted from (``NOTE [ Every save of a value a singular backward reads ]`` in hooks.py), but not the operands of a
+# product made before it: for ``S = m @ m.T + eps * I`` then ``cholesky(S)`` the matmul saves ``m`` rounded, and
+# the gradient ``(G + G.T) m`` carries that rounding times ``G ~ inverse(S)``, unbounded as S nears singular (a
+# Cholesky factor's log-diagonal: 0.88 at 8 bits, ``benchmarks/bench_losses.py``). Their values are gone by the
+# time the kept one is saved, so the context says so once, where the value a decomposition, an inverse or a solve
+# keeps is, through shifts and views, a product of two tensors that both carry a gradient from the graph (not a
+# layer's activation times its weight, whose backward reads the weight exact). An elementwise division by such a
+# product (``a / (h * h + 1)``) is not warned of: its divisor is rarely near 0, and nothing in the graph says
+# when it is.
+_PRODUCTS = frozenset({"MmBackward0", "BmmBackward0", "MulBackward0", "MvBackward0", "DotBackward0",
+                       "BaddbmmBackward0", "AddmmBackward0", "AddbmmBackward0"})
+
+
+_LIBRARIES = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+
+
+def caller_level() -> int:
+    """The ``stacklevel`` of a warning raised in a pack hook that names the first frame outside daftrain and torch:
+    the user's call that saved the tensor."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def after_product(node: Any) -> bool:
+    """Whether the kept value of ``node`` is, through shifts and views, a product of two computed tensors; where
+    ``node`` is neither (the decomposition's own node, for a saved output), whether one of its inputs is."""
+    if node is None:
+        return False
+    name = type(node).__name__
+    starts = [node] if name in SHIFTS or name in _PRODUCTS else [fn for fn, _ in node.next_functions if fn is not None]
+    return any(reached(n, _product_of_activations, SHIFTS, len(SHIFTS)) is not None for n in starts)
+
+
+def _product_of_activations(node: Any) -> bool:
+    if type(node).__name__ not in _PRODUCTS:
+        return False
+    return sum(1 for fn, _ in node.next_functions if fn is not None and _computed(fn)) >= 2
+
+
+def _computed(node: Any) -> bool:
+    """An input made in the graph: not a leaf (a weight) nor a view or cast of one (a linear layer's weight.T)."""
+    return reached(node, lambda n: type(n).__name__ == "AccumulateGrad", CAST_AND_VIEW_NODES, 4) is None
