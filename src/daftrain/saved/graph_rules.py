@@ -430,8 +430,9 @@ def _singular_use(uses: list[tuple[Any, Any]]) -> bool:
     return False
 
 
-_LINEAR_ALGEBRA = ("aten._linalg_", "aten.linalg_", "aten.cholesky", "aten.triangular_solve", "aten.lu_",
-                   "aten.ormqr", "aten.orgqr", "aten.geqrf", "aten.logdet", "aten.det")
+# Prefixes of their op names; a whole name ends in its overload (``aten.det.default``: not ``aten.detach``).
+_LINEAR_ALGEBRA = ("aten._linalg_", "aten.linalg_", "aten.cholesky", "aten.triangular_solve.", "aten.lu_",
+                   "aten.ormqr.", "aten.orgqr.", "aten.geqrf.", "aten.logdet.", "aten.det.")
 
 
 def _linear_algebra(node: Any) -> bool:
@@ -457,4 +458,4 @@ def _linear_algebra(node: Any) -> bool:
 _VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
           "aten.transpose.int", "aten.t.default", "aten.expand.default", "aten.clone.default", "aten.alias.default",
           "aten.unsqueeze.default", "aten.squeeze.dim", "prims.convert_element_type.default", "aten.detach.default"}
-_VIEW_DEPTH = 3
+_VIEW_DEPTH = 8
