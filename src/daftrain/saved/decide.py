@@ -88,7 +88,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
            call: OpMatch | None = None) -> Decision:
     """The treatment of one saved tensor; see ``NOTE [ Recognising parameters ]``. ``call`` is the
     rule-matched op call in progress (``op_rules.OpTracer.current()``), if any."""
-    if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+    if not has_storage(t):
         return _KEEP["layout"]
     if is_parameter_like(t, registry):
         return _KEEP["parameter"]
@@ -120,6 +120,11 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     if type(t.grad_fn).__name__ in _SOFTMAX_OUTPUT_NODES:
         return _softmax_output(t)
     return _QUANTIZE
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has values in a storage of its own to account and pack: not sparse, nested or meta."""
+    return t.layout == torch.strided and not t.is_nested and t.device.type != "meta"
 
 
 _LOG_SOFTMAX_OUTPUT = Decision(Treatment.QUANTIZE, "", min_bits=NONLINEAR_MIN_BITS)

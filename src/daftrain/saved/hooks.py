@@ -29,7 +29,7 @@ from ..pool import PagePool
 from .checkpoint import compress_recomputation, restore_recomputation
 from .checks import Settling
 from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
-from .decide import Decision, Treatment, decide
+from .decide import Decision, Treatment, decide, has_storage
 from .decode_buffers import DecodeBuffers
 from .grid_choice import GridChoice
 from .grouping import ColumnChoice
@@ -362,7 +362,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     def _hold_exact(self, t: torch.Tensor) -> None:
         """Count a tensor daftrain holds exact for backward outside the pack hook (a ``daftrain.checkpoint``
         region's input, ``NOTE [ Compressed recomputation ]``) in the stats, as a kept save."""
-        if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+        if not has_storage(t):
             return
         self._keep(t, self._count_raw(t), _KEEP_CHECKPOINT_INPUT)
 
@@ -438,10 +438,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if is_expanded(t):  # NOTE [ Expanded views ] in records.py
             t, expand_to = compact_expanded(t), t.shape
         dense = is_dense(t)
-        key: _Key = (storage, t.dtype, t._version, t.storage_offset(), t.numel())
-        if not dense:
-            key += (tuple(t.shape), t.stride())
-        plain = key
+        key = plain = _key(t, storage, dense)
         if decision.encoding is not None:  # NOTE [ Op-aware encodings ] in records.py
             key += (decision.encoding,)
         record = self._records.get(key)
@@ -453,8 +450,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             if index is not None:  # a quantized record: the policy notes which op saves it again
                 self._bit_policy.assign(self.step, index, t, t, decision.min_bits, saved_again=True)
         else:
-            flat = t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
-            record = self._make_record(flat, decision, t)
+            record = self._make_record(_flat(t, dense), decision, t)
             self._records[key] = record
             if isinstance(decision.encoding, (Normalized, Probabilities)) and plain not in self._records:
                 # NOTE [ A normalised record serves plain saves ]
@@ -495,10 +491,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             for record in (self._records.get(key), self._small_records.get(key)):
                 if record is not None:
                     self._exact_records[record] = kept
-        recent = {node for node, _, _ in self._recent_saves}
-        origin = reached(t.grad_fn, recent.__contains__, SHIFTS, len(SHIFTS))
-        for record, source in [(r, s) for node, r, s in self._recent_saves if origin is not None and node is origin]:
-            self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
+        origin = reached(t.grad_fn, {node for node, _, _ in self._recent_saves}.__contains__, SHIFTS, len(SHIFTS))
+        for node, record, source in self._recent_saves:
+            if origin is not None and node is origin:
+                self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
         if call is not None and call.inverts and not self._amplified_warned and after_product(t.grad_fn):
             self._amplified_warned = True  # NOTE [ Products before a singular backward ] in singular.py
             warnings.warn(
@@ -513,9 +509,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         ]`` in ``small_tensors.py``): ``_pack``'s steps for a view that is never expanded, in fewer calls (a
         recurrent layer saves thousands of these per forward)."""
         contiguous = t.is_contiguous()
-        key: _Key = (storage, t.dtype, t._version, t.storage_offset(), t.numel())
-        if not contiguous:
-            key += (tuple(t.shape), t.stride())
+        key = _key(t, storage, contiguous)
         record = self._small_records.get(key)
         if record is not None:
             self._note_shared(record)
@@ -545,7 +539,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         packed.check_version()
         exact = self._exact_records.get(packed.record) if self._exact_records else None
         if exact is not None:  # NOTE [ Every save of a value a singular backward reads ]
-            return packed.restore(_flat(exact.restore()))
+            restored = exact.restore()
+            restored = compact_expanded(restored) if is_expanded(restored) else restored
+            return packed.restore(_flat(restored, is_dense(restored)))
         if self._calibration_pass is not None:
             flat = packed.record.decode()
             index = self._record_index.get(packed.record)
@@ -751,17 +747,20 @@ _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossl
           Treatment.PACK_INTEGER: "integer"}
 
 
+def _key(t: torch.Tensor, storage: StorageWeakRef | None, whole: bool) -> _Key:
+    """The dedup key of a save of ``t``: its storage span, with its shape and strides where the span is not
+    ``whole`` (holds other values than ``t``'s, or in another order)."""
+    key: _Key = (storage, t.dtype, t._version, t.storage_offset(), t.numel())
+    return key if whole else (*key, tuple(t.shape), t.stride())
+
+
 def _keys(t: torch.Tensor, storage: StorageWeakRef) -> tuple[_Key, ...]:
     """The dedup keys ``_pack`` and ``_pack_small`` would file a save of ``t`` under."""
     compact = compact_expanded(t) if is_expanded(t) else t
-    key: _Key = (storage, compact.dtype, compact._version, compact.storage_offset(), compact.numel())
-    packed = key if is_dense(compact) else (*key, tuple(compact.shape), compact.stride())
-    small = key if t.is_contiguous() else (*key, tuple(t.shape), t.stride())
+    packed, small = _key(compact, storage, is_dense(compact)), _key(t, storage, t.is_contiguous())
     return (packed,) if packed == small else (packed, small)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``_pack`` flattens what it packs, which a ``SavedHandle`` restores its view from."""
-    if is_expanded(t):
-        t = compact_expanded(t)
-    return t.as_strided((t.numel(),), (1,)) if is_dense(t) else t.contiguous().view(-1)
+def _flat(t: torch.Tensor, dense: bool) -> torch.Tensor:
+    """``t`` (never expanded) as ``_pack`` packs it, the region a ``SavedHandle`` restores its view from."""
+    return t.as_strided((t.numel(),), (1,)) if dense else t.contiguous().view(-1)
