@@ -402,11 +402,14 @@ _SINGULAR_AT = {"aten.div.Tensor": {1}, "aten.reciprocal.default": {0}, "aten.lo
                 "aten.atan2.default": {0, 1}, "aten.binary_cross_entropy_backward.default": {1},
                 "aten.grid_sampler_2d_backward.default": {2}, "aten.grid_sampler_3d_backward.default": {2},
                 "aten._cdist_backward.default": {1, 2, 4}}
-_PASS_THROUGH = _SHIFTS | {"aten.mul.Tensor", "aten.mul.Scalar", "aten.pow.Tensor_Scalar", "aten.rsub.Scalar",
-                           "aten.rsub.Tensor", "aten.abs.default", "aten.clamp.default", "aten.clamp_min.default",
-                           "aten.clamp_max.default", "aten.slice.Tensor", "aten.select.int", "aten.permute.default",
-                           "aten.t.default", "aten.transpose.int", "aten.squeeze.dim", "aten.unsqueeze.default",
-                           "aten.detach.default", "aten.alias.default"}
+# Views, copies and casts of a value (rule 7's walks between a saved value and a decomposition).
+_VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
+          "aten.transpose.int", "aten.t.default", "aten.expand.default", "aten.clone.default", "aten.alias.default",
+          "aten.unsqueeze.default", "aten.squeeze.dim", "prims.convert_element_type.default", "aten.detach.default"}
+_PASS_THROUGH = _SHIFTS | _VIEWS | {"aten.mul.Tensor", "aten.mul.Scalar", "aten.pow.Tensor_Scalar",
+                                    "aten.rsub.Scalar", "aten.rsub.Tensor", "aten.abs.default", "aten.clamp.default",
+                                    "aten.clamp_min.default", "aten.clamp_max.default", "aten.slice.Tensor",
+                                    "aten.select.int"}
 _SINGULAR_DEPTH = 6
 
 
@@ -455,7 +458,4 @@ def _linear_algebra(node: Any) -> bool:
     return False
 
 
-_VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
-          "aten.transpose.int", "aten.t.default", "aten.expand.default", "aten.clone.default", "aten.alias.default",
-          "aten.unsqueeze.default", "aten.squeeze.dim", "prims.convert_element_type.default", "aten.detach.default"}
 _VIEW_DEPTH = 8

@@ -258,7 +258,7 @@ class OpMatch:
     stored apart ]`` in ``recomputed_attention.py``)."""
     inverts: bool = False
     """The call inverts what it saves (a decomposition, an inverse, a solve): ``NOTE [ Products before a singular
-    backward ]`` in ``hooks.py``."""
+    backward ]`` in ``singular.py``."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -683,8 +683,8 @@ def _singular(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[st
         return OpMatch(rule, (), keep=(dividend, divisor) if elementwise else (divisor,))
     if func in _POWERS:
         exponent = _arg(args, kwargs, 1, "exponent")
-        if isinstance(exponent, (int, float)) and not 0 < exponent < 1 and exponent >= 0:
-            return None
+        if isinstance(exponent, (int, float)) and (exponent == 0 or exponent >= 1):
+            return None  # a gradient polynomial in the base
         return OpMatch(rule, (), keep_all=True)
     if func is F.grid_sample:
         grid = _arg(args, kwargs, 1, "grid")
