@@ -33,6 +33,7 @@ def test_supported_bits(bits):
         ({"pack_integers": 1}, TypeError, "pack_integers"),
         ({"column_groups": "yes"}, TypeError, "column_groups"),
         ({"fitted_grids": 1}, TypeError, "fitted_grids"),
+        ({"double_backward": "yes"}, TypeError, "double_backward must be a bool"),
         ({"seed": -5}, ValueError, "seed"),
         ({"bits": "Auto"}, ValueError, "bits must be one of"),
         ({"bits": 2, "avg_bits": 2.0}, ValueError, "only apply with bits='auto'"),

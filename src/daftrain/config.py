@@ -59,6 +59,12 @@ class CompressionConfig:
     ``saved/linear_cross_entropy.py``). The loss and gradients equal plain PyTorch's to float rounding, not
     bit for bit. ``False`` saves the logits (at 8 bits or more) instead."""
 
+    double_backward: bool = False
+    """The backward will itself be differentiated (``create_graph=True``: a gradient penalty, a Hessian-vector
+    product, a physics-informed loss): GELU, SiLU, Mish and Hardswish store their input, rounded, instead of
+    their derivative, which has no derivative of its own (``NOTE [ A backward differentiated again ]`` in
+    ``saved/hooks.py``). ``False``: a backward that builds a graph through such a stored derivative raises."""
+
     min_numel: int = 4096
     """Tensors with fewer elements are not packed on their own: packing each saves little and costs a call
     (``batch_small`` packs them together)."""
@@ -149,6 +155,8 @@ class CompressionConfig:
         if not isinstance(self.linear_cross_entropy, bool):
             raise ArgumentTypeError(
                 f"linear_cross_entropy must be a bool, got {type(self.linear_cross_entropy).__name__}")
+        if not isinstance(self.double_backward, bool):
+            raise ArgumentTypeError(f"double_backward must be a bool, got {type(self.double_backward).__name__}")
         if not isinstance(self.pack_bool, bool):
             raise ArgumentTypeError(f"pack_bool must be a bool, got {type(self.pack_bool).__name__}")
         if not isinstance(self.batch_small, bool):

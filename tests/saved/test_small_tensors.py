@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -158,6 +159,30 @@ def test_backward_inside_the_context_reads_the_exact_staged_values() -> None:
     ctx = daftrain.compress(bits=2)
     assert torch.equal(_gru_grads(model, ctx, inside=True, steps=5), ref)
     assert ctx.stats.batched > 20 and ctx.stats.compressed == 1  # packed when the forward ended
+
+
+def test_a_backward_that_builds_a_graph_saves_staged_values_again() -> None:
+    # NOTE [ Staged values read back ]: a gradient penalty inside the context differentiates the backward, whose
+    # ops save the restored small tensors again; a view of the staging buffer raised there (the pack's copy into
+    # that buffer bumped the tensor's version). The restored values are the staged ones: plain's gradient, to the
+    # 8-bit rounding of what the second backward's own saves store (cosine measured 0.99998).
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(16, 32)
+
+    def penalty_grads(ctx: daftrain.compress | None) -> torch.Tensor:
+        critic.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_()
+        with ctx if ctx is not None else contextlib.nullcontext():
+            (g,) = torch.autograd.grad(critic(inputs).sum(), inputs, create_graph=True)
+            penalty = (g.norm(dim=1) - 1).square().mean()
+        penalty.backward()
+        return torch.cat([p.grad.reshape(-1) for p in critic.parameters() if p.grad is not None])
+
+    ctx = daftrain.compress(bits=2)
+    got = penalty_grads(ctx)
+    assert ctx.stats.batched >= 1
+    assert _cos(got, penalty_grads(None)) >= 0.9999
 
 
 def test_a_retained_graph_decodes_its_shared_records_again() -> None:

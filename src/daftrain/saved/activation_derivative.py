@@ -15,7 +15,7 @@ from ..errors import UnsupportedError
 from .records import derivative_of
 from .saved_apart import SavedApart
 
-__all__ = ["saving_derivative"]
+__all__ = ["DOUBLE_BACKWARD_THROUGH_DERIVATIVE", "saving_derivative"]
 
 
 # NOTE [ Activations that save their derivative ]
@@ -45,14 +45,17 @@ class _SavingDerivative(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         if torch.is_grad_enabled():
-            raise UnsupportedError(
-                "a double backward (create_graph=True) reached a GELU, SiLU, Mish or Hardswish whose input "
-                "compress() stored as its derivative, which has no derivative of its own: take that gradient "
-                "outside the compress context, or with compress(bits=None)")
+            raise UnsupportedError(DOUBLE_BACKWARD_THROUGH_DERIVATIVE)
         (d,) = ctx.store.saved_tensors
         saved, saved_at = ctx.saved
         fresh = saved.expired() or d.data_ptr() != saved_at
         return (d.mul_(grad) if fresh else d * grad).to(ctx.dtype), None, None, None
+
+
+DOUBLE_BACKWARD_THROUGH_DERIVATIVE = (
+    "a backward that builds a graph (create_graph=True) reached a GELU, SiLU, Mish or Hardswish whose input "
+    "compress() stored as its derivative, which has no derivative of its own: pass double_backward=True to "
+    "compress (those activations then store their input, rounded), or run that forward under compress(bits=None)")
 
 
 def _gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:

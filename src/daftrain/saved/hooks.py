@@ -26,6 +26,7 @@ from ..layout import record_seed, widest_bits_within
 from ..lineage import reached
 from ..params import ParameterRegistry
 from ..pool import PagePool
+from .activation_derivative import DOUBLE_BACKWARD_THROUGH_DERIVATIVE
 from .checkpoint import compress_recomputation, restore_recomputation
 from .checks import Settling
 from .compiled import CompiledHooks, hooks_for, untraceable_reason, warn_untraceable
@@ -35,7 +36,7 @@ from .grid_choice import GridChoice
 from .grouping import ColumnChoice
 from .live_saves import LiveSaves
 from .nesting import saved_by_torch_checkpoint, warn_if_nested
-from .op_rules import AmplifiedRoundingWarning, OpMatch, OpTracer
+from .op_rules import RULES, AmplifiedRoundingWarning, OpMatch, OpTracer
 from .packer import AsyncPacker
 from .per_position import PerPosition
 from .records import (
@@ -228,7 +229,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._compile_warned = False
         self._hooks: CompiledHooks = hooks_for(self.config, traceable=self._untraceable is None)
         # NOTE [ Tracing the saving op ] in op_rules.py: only while quantizing (never in exact mode).
-        self._op_tracer = (OpTracer(linear_cross_entropy=self.config.linear_cross_entropy,
+        rules = RULES if not self.config.double_backward else tuple(
+            rule for rule in RULES if rule.name != "activation_derivative")  # NOTE [ A backward differentiated again ]
+        self._op_tracer = (OpTracer(rules, linear_cross_entropy=self.config.linear_cross_entropy,
                                     group_size=self.config.group_size,
                                     traffic=self._trimmer.note if self._trimmer is not None else None)
                            if self.config.bits is not None else _NO_TRACER)
@@ -542,6 +545,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             restored = exact.restore()
             restored = compact_expanded(restored) if is_expanded(restored) else restored
             return packed.restore(_flat(restored, is_dense(restored)))
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            self._check_differentiable(packed.record)
         if self._calibration_pass is not None:
             flat = packed.record.decode()
             index = self._record_index.get(packed.record)
@@ -564,6 +569,23 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._trimmer is not None:
             self._trimmer.note(flat.numel() * flat.element_size())
         return packed.restore(flat)
+
+    # NOTE [ A backward differentiated again ]
+    # A backward that builds a graph (``create_graph=True``: a gradient penalty, a Hessian-vector product, a
+    # physics-informed loss) differentiates the backward's own ops, through the tensors they restored: PyTorch
+    # attaches each restored tensor to the node that made the value saved, so a rounded value's derivative is
+    # taken at the rounded value, as its first derivative is. That holds for every record that restores the
+    # value it saved, rounded (the clip masks' stand-ins too: a clip's second derivative is zero wherever the mask
+    # is right). An activation stored as its derivative does not: the input it restores is one with that
+    # derivative, folded into the interval where f' increases, and a second derivative taken there is wrong
+    # wherever the input lay outside it (an in-place SiLU's Hessian-vector product: cosine 0.38 against plain
+    # at 8 bits); out of place its function has no derivative at all. Such a backward raises, naming the
+    # ``double_backward`` option, which leaves that rule out: those activations store their input rounded.
+    def _check_differentiable(self, record: Any) -> None:
+        encoding = self._record_encoding.get(record)
+        stored = encoding.values if isinstance(encoding, ByColumns) else encoding
+        if isinstance(stored, Derivative) and not isinstance(record, ExactRecord):
+            raise UnsupportedError(DOUBLE_BACKWARD_THROUGH_DERIVATIVE)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _keep(self, t: torch.Tensor, storage: StorageWeakRef | None, decision: Decision) -> KeptTensor:

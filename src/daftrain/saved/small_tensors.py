@@ -68,6 +68,12 @@ def worth_batching(numel: int, element_size: int, bits: int, group_size: int) ->
     return 2 * PackedLayout(bits, group_size, groups * group_size).nbytes <= numel * element_size
 
 
+# NOTE [ Staged values read back ]
+# A member read before its buffer was packed (a backward inside the context) is a copy of its staged values,
+# not a view of the staging buffer: a view shares the buffer's version counter, and a backward that builds a
+# graph (``create_graph``: a gradient penalty, a Hessian-vector product) saves the restored tensor again, whose
+# pack then copies it into that buffer, an in-place write on the tensor being packed, which PyTorch refuses.
+# The copy is of a small tensor, freed when its backward node is.
 class _Batch:
     """One staging buffer of small tensors, then the record it was packed into."""
 
@@ -90,9 +96,9 @@ class _Batch:
     def values(self, offset: int, numel: int) -> torch.Tensor:
         """One member's float32 values: staged exactly, or from the record's decode (held until every member
         has been read)."""
-        if self.record is None:
+        if self.record is None:  # NOTE [ Staged values read back ]
             assert self.staging is not None
-            return self.staging[offset:offset + numel]
+            return self.staging[offset:offset + numel].clone()
         if self.decoded is None:
             self.decoded = self.record.decode()
         flat = self.decoded[offset:offset + numel]
