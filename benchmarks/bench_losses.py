@@ -31,6 +31,7 @@ TARGET = torch.rand(ROWS, WIDTH, generator=_GEN)
 VALUES = torch.randn(ROWS, WIDTH, generator=_GEN)
 ONE_HOT = F.one_hot(torch.arange(ROWS) % WIDTH, WIDTH).float()
 IMAGE = torch.randn(8, 3, 16, 16, generator=_GEN)
+GROUPS = torch.arange(ROWS) % 16  # a graph's 16 nodes, each pooled from 16 rows
 
 CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "binary_cross_entropy": lambda h: F.binary_cross_entropy(torch.sigmoid(h * 5.0), TARGET, reduction="none"),
@@ -60,6 +61,13 @@ CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gram_cholesky": lambda h: torch.linalg.cholesky(h.reshape(ROWS, 8, 8) @ h.reshape(ROWS, 8, 8).transpose(-1, -2)
                                                      + 1e-3 * torch.eye(8)).diagonal(dim1=-2, dim2=-1).log(),
     "amax": lambda h: h - h.amax(-1, keepdim=True),
+    "max_of_tensor": lambda h: h / h.max().detach() + h.max() * VALUES,
+    "scatter_amax": lambda h: torch.zeros(16, WIDTH).scatter_reduce(0, GROUPS[:, None].expand(ROWS, WIDTH), h, "amax",
+                                                                    include_self=False),
+    "segment_max": lambda h: torch.segment_reduce(h, "max", lengths=torch.full((16,), ROWS // 16)),
+    "infinity_norm": lambda h: torch.linalg.vector_norm(h, ord=float("inf"), dim=-1),
+    "scatter_prod": lambda h: torch.ones(16, WIDTH).scatter_reduce(0, GROUPS[:, None].expand(ROWS, WIDTH), h, "prod"),
+    "maximum_of_two (not covered)": lambda h: torch.maximum(h, h.flip(0)),
     "l1_loss": lambda h: F.l1_loss(h, TARGET, reduction="none"),
     "hardshrink": lambda h: F.hardshrink(h, 0.5),
     "bce_with_logits": lambda h: F.binary_cross_entropy_with_logits(h * 5.0, TARGET, reduction="none"),

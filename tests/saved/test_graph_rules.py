@@ -316,6 +316,7 @@ _SINGULAR = {
     "cdist": lambda h: torch.cdist(h.view(16, 8, 64), h.view(16, 8, 64).detach() + 0.01 * _TARGET.view(16, 8, 64)),
     "eigh": lambda h: torch.linalg.eigh(h.reshape(128, 8, 8) + h.reshape(128, 8, 8).transpose(-1, -2))[1].abs(),
     "spectral_norm": lambda h: torch.linalg.matrix_norm(h.reshape(128, 8, 8), ord=2),
+    "segment_max": lambda h: torch.segment_reduce(h, "max", lengths=torch.full((16,), 8)),
 }
 
 

@@ -1113,6 +1113,54 @@ def test_an_extremum_of_rows_with_a_nan_gives_plain_pytorchs_gradient() -> None:
     assert torch.equal(ref.isnan(), got.isnan()) and torch.equal(ref.nan_to_num(), got.nan_to_num())
 
 
+@pytest.mark.parametrize(("call", "wrong_before"), [
+    (lambda x: (x * 1.0).max(), (8, 2)), (lambda x: torch.min(x * 1.0), (2,)),
+    (lambda x: (x * 1.0).max() * torch.ones(64), (8, 2))])
+@pytest.mark.parametrize("bits", [8, 2])
+def test_a_whole_tensors_extreme_saves_its_positions(call: Any, wrong_before: tuple[int, ...], bits: int) -> None:
+    # NOTE [ Extrema save their positions ]: a whole tensor's max() rebuilt from its group's levels need not equal
+    # the stored result to the last bit: its gradient was all zeros at any bits; at 2 bits stochastic rounding
+    # made ties of a minimum, which took shares of its gradient. Saved as positions, it is plain's bit for bit.
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    ref = _grads(call, [x], None)[0]
+    assert torch.equal(_grads(call, [x], _ctx(bits))[0], ref)
+    if bits in wrong_before:  # a minimum is its group's stored minimum: exact at 8 bits without the rule
+        assert not torch.equal(_grads(call, [x], _ctx(bits, rules=False))[0], ref)
+
+
+def test_a_whole_tensors_maximum_with_a_nan_gives_plain_pytorchs_gradient() -> None:
+    # PyTorch's max() returns a NaN and sends the gradient to the NaNs (amax over dims, to none: NaN).
+    x = torch.randn(8, 512)
+    x[3, 7] = x[5, 1] = float("nan")
+    ref, got = (_grads(lambda x: (x * 1.0).max(), [x], ctx)[0] for ctx in (None, _ctx(2)))
+    assert torch.equal(ref.isnan(), got.isnan()) and torch.equal(ref.nan_to_num(), got.nan_to_num())
+
+
+_GROUPS = torch.arange(256) % 16
+
+
+@pytest.mark.parametrize("call", [
+    (lambda x: torch.zeros(16, 64).scatter_reduce(0, _GROUPS[:, None].expand(256, 64), x * 1.0, "amax",
+                                                  include_self=False)),
+    (lambda x: torch.zeros(16, 64).scatter_reduce(0, _GROUPS[:, None].expand(256, 64), x * 1.0, reduce="amin")),
+    (lambda x: torch.zeros(16, 64).index_reduce(0, _GROUPS, x * 1.0, "amax", include_self=False)),
+    (lambda x: torch.segment_reduce(x * 1.0, "max", lengths=torch.full((16,), 16))),
+    (lambda x: torch.linalg.vector_norm(x * 1.0, ord=float("inf"), dim=-1)),
+    (lambda x: torch.norm(x * 1.0, p=float("-inf"), dim=0)),
+    (lambda x: torch.ones(16, 64).scatter_reduce(0, _GROUPS[:, None].expand(256, 64), x * 1.0, "prod")),
+    (lambda x: torch.ones(16, 64).index_reduce(0, _GROUPS, x * 1.0, "prod"))])
+def test_reductions_through_an_index_or_a_norm_keep_what_they_save(call: Any) -> None:
+    # A graph network's max pooling (scatter_reduce amax), segment maxima and infinity norms compare their saved
+    # input with their saved result (rounded: NaN at 8 bits); a product through an index divides by its factors
+    # (cosine 0.99 at 8 bits, 0.23 at 2). Kept exact, the gradient is plain's bit for bit.
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    ref = _grads(call, [x], None)[0]
+    ctx = _ctx(2)
+    assert torch.equal(_grads(call, [x], ctx)[0], ref)
+    assert ctx.stats.kept_reasons["op_rule"] >= 1
+    assert not torch.equal(_grads(call, [x], _ctx(2, rules=False))[0], ref)
+
+
 def test_a_product_of_rounded_tensors_before_a_singular_backward_is_warned_of() -> None:
     # NOTE [ Products before a singular backward ] in hooks.py: a Gram matrix's operands are saved rounded by the
     # product, and the Cholesky factor's gradient multiplies that by up to the matrix's condition number.

@@ -3,11 +3,12 @@ their positions ]``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-__all__ = ["extremum_saving_positions"]
+__all__ = ["extremum_saving_positions", "reads_positions"]
 
 
 # NOTE [ Extrema save their positions ]
@@ -17,13 +18,26 @@ __all__ = ["extremum_saving_positions"]
 # softmax written out as ``x - x.amax(-1, keepdim=True)``, at 8 bits). Those calls run as a function that saves
 # the positions equal to the result, a bool mask (packed at 1 bit a value), and computes the gradient from it
 # with PyTorch's own formula (``scale_grad_by_count``): bit for bit plain PyTorch's. A whole tensor's ``max()``
-# / ``min()`` is its groups' extreme, which rounding keeps: it is left as it is.
+# / ``min()`` runs the same way over every dim, with PyTorch's ties for it (a NaN result goes to the NaNs): its
+# rounded extreme, a group's end rebuilt as ``min + scale * level``, need not equal the stored result to the last
+# bit either (``x.max()``'s gradient was all zeros, at any bits), and at 2 bits stochastic rounding makes values
+# ties of a group's minimum, which took a share of its gradient.
+# Reductions that read the positions through an index (``scatter_reduce`` / ``index_reduce`` with ``amax`` or
+# ``amin``: a graph network's max pooling; ``segment_reduce``'s ``max`` / ``min``) and an infinity norm (the
+# largest absolute value) compare their input with their result the same way, NaN where none is equal, but their
+# backward is an aten formula over the saved input, index and result: those calls keep what they save exact
+# (``reads_positions``).
 class _AlongDims(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool,  # type: ignore[override]
-                largest: bool) -> torch.Tensor:
-        out = torch.amax(x, dims, keepdim) if largest else torch.amin(x, dims, keepdim)
-        ctx.save_for_backward(x == _with_dims(out, dims, keepdim))
+                largest: bool, whole: bool) -> torch.Tensor:
+        if whole:  # Tensor.max() / min(): a NaN is the result, and the NaNs share its gradient
+            out = torch.max(x) if largest else torch.min(x)
+            mask = x.isnan() if out.isnan() else x == out
+        else:
+            out = torch.amax(x, dims, keepdim) if largest else torch.amin(x, dims, keepdim)
+            mask = x == _with_dims(out, dims, keepdim)
+        ctx.save_for_backward(mask)
         ctx.dims, ctx.keepdim = dims, keepdim
         return out
 
@@ -31,7 +45,7 @@ class _AlongDims(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         (mask,) = ctx.saved_tensors
         grad = _with_dims(grad, ctx.dims, ctx.keepdim)
-        return (grad / mask.sum(ctx.dims, keepdim=True)) * mask, None, None, None
+        return (grad / mask.sum(ctx.dims, keepdim=True)) * mask, None, None, None, None
 
 
 def _with_dims(t: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
@@ -53,6 +67,11 @@ def extremum_saving_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str
     if not (x.requires_grad and torch.is_grad_enabled()):
         return None  # nothing is saved
     name = getattr(func, "__name__", "")
+    if name in ("max", "min"):  # a whole tensor's only: with a dim it returns indices, with a tensor it compares
+        if len(args) + len(kwargs) != 1:
+            return None
+        largest = name == "max"
+        return lambda *a, **k: _AlongDims.apply(x, tuple(range(x.dim())), False, largest, True)
     if name not in ("amax", "amin"):
         return None
     dim = args[1] if len(args) > 1 else kwargs.get("dim", ())
@@ -60,4 +79,25 @@ def extremum_saving_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     dims = tuple(sorted({d % x.dim() for d in dims})) if dims else tuple(range(x.dim()))
     largest = name == "amax"
-    return lambda *a, **k: _AlongDims.apply(x, dims, keepdim, largest)
+    return lambda *a, **k: _AlongDims.apply(x, dims, keepdim, largest, False)
+
+
+_REDUCE_ARG = {"scatter_reduce": (4, "reduce"), "scatter_reduce_": (4, "reduce"), "index_reduce": (4, "reduce"),
+               "index_reduce_": (4, "reduce"), "segment_reduce": (1, "reduce")}
+_NORM_ARG = {"linalg_vector_norm": (1, "ord"), "linalg_norm": (1, "ord"), "linalg_matrix_norm": (1, "ord"),
+             "norm": (1, "p")}
+
+
+def reads_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], reductions: frozenset[str]) -> bool:
+    """Whether the call is a reduction by one of ``reductions`` (``"amax"``, ``"amin"``, ``"max"``, ``"min"``,
+    ``"prod"``) through an index or by segments, or (where ``reductions`` has ``"amax"``) an infinity norm."""
+    name = getattr(func, "__name__", "")
+    if name in _REDUCE_ARG:
+        at, key = _REDUCE_ARG[name]
+        reduce = args[at] if len(args) > at else kwargs.get(key)
+        return reduce in reductions
+    if name in _NORM_ARG and "amax" in reductions:
+        at, key = _NORM_ARG[name]
+        order = args[at] if len(args) > at else kwargs.get(key, kwargs.get("ord"))
+        return isinstance(order, (int, float)) and not isinstance(order, bool) and math.isinf(order)
+    return False

@@ -393,15 +393,16 @@ def _exponentiated(uses: list[tuple[Any, Any]]) -> bool:
     return False
 
 
-# Rule 7: backward ops singular in an argument (its positions), and the ops a saved value's rounding error passes
-# through on its way there unchanged or scaled (``NOTE [ Op rules in compiled graphs ]``).
+# Rule 7: backward ops singular in an argument (its positions; a segment reduction's backward, which compares its
+# input with its result, among them), and the ops a saved value's rounding error passes through on its way there
+# unchanged or scaled (``NOTE [ Op rules in compiled graphs ]``).
 _SINGULAR_AT = {"aten.div.Tensor": {1}, "aten.reciprocal.default": {0}, "aten.log.default": {0},
                 "aten.log1p.default": {0}, "aten.log2.default": {0}, "aten.log10.default": {0},
                 "aten.sqrt.default": {0}, "aten.rsqrt.default": {0}, "aten.digamma.default": {0},
                 "aten.lgamma.default": {0}, "aten.polygamma.default": {1}, "aten.xlogy.Tensor": {1},
                 "aten.atan2.default": {0, 1}, "aten.binary_cross_entropy_backward.default": {1},
                 "aten.grid_sampler_2d_backward.default": {2}, "aten.grid_sampler_3d_backward.default": {2},
-                "aten._cdist_backward.default": {1, 2, 4}}
+                "aten._cdist_backward.default": {1, 2, 4}, "aten._segment_reduce_backward.default": {1, 2}}
 # Views, copies and casts of a value (rule 7's walks between a saved value and a decomposition).
 _VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
           "aten.transpose.int", "aten.t.default", "aten.expand.default", "aten.clone.default", "aten.alias.default",

@@ -23,7 +23,7 @@ from ..lineage import CAST_AND_VIEW_NODES, copy_of, reaches
 from .activation_derivative import saving_derivative
 from .attention_precision import AttentionPrecision, MaskStorage
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
-from .extremum import extremum_saving_positions
+from .extremum import extremum_saving_positions, reads_positions
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
 from .nesting import saves_reach_daftrain
 from .recomputed_attention import attention_recomputed, recomputes
@@ -125,9 +125,15 @@ class OpRule:
 #      scaled): both operands at least ``COSINE_MIN_BITS``;
 #  11. ops whose backward divides by a value they save, inverts it, or is singular in it (``NOTE [ Singular
 #      backward ]``): kept exact;
-#  12. a maximum or minimum over dims reads its input only through which values equal its result; rounded,
-#      none may, and the gradient is NaN: the call runs as a function that saves those positions (``NOTE
-#      [ Extrema save their positions ]`` in ``extremum.py``).
+#  12. a maximum or minimum over dims (or of a whole tensor) reads its input only through which values equal its
+#      result; rounded, none may, and the gradient is NaN (or zero): the call runs as a function that saves those
+#      positions; a scatter or segment reduction by a maximum or minimum, and an infinity norm, keep what they
+#      save (``NOTE [ Extrema save their positions ]`` in ``extremum.py``).
+_BY_INDEX = (torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.scatter_reduce_, torch.index_reduce,
+             torch.Tensor.index_reduce, torch.Tensor.index_reduce_, torch.segment_reduce)
+"""Reductions through an index or by segments, whose ``reduce`` argument names how."""
+_EXTREMA = frozenset({"amax", "amin", "max", "min"})
+_PRODUCT = frozenset({"prod"})
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -162,10 +168,15 @@ RULES: tuple[OpRule, ...] = (
            "an elementwise maximum or minimum against a 0-d tensor reads its input only through the comparison "
            "with it (ties split the gradient): the comparison and the ties are stored exactly, 2 bits per value; "
            "quantized, an attention mask's finfo.min floor gives the input a group range of ~1e38"),
-    OpRule("extremum", (torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin),
-           "amax / amin over dims send the gradient to the values equal to the result; a rounded row's maximum "
+    OpRule("extremum", (torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.max, torch.Tensor.max,
+                        torch.min, torch.Tensor.min, *_BY_INDEX, torch.linalg.vector_norm, torch.linalg.norm,
+                        torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm),
+           "amax / amin over dims, a whole tensor's max / min, a scatter or segment reduction by amax / amin and "
+           "an infinity norm send the gradient to the values equal to the result; a rounded row's maximum "
            "equals none of its rounded values where a quantization group spans rows (a count of 0: a NaN "
-           "gradient): the call runs as a function that saves those positions, exact, 1 bit per value"),
+           "gradient), a whole tensor's rebuilt extreme need not equal it to the last bit (a zero gradient): "
+           "the reductions run as a function that saves those positions, exact, 1 bit per value; those through "
+           "an index or a norm keep what they save exact"),
     OpRule("activation_derivative", (F.gelu, F.silu, F.hardswish, F.mish),
            "the backward reads the input only as f'(x), nonlinear: a rounded x gives a biased, noisier f'(x) "
            "(Hardswish's jumps at -3 and 3 flip like a clip's mask), compounding through stacked layers without "
@@ -216,7 +227,7 @@ RULES: tuple[OpRule, ...] = (
             torch.Tensor.polygamma, torch.mvlgamma, torch.Tensor.mvlgamma, torch.special.gammaln,
             torch.special.digamma, torch.special.psi, torch.special.polygamma, torch.special.multigammaln,
             F.binary_cross_entropy, F.gaussian_nll_loss, F.poisson_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist,
-            *LINEAR_ALGEBRA),
+            *_BY_INDEX, *LINEAR_ALGEBRA),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
            "distance), inverts it (a matrix, a triangular factor, gaps between eigenvalues or singular values), "
@@ -588,6 +599,8 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
     if rule.name == "singular_backward":
         return _singular(rule, func, args, kwargs)
     if rule.name == "extremum":
+        if reads_positions(func, args, dict(kwargs), _EXTREMA):
+            return OpMatch(rule, (), keep_all=True)
         call = extremum_saving_positions(func, args, dict(kwargs))
         return OpMatch(rule, (), call=call) if call is not None else None
     if rule.name == "activation_derivative":
@@ -686,6 +699,8 @@ def _singular(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[st
         if isinstance(exponent, (int, float)) and (exponent == 0 or exponent >= 1):
             return None  # a gradient polynomial in the base
         return OpMatch(rule, (), keep_all=True)
+    if func in _BY_INDEX:  # a product through an index divides by its factors, as prod does
+        return OpMatch(rule, (), keep_all=True) if reads_positions(func, args, dict(kwargs), _PRODUCT) else None
     if func is F.grid_sample:
         grid = _arg(args, kwargs, 1, "grid")
         return OpMatch(rule, (), keep=(grid,)) if isinstance(grid, torch.Tensor) else None
