@@ -373,12 +373,32 @@ def test_relu6_and_clamp_masks_are_exact() -> None:
         "hardshrink": lambda x: F.hardshrink(x - 6.0, 6.0),
         "softshrink": lambda x: torch.nn.Softshrink(6.0)(x - 6.0),
         "l1_loss": lambda x: F.l1_loss(x * 1.0, torch.full_like(x, 6.0), reduction="none"),
+        # one-sided clamps by name, and an L1 norm's sign
+        "clamp_min_method": lambda x: (x * 1.0).clamp_min(6.0),
+        "clamp_max": lambda x: torch.clamp_max(x * 1.0, 0.0),
+        "clamp_min_": lambda x: (x * 1.0).clamp_min_(0.0),
+        "l1_norm": lambda x: torch.linalg.vector_norm(x - 6.0, ord=1, dim=-1),
+        "norm_p1": lambda x: (x * 1.0).norm(1, dim=0),
     }
     for name, fn in fns.items():
         ref = _grads(fn, [x], None)[0]
         # d/dx of a clip is the mask times the output gradient: with the mask exact it is bit-identical.
         assert torch.equal(_grads(fn, [x], _ctx(2))[0], ref), name
         assert not torch.equal(_grads(fn, [x], _ctx(2, rules=False))[0], ref), name
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: F.margin_ranking_loss(x[:, 0] * 1.0, x[:, 1] * 1.0, torch.ones(x.shape[0]), reduction="none"),
+    lambda x: F.triplet_margin_loss(x * 1.0, x.detach() + 0.05, x.detach().flip(0), reduction="none"),
+    lambda x: torch.dist(x * 1.0, x.detach() + 1e-3 * torch.arange(x.shape[-1]))])
+def test_margin_losses_and_a_distance_keep_what_they_save(call: Any) -> None:
+    # A margin ranking loss clamps the difference it makes inside the call at the margin (rounded: the mask flipped
+    # for pairs near it, 0.988 at any bits); a triplet loss and torch.dist divide by distances between close points
+    # (0.9998 / 0.17 at 8 bits). Kept exact, plain's gradient bit for bit.
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0)) * 0.05
+    ref = _grads(call, [x], None)[0]
+    assert torch.equal(_grads(call, [x], _ctx(2))[0], ref)
+    assert not torch.equal(_grads(call, [x], _ctx(2, rules=False))[0], ref)
 
 
 def test_clip_mask_record_is_one_bit_per_value() -> None:

@@ -134,6 +134,10 @@ _BY_INDEX = (torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.sca
 """Reductions through an index or by segments, whose ``reduce`` argument names how."""
 _EXTREMA = frozenset({"amax", "amin", "max", "min"})
 _PRODUCT = frozenset({"prod"})
+_ONE_SIDED = (torch.clamp_min, torch.Tensor.clamp_min, torch.Tensor.clamp_min_, torch.clamp_max,
+              torch.Tensor.clamp_max, torch.Tensor.clamp_max_)
+_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)
+_MARGIN_LOSSES = (F.margin_ranking_loss, F.triplet_margin_loss, F.triplet_margin_with_distance_loss)
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -157,11 +161,14 @@ RULES: tuple[OpRule, ...] = (
            (F.hardtanh, F.relu6, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip,
             torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_, F.leaky_relu, F.leaky_relu_,
             F.hardsigmoid, F.hardshrink, torch.Tensor.hardshrink, F.softshrink, torch.abs, torch.Tensor.abs,
-            torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute, torch.Tensor.abs_, F.l1_loss),
+            torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute, torch.Tensor.abs_, F.l1_loss,
+            *_ONE_SIDED, *_NORMS, *_MARGIN_LOSSES),
            "the backward reads the saved tensor only as the mask of values inside the bounds (a shrink's outside "
            "them; a leaky ReLU's sign picks 1 or its slope; an absolute value's sign, 0 at 0, picks 1, -1 or 0, "
-           "an L1 loss's of its input less its target); rounding flips it near a bound: the mask is stored "
-           "exactly, 1 bit per value (2 with the zeros)"),
+           "an L1 loss's of its input less its target, an L1 norm's of its input); rounding flips it near a "
+           "bound: the mask is stored exactly, 1 bit per value (2 with the zeros). A margin loss clamps a value "
+           "it makes inside the call next to others of its size (a ranking's difference, a triplet's distances, "
+           "which it divides by): what it saves is kept exact"),
     OpRule("comparison",
            (torch.max, torch.min, torch.maximum, torch.minimum, torch.Tensor.max, torch.Tensor.min,
             torch.Tensor.maximum, torch.Tensor.minimum),
@@ -227,7 +234,7 @@ RULES: tuple[OpRule, ...] = (
             torch.Tensor.polygamma, torch.mvlgamma, torch.Tensor.mvlgamma, torch.special.gammaln,
             torch.special.digamma, torch.special.psi, torch.special.polygamma, torch.special.multigammaln,
             F.binary_cross_entropy, F.gaussian_nll_loss, F.poisson_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist,
-            *_BY_INDEX, *LINEAR_ALGEBRA),
+            torch.dist, torch.Tensor.dist, *_BY_INDEX, *LINEAR_ALGEBRA),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
            "distance), inverts it (a matrix, a triangular factor, gaps between eigenvalues or singular values), "
@@ -461,6 +468,12 @@ def _clip_bounds(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
         return (_arg(args, kwargs, 1, "threshold"), None, False) if value == 0 else None
     if func in _ABSOLUTE:
         return 0.0, None, False
+    if func in _NORMS:  # an L1 norm's backward is the sign of its input
+        order = _arg(args, kwargs, 1, "p" if func is not torch.linalg.vector_norm else "ord", 2)
+        return (0.0, None, False) if order == 1 and not isinstance(order, bool) else None
+    if func in _ONE_SIDED:
+        bound = _arg(args, kwargs, 1, "min" if func in _ONE_SIDED[:3] else "max")
+        return (bound, None, True) if func in _ONE_SIDED[:3] else (None, bound, True)
     if func in _SHRINKS:  # the gradient passes outside [-lambd, lambd]: the same mask, read the other way
         lambd = _arg(args, kwargs, 1, "lambd", 0.5)
         return (-lambd, lambd, True) if isinstance(lambd, (int, float)) and lambd > 0 else None
@@ -493,7 +506,7 @@ def _clip(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ClipMa
     else:
         inside, outside = hi - max(1.0, abs(hi)), hi + max(1.0, abs(hi))
     enc = ClipMask(None if lo is None else float(lo), None if hi is None else float(hi), inclusive, inside, outside,
-                   tie=0.0 if func in _ABSOLUTE else None)  # the sign of 0 is 0
+                   tie=0.0 if func in _ABSOLUTE or func in _NORMS else None)  # the sign of 0 is 0
     # The restored values must compare as the originals did in the tensor's own dtype.
     probe = torch.tensor([inside, outside], dtype=x.dtype)
     if probe.isfinite().all() and enc.mask(probe).tolist() == [True, False]:
@@ -653,10 +666,12 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
         targets = tuple(t for t in (q, k) if isinstance(t, torch.Tensor))
         return OpMatch(rule, targets) if targets else None
+    if func in _MARGIN_LOSSES:
+        return OpMatch(rule, (), keep_all=True)
     x = _arg(args, kwargs, 0, "input")
     enc = _clip(func, args, kwargs)
     inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_, F.leaky_relu_, torch.Tensor.abs_,
-                       F.l1_loss) or bool(
+                       torch.Tensor.clamp_min_, torch.Tensor.clamp_max_, F.l1_loss) or bool(
         _arg(args, kwargs, _INPLACE_ARG[func], "inplace", False) if func in _INPLACE_ARG else False)
     return OpMatch(rule, (x,), enc, by_shape=inplace) if enc is not None else None
 
