@@ -2,7 +2,8 @@
 penalties, physics-informed residuals, Hessian-vector products, a meta-learning inner step and input-gradient
 regularisation, on Fashion-MNIST images where the task takes images. Each case's parameter gradient under
 ``compress(bits=b)`` (the default, and with ``double_backward=True``) against plain PyTorch's, one step from
-the same seeds; an exception is reported as its type and first line. With the code before the option
+the same seeds, and that step's saved-bytes ratio; an exception is reported as
+its type and first line. With the code before the option
 (``PYTHONPATH=<old>/src``) the ``double_backward`` column reads "no option".
 
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_double_backward.py
@@ -72,13 +73,13 @@ def _r1_penalty() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     return critic, loss
 
 
-def _pinn(act: Callable[[], nn.Module]) -> Case:
+def _pinn(act: Callable[[], nn.Module], dtype: torch.dtype = torch.float32) -> Case:
     """A physics-informed network for the heat equation u_t = 0.1 u_xx: the residual needs u's second
-    derivative in x, the backward of a backward."""
+    derivative in x, the backward of a backward (such networks are often trained in float64)."""
     def case() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
         net = nn.Sequential(nn.Linear(2, 128), act(), nn.Linear(128, 128), act(), nn.Linear(128, 128), act(),
-                            nn.Linear(128, 1))
-        points = torch.rand(2048, 2, generator=torch.Generator().manual_seed(4)) * 2 - 1
+                            nn.Linear(128, 1)).to(dtype)
+        points = (torch.rand(2048, 2, generator=torch.Generator().manual_seed(4)) * 2 - 1).to(dtype)
 
         def loss(m: nn.Module) -> torch.Tensor:
             xt = points.clone().requires_grad_()
@@ -146,6 +147,7 @@ CASES: dict[str, Case] = {
     "pinn_tanh": _pinn(nn.Tanh),
     "pinn_silu": _pinn(nn.SiLU),
     "pinn_gelu": _pinn(nn.GELU),
+    "pinn_tanh_float64": _pinn(nn.Tanh, torch.float64),
     "hessian_vector_relu": _hessian_vector(False),
     "hessian_vector_silu_inplace": _hessian_vector(True),
     "input_gradient_regularisation": _input_gradient_regularisation,
@@ -162,17 +164,18 @@ def parameter_gradient(case: str, ctx: daftrain.compress | None) -> torch.Tensor
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
-def measure(case: str, reference: torch.Tensor, **options: object) -> float | str:
+def measure(case: str, reference: torch.Tensor, **options: object) -> tuple[float | str, float | None]:
+    """The gradient's cosine with plain's (or why there is none) and the saved-bytes ratio of the step."""
     try:
         ctx = daftrain.compress(**options)  # type: ignore[arg-type]
     except TypeError:
-        return "no option"
+        return "no option", None
     try:
         got = parameter_gradient(case, ctx)
     except Exception as e:  # an exception is a result: reported, not fatal
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", None
     value = float(F.cosine_similarity(got.double(), reference.double(), dim=0))
-    return value if math.isfinite(value) else float("nan")
+    return (value if math.isfinite(value) else float("nan")), ctx.stats.ratio
 
 
 def main() -> None:
@@ -187,8 +190,9 @@ def main() -> None:
         reference = parameter_gradient(case, None)
         row: dict[str, object] = {"case": case}
         for bits in args.bits:
-            row[f"default{bits}"] = measure(case, reference, bits=bits)
-            row[f"double_backward{bits}"] = measure(case, reference, bits=bits, double_backward=True)
+            row[f"default{bits}"], row[f"default_ratio{bits}"] = measure(case, reference, bits=bits)
+            row[f"double_backward{bits}"], row[f"ratio{bits}"] = measure(case, reference, bits=bits,
+                                                                         double_backward=True)
         rows.append(row)
         print(case, {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items() if k != "case"},
               flush=True)

@@ -76,6 +76,10 @@ MAX_GROUP_SIZE = 1 << 16
 
 QUANTIZABLE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
+STORED_AS_FLOAT32: tuple[torch.dtype, ...] = (torch.float64,)
+"""Float dtypes the saved-tensor hooks quantize through a float32 copy (``NOTE [ Double precision stored through
+float32 ]`` in ``saved/hooks.py``); the kernels take ``QUANTIZABLE_DTYPES`` only."""
+
 MASK32 = 0xFFFFFFFF
 
 

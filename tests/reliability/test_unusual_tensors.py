@@ -79,6 +79,9 @@ CASES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], list[torch.Tens
     "0-d": (lambda x: torch.sigmoid(x) * torch.tanh(x), lambda: [torch.tensor(0.3, requires_grad=True)]),
     "float16": (lambda x: torch.sigmoid(x).mul(x).sum().float(), lambda: [_leaf(64, 64, dtype=torch.float16)]),
     "bfloat16": (lambda x: torch.sigmoid(x).mul(x).sum().float(), lambda: [_leaf(64, 64, dtype=torch.bfloat16)]),
+    "float64": (lambda x: torch.sigmoid(x).mul(x).sum(), lambda: [_leaf(64, 64, dtype=torch.float64)]),
+    "float64 view": (lambda x: (torch.sigmoid(x.t())[:, ::2] * x.t()[:, 1::2]).sum(),
+                     lambda: [_leaf(64, 32, dtype=torch.float64)]),
     "complex": (lambda x: (x * torch.sigmoid(x.real)).abs().sum(), lambda: [_leaf(64, 64, dtype=torch.complex64)]),
     "integer (gather index)": (lambda x, i: x.gather(1, i).pow(2).sum(),
                                lambda: [_leaf(64, 64), torch.randint(0, 64, (64, 8))]),
@@ -103,6 +106,38 @@ def test_non_finite_activations_give_plain_pytorchs_gradients_exactly(bits):
     """NaN and Inf keep their record exact (NOTE [ Non-finite activations ] in saved/records.py)."""
     fn, make = CASES["NaN and Inf"]
     inputs = make()
+    _compare(_grads(fn, inputs, "plain"), _grads(fn, inputs, bits), bits, exact=True)
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_float64_is_stored_packed_and_restored_as_float64(bits):
+    # NOTE [ Double precision stored through float32 ] in saved/hooks.py: a float64 activation was kept whole; its
+    # record is now made from a float32 copy, as small as a float32 tensor's, and restored as float64.
+    x = _leaf(256, 256, dtype=torch.float64)
+    ctx = daftrain.compress(bits=bits, seed=1)
+    with ctx:
+        y = torch.tanh(x)
+    restored = y.grad_fn._saved_result
+    assert restored.dtype == torch.float64 and ctx.stats.kept == 0
+    single = daftrain.compress(bits=bits, seed=1)
+    with single:
+        torch.tanh(x.detach().float().requires_grad_())
+    assert ctx.stats.packed_bytes == single.stats.packed_bytes
+    assert ctx.stats.raw_bytes == 2 * single.stats.raw_bytes
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_float64_values_beyond_float32s_range_are_kept_exact(bits):
+    # Out of float32's range a value is an infinity in the copy: the record is kept, the float64 tensor itself
+    # (not the copy), and the gradient is plain's bit for bit.
+    x = torch.randn(64, 64, dtype=torch.float64)
+    x[3, 5], x[7, 1] = 1e200, 1e-300
+    fn = lambda x: (x * 1.0).pow(2).sum()  # noqa: E731  (pow saves its input)
+    inputs = [x.requires_grad_()]
+    _compare(_grads(fn, inputs, "plain"), _grads(fn, inputs, bits), bits, exact=True)
+    # values all below float32's normal range over a group's levels: kept whole (in the copy, zeros or
+    # subnormals: a zero gradient or one of a few bits)
+    inputs = [(torch.randn(64, 64, dtype=torch.float64) * 1e-40).requires_grad_()]
     _compare(_grads(fn, inputs, "plain"), _grads(fn, inputs, bits), bits, exact=True)
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import CompressionConfig
 from ..errors import InvalidArgumentError
-from ..layout import QUANTIZABLE_DTYPES, SUPPORTED_BITS
+from ..layout import QUANTIZABLE_DTYPES, STORED_AS_FLOAT32, SUPPORTED_BITS
 from .allocation import MEASURED_BITS, NoiseProfile
 from .report import AllocationReport, SlotEstimate, SlotKey
 
@@ -30,7 +30,7 @@ _AUTO_FIELDS = ("format", "version", "step", "config", "model", "next_adapt", "r
                 "grad_variance", "calibration", "gradient_sq", "calibrated_for", "slots", "checksum")
 _SLOT_FIELDS = ("index", "numel", "dtype", "shape", "itemsize", "op", "producer", "min_bits", "grad_sq",
                 "plain_r2", "zero_r2", "plain_energy", "sensitivity", "bits")
-_ITEMSIZE = {str(d).removeprefix("torch."): d.itemsize for d in QUANTIZABLE_DTYPES}
+_ITEMSIZE = {str(d).removeprefix("torch."): d.itemsize for d in (*QUANTIZABLE_DTYPES, *STORED_AS_FLOAT32)}
 _MAX_INT = 2**63 - 1  # steps, positions and sizes are int64 everywhere else
 
 

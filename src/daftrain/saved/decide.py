@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import CompressionConfig
-from ..layout import QUANTIZABLE_DTYPES
+from ..layout import QUANTIZABLE_DTYPES, STORED_AS_FLOAT32
 from ..params import ParameterRegistry, is_parameter_like
 from .op_rules import OpMatch, computed, keeps, match_saved
 from .records import (
@@ -104,7 +104,7 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
         windows = _windows_of_indices(t, match_saved(call, t))
         return _PACK_INTEGER if windows is None else Decision(Treatment.PACK_INTEGER, "", encoding=windows,
                                                                rule="pool_indices")
-    if t.dtype not in QUANTIZABLE_DTYPES:
+    if t.dtype not in QUANTIZABLE_DTYPES and (t.dtype not in STORED_AS_FLOAT32 or _beneath_float32(t)):
         return _KEEP["dtype"]
     if config.bits is None:
         return _KEEP["exact"]
@@ -120,6 +120,19 @@ def decide(t: torch.Tensor, config: CompressionConfig, registry: ParameterRegist
     if type(t.grad_fn).__name__ in _SOFTMAX_OUTPUT_NODES:
         return _softmax_output(t)
     return _QUANTIZE
+
+
+FLOAT32_SMALLEST_RANGE = 1e-30
+"""A float64 tensor whose largest magnitude is below this is kept: its groups' ranges over 2**bits would not be
+normal numbers in the records' float32 and bfloat16 (``NOTE [ Double precision stored through float32 ]`` in
+hooks.py)."""
+
+
+def _beneath_float32(t: torch.Tensor) -> bool:
+    """Whether float64 ``t`` is too small in magnitude to be stored through float32 (one read of it; a NaN or an
+    infinity answers no: the record's finiteness check keeps those)."""
+    top = float(t.detach().abs().amax())
+    return 0.0 < top < FLOAT32_SMALLEST_RANGE
 
 
 def has_storage(t: torch.Tensor) -> bool:

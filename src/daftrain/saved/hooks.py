@@ -22,7 +22,7 @@ from ..auto.report import AllocationReport
 from ..config import CompressionConfig
 from ..errors import ArgumentTypeError, DaftrainError, UnsupportedError
 from ..kernels import load_fast_kernels
-from ..layout import record_seed, widest_bits_within
+from ..layout import STORED_AS_FLOAT32, record_seed, widest_bits_within
 from ..lineage import reached
 from ..params import ParameterRegistry
 from ..pool import PagePool
@@ -605,6 +605,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                      source: torch.Tensor | None = None) -> Record | PendingRecord:
         kind = _KINDS[decision.treatment]
         index = self._num_records
+        exact = flat
+        if flat.dtype in STORED_AS_FLOAT32:  # NOTE [ Double precision stored through float32 ]
+            flat = flat.float()
         if decision.treatment is Treatment.QUANTIZE:
             if self.config.column_groups and source is not None:  # NOTE [ Groups down the columns ]
                 decision = self._down_columns(decision, index, flat, source)
@@ -620,13 +623,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.treatment is Treatment.QUANTIZE_IF_LOSSLESS:
             constant_at = (index, (tuple(flat.shape), flat.dtype, flat.device))
         if assignment.bits is None:  # bits="auto" found this tensor worth its full bytes: kept exact
-            record: Record | PendingRecord = ExactRecord(flat, "auto")
+            record: Record | PendingRecord = ExactRecord(exact, "auto")
             self._account(self._stats, record)
         elif constant_at is not None and self._not_lossless.known(self.step, *constant_at):
-            record = ExactRecord(flat, "constant")
+            record = ExactRecord(exact, "constant")
             self._account(self._stats, record)
         else:
-            record = self._encode(flat, decision, kind, assignment, index, constant_at)
+            record = self._encode(flat, decision, kind, assignment, index, constant_at,
+                                  exact if exact is not flat else None)
         if decision.treatment is Treatment.QUANTIZE:  # what later saves of it, and calibrate(), read
             self._record_index[record] = index
             if assignment.bits is not None:
@@ -659,13 +663,25 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             return decision
         return dataclasses.replace(decision, encoding=down)
 
+    # NOTE [ Double precision stored through float32 ]
+    # The kernels quantize float32, float16 and bfloat16 (``layout.QUANTIZABLE_DTYPES``). A float64 activation (a
+    # physics-informed network, scientific code trained in double precision) was kept whole: compress stored
+    # nothing smaller, at any bits. Its record is made from a float32 copy, and its handle restores the decoded
+    # values as float64: rounding to a group's grid errs a value by the group's range / 2**bits, to which
+    # float32's relative precision (6e-8) adds nothing measurable at any supported bit-width. A value beyond
+    # float32's range is an infinity in the copy, which fails the record's finiteness check like a NaN does
+    # (``NOTE [ Non-finite activations ]`` in records.py): what is kept then is the float64 tensor itself. A tensor
+    # whose values are all tiny (``decide.FLOAT32_SMALLEST_RANGE``), whose groups' steps would be subnormal there,
+    # is kept whole by ``decide``.
     def _encode(self, flat: torch.Tensor, decision: Decision, kind: str, assignment: Assignment,
-                index: int, constant_at: tuple[int, Any] | None = None) -> Record | PendingRecord:
-        """Pack ``flat`` at the assignment's bits, here or on the packer thread, into the pool if there is one."""
+                index: int, constant_at: tuple[int, Any] | None = None,
+                exact: torch.Tensor | None = None) -> Record | PendingRecord:
+        """Pack ``flat`` at the assignment's bits, here or on the packer thread, into the pool if there is one;
+        ``exact`` is kept instead where a check fails (``flat`` by default)."""
         seed = record_seed(self._base_seed, self.step, index)
         grids = None if self._grid_choice is None else functools.partial(self._grid_choice.grid, self.step, index)
         job = functools.partial(encode, kind=kind, bits=assignment.bits, group_size=self.config.group_size,
-                                seed=seed, encoding=decision.encoding, grids=grids)
+                                seed=seed, encoding=decision.encoding, grids=grids, exact=exact)
         if self.pool is not None:  # NOTE [ Importance of a record in the pool ] in auto/policy.py
             job = functools.partial(_encode_into_pool, job, pool=self.pool, importance=assignment.importance,
                                     seed=seed)

@@ -239,13 +239,16 @@ def demote_payload(
 
 
 def encode(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
-           encoding: Encoding | None = None, grids: Grids | None = None) -> Record | UndecidedRecord:
+           encoding: Encoding | None = None, grids: Grids | None = None,
+           exact: torch.Tensor | None = None) -> Record | UndecidedRecord:
     """Pack one flat region: ``kind`` is ``"quantize"``, ``"lossless"`` (quantize only where the
     1-bit layout is exact, else keep), ``"bool"`` or ``"integer"`` (``NOTE [ Integer tensors in their
     narrowest type ]``); an op rule's ``encoding`` (``NOTE [ Op-aware encodings ]``) replaces a quantize;
-    ``grids`` gives a quantized record its fitted grid. Runs on the caller's or the packer's thread. On a
+    ``grids`` gives a quantized record its fitted grid; ``exact`` is what is kept where a check fails (``flat``
+    by default; a float64 tensor packed from a float32 copy). Runs on the caller's or the packer's thread. On a
     GPU the record may be undecided (``NOTE [ Checks the host does not wait for ]`` in ``checks.py``)."""
-    return decided(*pack_candidate(flat, kind, bits, group_size, seed, encoding, grids), flat)
+    return decided(*pack_candidate(flat, kind, bits, group_size, seed, encoding, grids),
+                   flat if exact is None else exact)
 
 
 def pack_candidate(flat: torch.Tensor, kind: str, bits: int, group_size: int, seed: int,
@@ -433,11 +436,14 @@ class SavedHandle:
     tensor, as plain PyTorch does.
     """
 
-    __slots__ = ("__weakref__", "dense", "expand_to", "overlapping", "record", "size", "source", "stride", "version")
+    __slots__ = ("__weakref__", "dense", "dtype", "expand_to", "overlapping", "record", "size", "source", "stride",
+                 "version")
 
     def __init__(self, record: Record | PendingRecord, saved: torch.Tensor, dense: bool,
                  source: torch.Tensor, expand_to: torch.Size | None = None) -> None:
         self.record, self.size, self.stride, self.dense = record, saved.shape, saved.stride(), dense
+        self.dtype = saved.dtype  # a float64 tensor's record holds float32 (NOTE [ Double precision stored through
+        # float32 ] in hooks.py)
         self.overlapping = not dense and torch._debug_has_internal_overlap(saved) == 1
         self.source, self.version, self.expand_to = weakref.ref(source), source._version, expand_to
 
@@ -449,6 +455,8 @@ class SavedHandle:
 
     def restore(self, flat: torch.Tensor) -> torch.Tensor:
         """The saved view, rebuilt from its record's decoded flat region."""
+        if flat.dtype != self.dtype:
+            flat = flat.to(self.dtype)
         if self.dense:
             out = flat.as_strided(self.size, self.stride)
         elif self.overlapping:
