@@ -33,6 +33,13 @@ ONE_HOT = F.one_hot(torch.arange(ROWS) % WIDTH, WIDTH).float()
 IMAGE = torch.randn(8, 3, 16, 16, generator=_GEN)
 GROUPS = torch.arange(ROWS) % 16  # a graph's 16 nodes, each pooled from 16 rows
 
+def _clipped_value_loss(h: torch.Tensor) -> torch.Tensor:
+    """PPO's value loss: the larger of the squared errors of the value and of its update clipped to 0.2."""
+    old = h.detach() + 0.1 * TARGET - 0.05
+    clipped = old + (h - old).clamp(-0.2, 0.2)
+    return torch.max((h - VALUES) ** 2, (clipped - VALUES) ** 2)
+
+
 CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "binary_cross_entropy": lambda h: F.binary_cross_entropy(torch.sigmoid(h * 5.0), TARGET, reduction="none"),
     "bce_written_out": lambda h: -(TARGET * torch.log(torch.sigmoid(h * 5.0) + 1e-7)
@@ -67,7 +74,8 @@ CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "segment_max": lambda h: torch.segment_reduce(h, "max", lengths=torch.full((16,), ROWS // 16)),
     "infinity_norm": lambda h: torch.linalg.vector_norm(h, ord=float("inf"), dim=-1),
     "scatter_prod": lambda h: torch.ones(16, WIDTH).scatter_reduce(0, GROUPS[:, None].expand(ROWS, WIDTH), h, "prod"),
-    "maximum_of_two (not covered)": lambda h: torch.maximum(h, h.flip(0)),
+    "maximum_of_two": lambda h: torch.maximum(h, h.flip(0)),
+    "ppo_clipped_value": lambda h: _clipped_value_loss(h),
     "distance": lambda h: torch.dist(h, h.detach() + 0.001 * VALUES),
     "l1_norm": lambda h: torch.linalg.vector_norm(h, ord=1, dim=-1),
     "margin_ranking": lambda h: F.margin_ranking_loss(h[:, 0], h[:, 1], TARGET[:, 0].sign(), reduction="none"),

@@ -431,6 +431,30 @@ def test_maximum_and_minimum_against_a_scalar_tensor_are_exact() -> None:
     assert ctx.stats.packed_bytes == 2 * scores.numel() // 8  # the mask and the ties, whatever the bits
 
 
+@pytest.mark.parametrize("call", [
+    lambda a, b: torch.maximum(a * 1.0, b * 1.0), lambda a, b: torch.min(a * 1.0, b * 1.0),
+    lambda a, b: (a * 1.0).maximum(b[:1] * 1.0),  # broadcast: the engine sums b's gradient to its shape
+    lambda a, b: torch.max((a * 1.0).square(), (a.clamp(-0.2, 0.2) * 1.0).square())])  # PPO's clipped value loss
+def test_an_elementwise_extremum_of_two_tensors_saves_their_comparisons(call: Any) -> None:
+    # NOTE [ Elementwise extrema save their comparisons ] in extremum.py: ties (half the gradient each), NaNs (all
+    # of it to both) and values close together, where two rounded inputs swap sides; plain's gradient bit for bit.
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 64, generator=gen) * 0.3
+    b = a + torch.randn(256, 64, generator=gen) * 1e-3
+    b[::7] = a[::7]
+    before = _grads(call, [a, b], _ctx(2, rules=False))  # (a NaN would keep the inputs exact)
+    ref = _grads(call, [a, b], None)
+    assert not all(r is None or torch.equal(r, g) for r, g in zip(ref, before, strict=True))
+    a[3, 5] = b[4, 6] = float("nan")
+    ref = _grads(call, [a, b], None)
+    ctx = _ctx(2)
+    got = _grads(call, [a, b], ctx)
+    for r, g in zip(ref, got, strict=True):
+        assert (r is None) == (g is None)
+        assert r is None or torch.equal(r.nan_to_num(), g.nan_to_num()) and torch.equal(r.isnan(), g.isnan())
+    assert ctx.stats.bool_packed >= 2
+
+
 def test_comparison_rule_leaves_reductions_and_nans_alone() -> None:
     x = torch.randn(64, 64)
     for fn in (lambda x: (x * 1.0).max(1).values, lambda x: torch.max(x * 1.0, dim=0).values):

@@ -23,7 +23,7 @@ from ..lineage import CAST_AND_VIEW_NODES, copy_of, reaches
 from .activation_derivative import saving_derivative
 from .attention_precision import AttentionPrecision, MaskStorage
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
-from .extremum import extremum_saving_positions, reads_positions
+from .extremum import extremum_saving_positions, pairwise_extremum_saving_comparisons, reads_positions
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
 from .nesting import saves_reach_daftrain
 from .recomputed_attention import attention_recomputed, recomputes
@@ -87,7 +87,9 @@ class OpRule:
 #      only through its sign, an absolute value through its sign and its zeros; a rounded value near a bound
 #      flips it (``ClipMask`` encoding: the mask, exact, at 1 bit per value; 2 with the zeros);
 #   4. an elementwise maximum or minimum against a 0-d tensor reads its input only through the
-#      comparison with it, like a clip, ties included (``ClipMask`` with ties);
+#      comparison with it, like a clip, ties included (``ClipMask`` with ties); of two tensors, the call runs
+#      as a function that saves their comparisons (``NOTE [ Elementwise extrema save their comparisons ]`` in
+#      ``extremum.py``);
 #   5. smooth activations (GELU, SiLU, Mish) and Hardswish read their saved input only through their
 #      derivative f'(x), which is nonlinear: rounding x makes f'(x) noisier (by |f''| up to 0.8; Hardswish's
 #      jumps by 0.5 at -3 and 3) and biased, and through a stack of such layers without a residual path
@@ -174,7 +176,9 @@ RULES: tuple[OpRule, ...] = (
             torch.Tensor.maximum, torch.Tensor.minimum),
            "an elementwise maximum or minimum against a 0-d tensor reads its input only through the comparison "
            "with it (ties split the gradient): the comparison and the ties are stored exactly, 2 bits per value; "
-           "quantized, an attention mask's finfo.min floor gives the input a group range of ~1e38"),
+           "quantized, an attention mask's finfo.min floor gives the input a group range of ~1e38. Of two tensors "
+           "(PPO's clipped value loss), rounded apart, ties split and close values swap sides: the call runs as "
+           "a function that saves the two comparisons, 1 bit per value each"),
     OpRule("extremum", (torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.max, torch.Tensor.max,
                         torch.min, torch.Tensor.min, *_BY_INDEX, torch.linalg.vector_norm, torch.linalg.norm,
                         torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm),
@@ -648,7 +652,10 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         return OpMatch(rule, (found[0],), enc, statistics=enc.view[0] * enc.view[2])
     if rule.name == "comparison":
         compared = _comparison(func, args, kwargs)
-        return OpMatch(rule, (compared[0],), compared[1]) if compared is not None else None
+        if compared is not None:
+            return OpMatch(rule, (compared[0],), compared[1])
+        call = pairwise_extremum_saving_comparisons(func, args, dict(kwargs))
+        return OpMatch(rule, (), call=call) if call is not None else None
     if rule.name == "computed_weight":
         weight = _arg(args, kwargs, 2 if func is F.bilinear else 1, "weight")
         computed = isinstance(weight, torch.Tensor) and weight.grad_fn is not None
