@@ -129,9 +129,10 @@ hooks.py)."""
 
 
 def _beneath_float32(t: torch.Tensor) -> bool:
-    """Whether float64 ``t`` is too small in magnitude to be stored through float32 (one read of it; a NaN or an
-    infinity answers no: the record's finiteness check keeps those)."""
-    top = float(t.detach().abs().amax())
+    """Whether float64 ``t`` is too small in magnitude to be stored through float32 (one read of it, no copy; a NaN
+    or an infinity answers no: the record's finiteness check keeps those)."""
+    low, high = (float(v) for v in torch.aminmax(t.detach()))
+    top = max(-low, high)
     return 0.0 < top < FLOAT32_SMALLEST_RANGE
 
 
