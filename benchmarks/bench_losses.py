@@ -75,6 +75,8 @@ CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "infinity_norm": lambda h: torch.linalg.vector_norm(h, ord=float("inf"), dim=-1),
     "scatter_prod": lambda h: torch.ones(16, WIDTH).scatter_reduce(0, GROUPS[:, None].expand(ROWS, WIDTH), h, "prod"),
     "maximum_of_two": lambda h: torch.maximum(h, h.flip(0)),
+    "logsumexp": lambda h: torch.logsumexp(h * 3.0, -1),
+    "logcumsumexp": lambda h: torch.logcumsumexp(h * 3.0, -1),
     "ppo_clipped_value": lambda h: _clipped_value_loss(h),
     "distance": lambda h: torch.dist(h, h.detach() + 0.001 * VALUES),
     "l1_norm": lambda h: torch.linalg.vector_norm(h, ord=1, dim=-1),

@@ -33,6 +33,9 @@ __all__ = ["LOGITS_MIN_BITS", "RULES", "AmplifiedRoundingWarning", "ExactSavings
            "computed", "keeps", "match_saved", "may_have_wide_head"]
 
 ATTENTION_MIN_BITS = 8
+EXPONENTIATED_MIN_BITS = 8
+"""A logsumexp's input, which its backward exponentiates, as ``decide.NONLINEAR_MIN_BITS`` floors a log_softmax's
+output."""
 LINEAR_ALGEBRA = (
     *(getattr(torch.linalg, name) for name in (
         "eigh", "eigvalsh", "eig", "eigvals", "svd", "svdvals", "cholesky", "cholesky_ex", "inv", "inv_ex", "solve",
@@ -130,7 +133,9 @@ class OpRule:
 #  12. a maximum or minimum over dims (or of a whole tensor) reads its input only through which values equal its
 #      result; rounded, none may, and the gradient is NaN (or zero): the call runs as a function that saves those
 #      positions; a scatter or segment reduction by a maximum or minimum, and an infinity norm, keep what they
-#      save (``NOTE [ Extrema save their positions ]`` in ``extremum.py``).
+#      save (``NOTE [ Extrema save their positions ]`` in ``extremum.py``);
+#  13. a logsumexp's backward exponentiates its saved input less its result: at least 8 bits, as a
+#      log_softmax's output (``NOTE [ Nonlinear backward ]`` in decide.py).
 _BY_INDEX = (torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.scatter_reduce_, torch.index_reduce,
              torch.Tensor.index_reduce, torch.Tensor.index_reduce_, torch.segment_reduce)
 """Reductions through an index or by segments, whose ``reduce`` argument names how."""
@@ -207,6 +212,11 @@ RULES: tuple[OpRule, ...] = (
            "tensor shared by every sample: its rounding error does not average over the batch, it enters the "
            "gradient of every sample's input, and its size does not grow with the batch: at least 8 bits",
            min_bits=WEIGHT_MIN_BITS),
+    OpRule("exponentiated", (torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp, torch.logcumsumexp,
+                             torch.Tensor.logcumsumexp),
+           "the backward exponentiates the saved input less the result (a row's softmax): a rounding step of s "
+           "nats scales a probability by up to exp(s), no estimate of it at 2 bits (``NOTE [ Nonlinear backward ]`` "
+           "in decide.py): both at least 8 bits", min_bits=EXPONENTIATED_MIN_BITS),
     OpRule("cosine_product",
            (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.einsum),
            "a product of unit vectors is a cosine similarity that models scale by a learned temperature (up to "
@@ -660,6 +670,8 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         weight = _arg(args, kwargs, 2 if func is F.bilinear else 1, "weight")
         computed = isinstance(weight, torch.Tensor) and weight.grad_fn is not None
         return OpMatch(rule, (weight,), views=True) if computed else None
+    if rule.name == "exponentiated":
+        return _exponentiated(rule, func, args, kwargs)
     if rule.name == "cosine_product":
         operands = _unit_vectors(func, args, kwargs)
         return OpMatch(rule, operands, views=True) if operands is not None else None
@@ -681,6 +693,19 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
                        torch.Tensor.clamp_min_, torch.Tensor.clamp_max_, F.l1_loss) or bool(
         _arg(args, kwargs, _INPLACE_ARG[func], "inplace", False) if func in _INPLACE_ARG else False)
     return OpMatch(rule, (x,), enc, by_shape=inplace) if enc is not None else None
+
+
+def _exponentiated(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> OpMatch | None:
+    """A logsumexp's input at 8 bits or more, with its result: logcumsumexp's, of the input's shape, by shape too;
+    logsumexp's, one value per reduced row, kept exact as a statistic."""
+    x = _arg(args, kwargs, 0, "input")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+        return None
+    if func in (torch.logcumsumexp, torch.Tensor.logcumsumexp):
+        return OpMatch(rule, (x,), by_shape=True)
+    dim = _arg(args, kwargs, 1, "dim", ())
+    dims = {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)} or set(range(x.dim()))
+    return OpMatch(rule, (x,), statistics=x.numel() // max(1, math.prod(x.shape[d] for d in dims)))
 
 
 _DIVISIONS = frozenset({torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide,
