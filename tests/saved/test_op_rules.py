@@ -1037,6 +1037,17 @@ SINGULAR_CALLS = {
     "eigh": lambda x: torch.linalg.eigh(x.view(256, 8, 8) + x.view(256, 8, 8).transpose(-1, -2))[1].abs(),
     "solve": lambda x: torch.linalg.solve(x.view(256, 8, 8), _VALUES.view(256, 8, 8)),
     "spectral_norm": lambda x: torch.linalg.matrix_norm(x.view(256, 8, 8), ord=2),
+    # special functions and composites: a logit, an inverse normal CDF of a sigmoid's output (its kept result read
+    # with the sigmoid's save), a hypotenuse, a division inside addcdiv or softsign, poles of acosh and tan
+    "logit": lambda x: torch.logit(torch.sigmoid(x * 4.0)),
+    "ndtri_of_sigmoid": lambda x: torch.special.ndtri(torch.sigmoid(x * 4.0)),
+    "log_ndtr": lambda x: torch.special.log_ndtr(x * 4.0),
+    "hypot": lambda x: torch.hypot(x, x * 0.1 + 0.001),
+    "addcdiv": lambda x: torch.addcdiv(_VALUES, _VALUES, x.abs() + 0.05),
+    "acosh": lambda x: torch.acosh(x.abs() + 1.0001),
+    "tan_of_tanh": lambda x: torch.tan(torch.tanh(x) * 1.55),
+    "softsign": lambda x: F.softsign(x * 10.0),
+    "float_power": lambda x: torch.float_power(x.abs() + 0.01, 0.5),
 }
 
 

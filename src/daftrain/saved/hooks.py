@@ -59,7 +59,15 @@ from .records import (
     is_expanded,
     on_fitted_grid,
 )
-from .singular import HELD_PRODUCERS, RECENT_SAVE_BYTES, RECENT_SAVES, SHIFTS, after_product, caller_level
+from .singular import (
+    HELD_PRODUCERS,
+    RECENT_SAVE_BYTES,
+    RECENT_SAVES,
+    SHIFTS,
+    SINGULAR_RESULTS,
+    after_product,
+    caller_level,
+)
 from .small_tensors import SMALL_SHARE, BatchedSlice, SmallTensors, small_tensor_bits
 from .stats import CompressionStats
 
@@ -484,8 +492,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # rounded saves of a softmax's, sigmoid's, exp's or tanh's output (``HELD_PRODUCERS``: what a log or a
     # division follows) of at most ``RECENT_SAVE_BYTES`` (a loss's probabilities, not an attention's) hold their
     # tensors until that many more came (or the forward ended), and a kept value whose graph reaches the node that
-    # made one of them through such ops (``SHIFTS``) makes that save's record exact. A larger one stays rounded.
-    # Memory held longer is bounded by ``RECENT_SAVES * RECENT_SAVE_BYTES``; holding every small save instead
+    # made one of them through such ops (``SHIFTS``; a kept result through the singular op that made it,
+    # ``SINGULAR_RESULTS``: ``ndtri`` of a sigmoid's output) makes that save's record exact. A larger one stays
+    # rounded. Memory held longer is bounded by ``RECENT_SAVES * RECENT_SAVE_BYTES``; holding every small save instead
     # raised MiniLM + LoRA's forward peak by 14-20 MB (``benchmarks/results/singular_backward/``).
     def _keep_every_save(self, t: torch.Tensor, storage: StorageWeakRef, kept: KeptTensor,
                          call: OpMatch | None) -> None:
@@ -494,7 +503,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             for record in (self._records.get(key), self._small_records.get(key)):
                 if record is not None:
                     self._exact_records[record] = kept
-        origin = reached(t.grad_fn, {node for node, _, _ in self._recent_saves}.__contains__, SHIFTS, len(SHIFTS))
+        origin = reached(t.grad_fn, {node for node, _, _ in self._recent_saves}.__contains__, _THROUGH, len(SHIFTS))
         for node, record, source in self._recent_saves:
             if origin is not None and node is origin:
                 self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
@@ -769,6 +778,11 @@ def _requantize(flat: torch.Tensor, bits: int, seed: int, *, group_size: int,
                 encoding: Encoding | None) -> torch.Tensor:
     """``flat`` stored at ``bits`` the way a record with ``encoding`` stores it, and restored."""
     return encode(flat, "quantize", bits, group_size, seed, encoding).decode()
+
+
+_THROUGH = SHIFTS | SINGULAR_RESULTS
+"""What a kept value is walked back through to the recent saves it is read with (``NOTE [ Every save of a value a
+singular backward reads ]``)."""
 
 
 def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, pool: PagePool, importance: float,

@@ -248,7 +248,12 @@ RULES: tuple[OpRule, ...] = (
             torch.Tensor.polygamma, torch.mvlgamma, torch.Tensor.mvlgamma, torch.special.gammaln,
             torch.special.digamma, torch.special.psi, torch.special.polygamma, torch.special.multigammaln,
             F.binary_cross_entropy, F.gaussian_nll_loss, F.poisson_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist,
-            torch.dist, torch.Tensor.dist, *_BY_INDEX, *LINEAR_ALGEBRA),
+            torch.dist, torch.Tensor.dist, torch.logit, torch.Tensor.logit, torch.special.logit, torch.special.ndtri,
+            torch.special.log_ndtr, torch.hypot, torch.Tensor.hypot, torch.addcdiv, torch.Tensor.addcdiv,
+            torch.Tensor.addcdiv_, torch.acosh, torch.Tensor.acosh, torch.arccosh, torch.Tensor.arccosh, torch.tan,
+            torch.Tensor.tan, torch.sinc, torch.Tensor.sinc, torch.special.sinc, F.softsign, torch.float_power,
+            torch.Tensor.float_power, *_BY_INDEX,
+            *LINEAR_ALGEBRA),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
            "distance), inverts it (a matrix, a triangular factor, gaps between eigenvalues or singular values), "
@@ -710,7 +715,7 @@ def _exponentiated(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mappi
 
 _DIVISIONS = frozenset({torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide,
                         torch.Tensor.true_divide, torch.Tensor.div_, torch.Tensor.__itruediv__})
-_POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__})
+_POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.float_power, torch.Tensor.float_power})
 
 
 # NOTE [ Singular backward ]

@@ -12,7 +12,8 @@ import torch
 
 from ..lineage import CAST_AND_VIEW_NODES, reached
 
-__all__ = ["HELD_PRODUCERS", "RECENT_SAVES", "RECENT_SAVE_BYTES", "SHIFTS", "after_product", "caller_level"]
+__all__ = ["HELD_PRODUCERS", "RECENT_SAVES", "RECENT_SAVE_BYTES", "SHIFTS", "SINGULAR_RESULTS", "after_product",
+           "caller_level"]
 
 # Saved outputs held for the values shifted from them: the latest ``RECENT_SAVES`` of these ops, of at most
 # ``RECENT_SAVE_BYTES`` each.
@@ -20,6 +21,10 @@ RECENT_SAVES = 4
 RECENT_SAVE_BYTES = 4 << 20
 HELD_PRODUCERS = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0", "SigmoidBackward0", "ExpBackward0",
                             "TanhBackward0"})
+# Nodes of singular ops that save their result: a kept result is read with the saves of its one input (a
+# sigmoid's output before ``ndtri``: ``exp(y**2 / 2)`` times the sigmoid's ``p (1 - p)``, which cancel).
+SINGULAR_RESULTS = frozenset({"SpecialNdtriBackward0", "TanBackward0", "SqrtBackward0", "ReciprocalBackward0",
+                              "RsqrtBackward0", "ErfinvBackward0"})
 # Nodes of a value made from one other by constants.
 SHIFTS = CAST_AND_VIEW_NODES | {"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0",
                                 "RsubBackward1", "NegBackward0", "MulBackward0", "MulBackward1", "DivBackward0",
