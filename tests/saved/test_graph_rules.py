@@ -317,6 +317,8 @@ _SINGULAR = {
     "eigh": lambda h: torch.linalg.eigh(h.reshape(128, 8, 8) + h.reshape(128, 8, 8).transpose(-1, -2))[1].abs(),
     "spectral_norm": lambda h: torch.linalg.matrix_norm(h.reshape(128, 8, 8), ord=2),
     "segment_max": lambda h: torch.segment_reduce(h, "max", lengths=torch.full((16,), 8)),
+    "logit": lambda h: torch.logit(torch.sigmoid(h * 4.0)),
+    "hypot": lambda h: torch.hypot(h, h * 0.1 + 0.001),
 }
 
 

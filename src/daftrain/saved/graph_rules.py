@@ -68,7 +68,8 @@ class GraphRule:
 #      ``exp``, ``sigmoid`` or ``tanh`` an absolute rounding error becomes a bounded relative one, so paths
 #      through them are not followed. A decomposition's, inverse's or solve's input and outputs are kept
 #      whatever the backward graph does with them (``_linalg_svd``'s backward divides by gaps between singular
-#      values through ops the walk does not follow).
+#      values through ops the walk does not follow), and so are ``hypot``'s (its backward divides a product of
+#      an input and the gradient by its result).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
 def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
@@ -87,7 +88,7 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
         return GraphRule("keep", "recomputed clip mask")
     if _is_statistic(node):
         return GraphRule("keep", "normalization statistic")
-    if _singular_use(uses) or _linear_algebra(node):
+    if _singular_use(uses) or _around_kept_op(node):
         return GraphRule("keep", "singular_backward")
     normalized = _normalized(node)
     if normalized is not None:
@@ -402,7 +403,8 @@ _SINGULAR_AT = {"aten.div.Tensor": {1}, "aten.reciprocal.default": {0}, "aten.lo
                 "aten.lgamma.default": {0}, "aten.polygamma.default": {1}, "aten.xlogy.Tensor": {1},
                 "aten.atan2.default": {0, 1}, "aten.binary_cross_entropy_backward.default": {1},
                 "aten.grid_sampler_2d_backward.default": {2}, "aten.grid_sampler_3d_backward.default": {2},
-                "aten._cdist_backward.default": {1, 2, 4}, "aten._segment_reduce_backward.default": {1, 2}}
+                "aten._cdist_backward.default": {1, 2, 4}, "aten._segment_reduce_backward.default": {1, 2},
+                "aten.logit_backward.default": {1}}
 # Views, copies and casts of a value (rule 7's walks between a saved value and a decomposition).
 _VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
           "aten.transpose.int", "aten.t.default", "aten.expand.default", "aten.clone.default", "aten.alias.default",
@@ -435,25 +437,27 @@ def _singular_use(uses: list[tuple[Any, Any]]) -> bool:
 
 
 # Prefixes of their op names; a whole name ends in its overload (``aten.det.default``: not ``aten.detach``).
-_LINEAR_ALGEBRA = ("aten._linalg_", "aten.linalg_", "aten.cholesky", "aten.triangular_solve.", "aten.lu_",
-                   "aten.ormqr.", "aten.orgqr.", "aten.geqrf.", "aten.logdet.", "aten.det.")
+_KEPT_AROUND = ("aten._linalg_", "aten.linalg_", "aten.cholesky", "aten.triangular_solve.", "aten.lu_",
+                "aten.ormqr.", "aten.orgqr.", "aten.geqrf.", "aten.logdet.", "aten.det.", "aten.hypot.")
+"""Ops whose inputs and outputs rule 7 keeps whatever the backward graph does with them: decompositions, inverses
+and solves, and ``hypot`` (its backward divides a product of an input and the gradient by the result)."""
 
 
-def _linear_algebra(node: Any) -> bool:
-    """Whether ``node`` is an output of a decomposition, inverse or solve or an input of one, or a view of either
-    (rule 7)."""
+def _around_kept_op(node: Any) -> bool:
+    """Whether ``node`` is an output of one of ``_KEPT_AROUND``'s ops or an input of one, or a view of either (rule
+    7)."""
     source = node
     for _ in range(_VIEW_DEPTH):  # an output, or a view or copy of one
         if getattr(source, "op", None) != "call_function":
             break
-        if str(source.target).startswith(_LINEAR_ALGEBRA):
+        if str(source.target).startswith(_KEPT_AROUND):
             return True
         if source.target is not operator.getitem and str(source.target) not in _VIEWS:
             break
         source = source.args[0]
     users = list(node.users)
     for _ in range(_VIEW_DEPTH):  # the input itself, or a view or copy of it
-        if any(u.op == "call_function" and str(u.target).startswith(_LINEAR_ALGEBRA) for u in users):
+        if any(u.op == "call_function" and str(u.target).startswith(_KEPT_AROUND) for u in users):
             return True
         users = [v for u in users if str(u.target) in _VIEWS for v in u.users]
     return False
