@@ -141,8 +141,8 @@ _BY_INDEX = (torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.sca
 """Reductions through an index or by segments, whose ``reduce`` argument names how."""
 _EXTREMA = frozenset({"amax", "amin", "max", "min"})
 _PRODUCT = frozenset({"prod"})
-_ONE_SIDED = (torch.clamp_min, torch.Tensor.clamp_min, torch.Tensor.clamp_min_, torch.clamp_max,
-              torch.Tensor.clamp_max, torch.Tensor.clamp_max_)
+_CLAMP_MIN = (torch.clamp_min, torch.Tensor.clamp_min, torch.Tensor.clamp_min_)
+_CLAMP_MAX = (torch.clamp_max, torch.Tensor.clamp_max, torch.Tensor.clamp_max_)
 _NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)
 _MARGIN_LOSSES = (F.margin_ranking_loss, F.triplet_margin_loss, F.triplet_margin_with_distance_loss)
 RULES: tuple[OpRule, ...] = (
@@ -169,7 +169,7 @@ RULES: tuple[OpRule, ...] = (
             torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_, F.leaky_relu, F.leaky_relu_,
             F.hardsigmoid, F.hardshrink, torch.Tensor.hardshrink, F.softshrink, torch.abs, torch.Tensor.abs,
             torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute, torch.Tensor.abs_, F.l1_loss,
-            *_ONE_SIDED, *_NORMS, *_MARGIN_LOSSES),
+            *_CLAMP_MIN, *_CLAMP_MAX, *_NORMS, *_MARGIN_LOSSES),
            "the backward reads the saved tensor only as the mask of values inside the bounds (a shrink's outside "
            "them; a leaky ReLU's sign picks 1 or its slope; an absolute value's sign, 0 at 0, picks 1, -1 or 0, "
            "an L1 loss's of its input less its target, an L1 norm's of its input); rounding flips it near a "
@@ -490,9 +490,10 @@ def _clip_bounds(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
     if func in _NORMS:  # an L1 norm's backward is the sign of its input
         order = _arg(args, kwargs, 1, "p" if func is not torch.linalg.vector_norm else "ord", 2)
         return (0.0, None, False) if order == 1 and not isinstance(order, bool) else None
-    if func in _ONE_SIDED:
-        bound = _arg(args, kwargs, 1, "min" if func in _ONE_SIDED[:3] else "max")
-        return (bound, None, True) if func in _ONE_SIDED[:3] else (None, bound, True)
+    if func in _CLAMP_MIN:
+        return _arg(args, kwargs, 1, "min"), None, True
+    if func in _CLAMP_MAX:
+        return None, _arg(args, kwargs, 1, "max"), True
     if func in _SHRINKS:  # the gradient passes outside [-lambd, lambd]: the same mask, read the other way
         lambd = _arg(args, kwargs, 1, "lambd", 0.5)
         return (-lambd, lambd, True) if isinstance(lambd, (int, float)) and lambd > 0 else None
@@ -690,7 +691,7 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
         targets = tuple(t for t in (q, k) if isinstance(t, torch.Tensor))
         return OpMatch(rule, targets) if targets else None
-    if func in _MARGIN_LOSSES:
+    if func in _MARGIN_LOSSES:  # clip_mask, from here on
         return OpMatch(rule, (), keep_all=True)
     x = _arg(args, kwargs, 0, "input")
     enc = _clip(func, args, kwargs)
