@@ -33,7 +33,7 @@ class _AlongDims(torch.autograd.Function):
                 largest: bool, whole: bool) -> torch.Tensor:
         if whole:  # Tensor.max() / min(): a NaN is the result, and the NaNs share its gradient
             out = torch.max(x) if largest else torch.min(x)
-            mask = x.isnan() if out.isnan() else x == out
+            mask = torch.where(out.isnan(), x.isnan(), x == out)  # no host read of the result
         else:
             out = torch.amax(x, dims, keepdim) if largest else torch.amin(x, dims, keepdim)
             mask = x == _with_dims(out, dims, keepdim)
