@@ -363,6 +363,7 @@ def test_relu6_and_clamp_masks_are_exact() -> None:
         "clamp": lambda x: torch.clamp(x * 1.0, 0.0, 6.0),
         "clamp_min": lambda x: (x * 1.0).clamp(min=6.0),
         "threshold": lambda x: F.threshold(x * 1.0, 0.0, 0.0),
+        "threshold_to_20": lambda x: F.threshold(x * 1.0, 6.0, 20.0),  # the replacement is not read by backward
         # a leaky ReLU reads its input (in place: its output) only through the sign; hardsigmoid is a clip
         "leaky_relu": lambda x: F.leaky_relu(x * 1.0, 0.2),
         "leaky_relu_inplace": lambda x: torch.nn.LeakyReLU(0.2, inplace=True)(x * 1.0),
@@ -1048,6 +1049,7 @@ SINGULAR_CALLS = {
     "tan_of_tanh": lambda x: torch.tan(torch.tanh(x) * 1.55),
     "softsign": lambda x: F.softsign(x * 10.0),
     "float_power": lambda x: torch.float_power(x.abs() + 0.01, 0.5),
+    "lp_pool": lambda x: F.lp_pool2d(x.view(256, 1, 8, 8), 2, 2),  # a root of pooled squares
 }
 
 

@@ -248,12 +248,11 @@ RULES: tuple[OpRule, ...] = (
             torch.Tensor.polygamma, torch.mvlgamma, torch.Tensor.mvlgamma, torch.special.gammaln,
             torch.special.digamma, torch.special.psi, torch.special.polygamma, torch.special.multigammaln,
             F.binary_cross_entropy, F.gaussian_nll_loss, F.poisson_nll_loss, F.ctc_loss, F.grid_sample, torch.cdist,
-            torch.dist, torch.Tensor.dist, torch.logit, torch.Tensor.logit, torch.special.logit, torch.special.ndtri,
-            torch.special.log_ndtr, torch.hypot, torch.Tensor.hypot, torch.addcdiv, torch.Tensor.addcdiv,
-            torch.Tensor.addcdiv_, torch.acosh, torch.Tensor.acosh, torch.arccosh, torch.Tensor.arccosh, torch.tan,
-            torch.Tensor.tan, torch.sinc, torch.Tensor.sinc, torch.special.sinc, F.softsign, torch.float_power,
-            torch.Tensor.float_power, *_BY_INDEX,
-            *LINEAR_ALGEBRA),
+            F.lp_pool1d, F.lp_pool2d, F.lp_pool3d, torch.dist, torch.Tensor.dist, torch.logit, torch.Tensor.logit,
+            torch.special.logit, torch.special.ndtri, torch.special.log_ndtr, torch.hypot, torch.Tensor.hypot,
+            torch.addcdiv, torch.Tensor.addcdiv, torch.Tensor.addcdiv_, torch.acosh, torch.Tensor.acosh, torch.arccosh,
+            torch.Tensor.arccosh, torch.tan, torch.Tensor.tan, torch.sinc, torch.Tensor.sinc, torch.special.sinc,
+            F.softsign, torch.float_power, torch.Tensor.float_power, *_BY_INDEX, *LINEAR_ALGEBRA),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
            "distance), inverts it (a matrix, a triangular factor, gaps between eigenvalues or singular values), "
@@ -482,9 +481,10 @@ def _clip_bounds(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
     if func in (F.leaky_relu, F.leaky_relu_):  # a negative slope is refused in place, and flips signs
         slope = _arg(args, kwargs, 1, "negative_slope", 0.01)
         return (0.0, None, False) if isinstance(slope, (int, float)) and slope >= 0 else None
-    if func is F.threshold:
-        value = _arg(args, kwargs, 2, "value")
-        return (_arg(args, kwargs, 1, "threshold"), None, False) if value == 0 else None
+    if func is F.threshold:  # the backward compares the input with the threshold, whatever replaces it; in place
+        # it compares the output, which reads the same where the replacement is 0
+        value, inplace = _arg(args, kwargs, 2, "value"), bool(_arg(args, kwargs, 3, "inplace", False))
+        return (_arg(args, kwargs, 1, "threshold"), None, False) if value == 0 or not inplace else None
     if func in _ABSOLUTE:
         return 0.0, None, False
     if func in _NORMS:  # an L1 norm's backward is the sign of its input
