@@ -24,6 +24,7 @@ from .activation_derivative import saving_derivative
 from .attention_precision import AttentionPrecision, MaskStorage
 from .cross_entropy import cross_entropy_saving_logits, saves_logits
 from .extremum import extremum_saving_positions, pairwise_extremum_saving_comparisons, reads_positions
+from .jumps import saving_sides
 from .linear_cross_entropy import LinearOutputs, cross_entropy_over_linear
 from .nesting import saves_reach_daftrain
 from .recomputed_attention import attention_recomputed, recomputes
@@ -145,6 +146,7 @@ _CLAMP_MIN = (torch.clamp_min, torch.Tensor.clamp_min, torch.Tensor.clamp_min_)
 _CLAMP_MAX = (torch.clamp_max, torch.Tensor.clamp_max, torch.Tensor.clamp_max_)
 _NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)
 _MARGIN_LOSSES = (F.margin_ranking_loss, F.triplet_margin_loss, F.triplet_margin_with_distance_loss)
+_JUMPS = (F.prelu, F.selu, F.elu)
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
            "backward re-normalises the input with the exact rstd (or, for F.normalize, its exact norm), "
@@ -169,13 +171,14 @@ RULES: tuple[OpRule, ...] = (
             torch.Tensor.clamp_, torch.Tensor.clip_, F.threshold, F.hardtanh_, F.leaky_relu, F.leaky_relu_,
             F.hardsigmoid, F.hardshrink, torch.Tensor.hardshrink, F.softshrink, torch.abs, torch.Tensor.abs,
             torch.Tensor.__abs__, torch.absolute, torch.Tensor.absolute, torch.Tensor.abs_, F.l1_loss,
-            *_CLAMP_MIN, *_CLAMP_MAX, *_NORMS, *_MARGIN_LOSSES),
+            *_CLAMP_MIN, *_CLAMP_MAX, *_NORMS, *_MARGIN_LOSSES, *_JUMPS),
            "the backward reads the saved tensor only as the mask of values inside the bounds (a shrink's outside "
            "them; a leaky ReLU's sign picks 1 or its slope; an absolute value's sign, 0 at 0, picks 1, -1 or 0, "
            "an L1 loss's of its input less its target, an L1 norm's of its input); rounding flips it near a "
            "bound: the mask is stored exactly, 1 bit per value (2 with the zeros). A margin loss clamps a value "
            "it makes inside the call next to others of its size (a ranking's difference, a triplet's distances, "
-           "which it divides by): what it saves is kept exact"),
+           "which it divides by): what it saves is kept exact. PReLU's and SELU's (ELU's) derivative jumps at 0 "
+           "and reads the values too: the call runs as a function that saves the side of 0 exactly beside them"),
     OpRule("comparison",
            (torch.max, torch.min, torch.maximum, torch.minimum, torch.Tensor.max, torch.Tensor.min,
             torch.Tensor.maximum, torch.Tensor.minimum),
@@ -693,6 +696,9 @@ def _match(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, 
         return OpMatch(rule, targets) if targets else None
     if func in _MARGIN_LOSSES:  # clip_mask, from here on
         return OpMatch(rule, (), keep_all=True)
+    if func in _JUMPS:  # NOTE [ Derivatives that jump at 0 ] in jumps.py
+        call = saving_sides(func, args, dict(kwargs))
+        return OpMatch(rule, (), call=call) if call is not None else None
     x = _arg(args, kwargs, 0, "input")
     enc = _clip(func, args, kwargs)
     inplace = func in (F.hardtanh_, torch.Tensor.clamp_, torch.Tensor.clip_, F.leaky_relu_, torch.Tensor.abs_,
