@@ -1050,6 +1050,9 @@ SINGULAR_CALLS = {
     "softsign": lambda x: F.softsign(x * 10.0),
     "float_power": lambda x: torch.float_power(x.abs() + 0.01, 0.5),
     "lp_pool": lambda x: F.lp_pool2d(x.view(256, 1, 8, 8), 2, 2),  # a root of pooled squares
+    # NOTE [ Quotients by a kept divisor ] in hooks.py: a standardised residual, squared (a Cauchy's log-likelihood)
+    "standardised_residual": lambda x: torch.log1p(((_VALUES - x) / (x.flip(0).abs() + 1e-3)) ** 2),
+    "cauchy_log_prob": lambda x: torch.distributions.Cauchy(x, F.softplus(x.flip(0) * 3.0) + 1e-3).log_prob(_VALUES),
 }
 
 
@@ -1060,7 +1063,7 @@ def test_a_singular_backward_reads_its_values_exact(name: str) -> None:
     # What the gradient divides by is exact, and so is what else these calls save (a sign, a clip's mask, the grid's
     # tanh: the grid itself), even at 2 bits. The Gaussian's scale is a softplus, which saves its input rounded:
     # its derivative's relative error is the rounding's (no singular factor), at 8 bits within the zoo's 0.999.
-    bits = 8 if name == "normal_log_prob" else 2
+    bits = 8 if name in ("normal_log_prob", "cauchy_log_prob") else 2
     assert _cos(_grads(fn, [x], _ctx(bits))[0], ref) > 0.9995, name
     # Plain quantization at the same bits: below 0.999 (at 8 bits the binary cross-entropy's cosine is -0.04, a
     # product's 0.04, asin's NaN: its input rounded past 1).

@@ -207,6 +207,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # NOTE [ Every save of a value a singular backward reads ]: such values by key, in this forward, and the
         # records made of them before they were kept; entries go with the kept tensors and the records.
         self._exact_saves: weakref.WeakValueDictionary[_Key, KeptTensor] = weakref.WeakValueDictionary()
+        self._exact_storages: set[StorageWeakRef] = set()  # NOTE [ Quotients by a kept divisor ]
         self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
         # The latest rounded saves of ``HELD_PRODUCERS``' outputs, held until ``RECENT_SAVES`` more came.
         self._recent_saves: collections.deque[tuple[Any, Any, torch.Tensor]] = collections.deque(maxlen=RECENT_SAVES)
@@ -241,7 +242,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             rule for rule in RULES if rule.name != "activation_derivative")  # NOTE [ A backward differentiated again ]
         self._op_tracer = (OpTracer(rules, linear_cross_entropy=self.config.linear_cross_entropy,
                                     group_size=self.config.group_size,
-                                    traffic=self._trimmer.note if self._trimmer is not None else None)
+                                    traffic=self._trimmer.note if self._trimmer is not None else None,
+                                    exact_result=self._note_exact_result)
                            if self.config.bits is not None else _NO_TRACER)
         # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
 
@@ -349,6 +351,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._records = weakref.WeakValueDictionary()
         self._small_records = {}
         self._exact_saves = weakref.WeakValueDictionary()
+        self._exact_storages = set()
         self._recent_saves.clear()
         self._raw_storages, self._kept_storages = set(), set()
 
@@ -440,6 +443,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if self._exact_saves and storage is not None and any(
                 key in self._exact_saves for key in _keys(t, storage)):
             return self._keep(t, storage, _KEEP_SINGULAR)  # NOTE [ Every save of a value a singular backward reads ]
+        if self._exact_storages and storage in self._exact_storages:
+            return self._keep(t, storage, _KEEP_SINGULAR)  # NOTE [ Quotients by a kept divisor ]
         if decision.treatment is Treatment.BATCH:
             self._small_bytes += t.numel() * t.element_size()
             if self._small_bytes <= SMALL_SHARE * stats.raw_bytes:  # NOTE [ Small tensors packed together ]
@@ -515,6 +520,17 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 "as a Gram or covariance matrix x @ x.T: its gradient multiplies their rounding error by up to that "
                 "matrix's condition number. Compute that part outside the compress context, or under "
                 "compress(bits=None)", AmplifiedRoundingWarning, stacklevel=caller_level())
+
+    # NOTE [ Quotients by a kept divisor ]
+    # An elementwise division keeps its divisor and dividend exact (``NOTE [ Singular backward ]`` in op_rules.py),
+    # and its quotient has no bounded range: where the divisor is small the quotient is large (a standardised
+    # residual ``(x - loc) / scale`` under a learned scale), and a later op that saves it (its square, in a Cauchy's,
+    # a Student-t's or a hand-written Gaussian's log-likelihood) rounds every value by a step set by the largest:
+    # Cauchy.log_prob 0.92, StudentT 0.97 at 8 bits. Such a quotient's storage is noted when the call returns, and
+    # a save of it later in the forward is kept exact.
+    def _note_exact_result(self, out: torch.Tensor) -> None:
+        if has_storage(out):
+            self._exact_storages.add(StorageWeakRef(out.untyped_storage()))
 
     def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together

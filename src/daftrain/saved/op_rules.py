@@ -298,6 +298,9 @@ class OpMatch:
     inverts: bool = False
     """The call inverts what it saves (a decomposition, an inverse, a solve): ``NOTE [ Products before a singular
     backward ]`` in ``singular.py``."""
+    exact_result: bool = False
+    """The call's result is kept exact wherever the forward saves it (``NOTE [ Quotients by a kept divisor ]`` in
+    ``hooks.py``)."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -752,7 +755,7 @@ def _singular(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[st
         if not isinstance(divisor, torch.Tensor):
             return None
         elementwise = isinstance(dividend, torch.Tensor) and dividend.numel() == divisor.numel()
-        return OpMatch(rule, (), keep=(dividend, divisor) if elementwise else (divisor,))
+        return OpMatch(rule, (), keep=(dividend, divisor) if elementwise else (divisor,), exact_result=elementwise)
     if func in _POWERS:
         exponent = _arg(args, kwargs, 1, "exponent")
         if isinstance(exponent, (int, float)) and (exponent == 0 or exponent >= 1):
@@ -857,6 +860,8 @@ class _RuleMode(TorchFunctionMode):
                 out = (found.call or func)(*args, **kwargs)
             finally:
                 local.current = outer
+            if found.exact_result and isinstance(out, torch.Tensor) and self.tracer.exact_result is not None:
+                self.tracer.exact_result(out)
         if linear:
             self.tracer.note_linear(args, kwargs, out)
         return out
@@ -910,8 +915,11 @@ class OpTracer:
 
     def __init__(self, rules: tuple[OpRule, ...] = RULES, linear_cross_entropy: bool = True, exact: bool = False,
                  linears: tuple[Any, ...] = (F.linear,), weight_grads_in_place: bool = False,
-                 group_size: int = 256, traffic: Callable[[int], None] | None = None) -> None:
+                 group_size: int = 256, traffic: Callable[[int], None] | None = None,
+                 exact_result: Callable[[torch.Tensor], None] | None = None) -> None:
         self.rules = rules
+        self.exact_result = exact_result
+        """Told each result an ``OpMatch.exact_result`` call made."""
         self.linear_cross_entropy = linear_cross_entropy
         self.exact = exact
         """Only what keeps every value exact: a cross-entropy not over a wide linear call runs as plain's."""
