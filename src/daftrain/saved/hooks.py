@@ -207,7 +207,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # NOTE [ Every save of a value a singular backward reads ]: such values by key, in this forward, and the
         # records made of them before they were kept; entries go with the kept tensors and the records.
         self._exact_saves: weakref.WeakValueDictionary[_Key, KeptTensor] = weakref.WeakValueDictionary()
-        self._exact_storages: set[StorageWeakRef] = set()  # NOTE [ Quotients by a kept divisor ]
         self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
         # The latest rounded saves of ``HELD_PRODUCERS``' outputs, held until ``RECENT_SAVES`` more came.
         self._recent_saves: collections.deque[tuple[Any, Any, torch.Tensor]] = collections.deque(maxlen=RECENT_SAVES)
@@ -238,12 +237,14 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._compile_warned = False
         self._hooks: CompiledHooks = hooks_for(self.config, traceable=self._untraceable is None)
         # NOTE [ Tracing the saving op ] in op_rules.py: only while quantizing (never in exact mode).
+        # NOTE [ Quotients by a kept divisor ]: the tracer adds to this set, which refers to no context
+        self._exact_storages: set[StorageWeakRef] = set()
         rules = RULES if not self.config.double_backward else tuple(
             rule for rule in RULES if rule.name != "activation_derivative")  # NOTE [ A backward differentiated again ]
         self._op_tracer = (OpTracer(rules, linear_cross_entropy=self.config.linear_cross_entropy,
                                     group_size=self.config.group_size,
                                     traffic=self._trimmer.note if self._trimmer is not None else None,
-                                    exact_result=self._note_exact_result)
+                                    exact_result=functools.partial(_note_storage, self._exact_storages))
                            if self.config.bits is not None else _NO_TRACER)
         # No super().__init__: it would store the hooks, see NOTE [ No reference cycle ].
 
@@ -351,7 +352,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._records = weakref.WeakValueDictionary()
         self._small_records = {}
         self._exact_saves = weakref.WeakValueDictionary()
-        self._exact_storages = set()
+        self._exact_storages.clear()
         self._recent_saves.clear()
         self._raw_storages, self._kept_storages = set(), set()
 
@@ -526,12 +527,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # and its quotient has no bounded range: where the divisor is small the quotient is large (a standardised
     # residual ``(x - loc) / scale`` under a learned scale), and a later op that saves it (its square, in a Cauchy's,
     # a Student-t's or a hand-written Gaussian's log-likelihood) rounds every value by a step set by the largest:
-    # Cauchy.log_prob 0.92, StudentT 0.97 at 8 bits. Such a quotient's storage is noted when the call returns, and
-    # a save of it later in the forward is kept exact.
-    def _note_exact_result(self, out: torch.Tensor) -> None:
-        if has_storage(out):
-            self._exact_storages.add(StorageWeakRef(out.untyped_storage()))
-
+    # Cauchy.log_prob 0.92, StudentT 0.97 at 8 bits. Such a quotient's storage is noted when the call returns (in a
+    # set the tracer holds without the context: ``NOTE [ No reference cycle ]``), and a save of it later in the
+    # forward is kept exact.
     def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
         ]`` in ``small_tensors.py``): ``_pack``'s steps for a view that is never expanded, in fewer calls (a
@@ -799,6 +797,12 @@ def _requantize(flat: torch.Tensor, bits: int, seed: int, *, group_size: int,
 _THROUGH = SHIFTS | SINGULAR_RESULTS
 """What a kept value is walked back through to the recent saves it is read with (``NOTE [ Every save of a value a
 singular backward reads ]``)."""
+
+
+def _note_storage(storages: set[StorageWeakRef], out: torch.Tensor) -> None:
+    """Add ``out``'s storage to ``storages`` (``NOTE [ Quotients by a kept divisor ]``)."""
+    if has_storage(out):
+        storages.add(StorageWeakRef(out.untyped_storage()))
 
 
 def _encode_into_pool(job: functools.partial[Record], flat: torch.Tensor, *, pool: PagePool, importance: float,
