@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..calls import argument as _arg
 from ..kernels import ops as kernel_ops
 from ..lineage import copy_of
 from ..params import ParameterRegistry, is_parameter_like
@@ -226,10 +227,6 @@ def _operand(a: Any, saved: torch.Tensor) -> bool:
     """``saved`` is the operand ``a``, a view of it, or a copy the op made of it (``NOTE [ Copies an op
     saves ]`` in ``lineage.py``: an autocast cast, a transposed operand folded contiguous)."""
     return _same_storage(a, saved) or copy_of(saved, a)
-
-
-def _arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], i: int, name: str) -> Any:
-    return args[i] if len(args) > i else kwargs.get(name)
 
 
 def _ab_contracted(a: Any, b: Any, saved: torch.Tensor) -> int | None:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..calls import argument
+
 __all__ = ["extremum_saving_positions", "pairwise_extremum_saving_comparisons", "reads_positions"]
 
 
@@ -61,7 +63,7 @@ def extremum_saving_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str
     """The call ``func(*args, **kwargs)`` of ``amax`` / ``amin`` as a function that saves the positions of its
     result (``NOTE [ Extrema save their positions ]``), or ``None`` where it is not one on a floating-point tensor
     that needs a gradient."""
-    x = args[0] if args else kwargs.get("input")
+    x = argument(args, kwargs, 0, "input")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or x.numel() == 0:
         return None
     if not (x.requires_grad and torch.is_grad_enabled()):
@@ -74,8 +76,8 @@ def extremum_saving_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str
         return lambda *a, **k: _AlongDims.apply(x, tuple(range(x.dim())), False, largest, True)
     if name not in ("amax", "amin"):
         return None
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", ())
-    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    dim = argument(args, kwargs, 1, "dim", ())
+    keepdim = bool(argument(args, kwargs, 2, "keepdim", False))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     dims = tuple(sorted({d % x.dim() for d in dims})) if dims else tuple(range(x.dim()))
     largest = name == "amax"
@@ -114,8 +116,7 @@ def pairwise_extremum_saving_comparisons(func: Any, args: tuple[Any, ...], kwarg
     name = getattr(func, "__name__", "")
     if name not in ("maximum", "minimum", "max", "min") or len(args) + len(kwargs) != 2:
         return None
-    a = args[0] if args else kwargs.get("input")
-    b = args[1] if len(args) > 1 else kwargs.get("other")
+    a, b = argument(args, kwargs, 0, "input"), argument(args, kwargs, 1, "other")
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return None
     if not (a.is_floating_point() and b.dtype == a.dtype and b.device == a.device and a.layout == torch.strided
@@ -139,10 +140,10 @@ def reads_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], re
     name = getattr(func, "__name__", "")
     if name in _REDUCE_ARG:
         at, key = _REDUCE_ARG[name]
-        reduce = args[at] if len(args) > at else kwargs.get(key)
+        reduce = argument(args, kwargs, at, key)
         return reduce in reductions
     if name in _NORM_ARG and "amax" in reductions:
         at, key = _NORM_ARG[name]
-        order = args[at] if len(args) > at else kwargs.get(key, kwargs.get("ord"))
+        order = argument(args, kwargs, at, key, kwargs.get("ord"))
         return isinstance(order, (int, float)) and not isinstance(order, bool) and math.isinf(order)
     return False

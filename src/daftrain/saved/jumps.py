@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..calls import argument
+
 __all__ = ["saving_sides"]
 
 _SELU_ALPHA = 1.6732632423543772848170429916717
@@ -59,11 +61,11 @@ def saving_sides(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     """The call of ``F.prelu``, ``F.selu`` or ``F.elu`` (alpha other than 1) as a function that saves its input's
     side of 0 (``NOTE [ Derivatives that jump at 0 ]``), or ``None`` where it is in place, not on a floating-point
     tensor that needs a gradient, or of another function."""
-    x = args[0] if args else kwargs.get("input")
+    x = argument(args, kwargs, 0, "input")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.layout != torch.strided:
         return None
     if func is F.prelu:
-        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        weight = argument(args, kwargs, 1, "weight")
         if not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype or not (
                 (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()):
             return None
@@ -73,11 +75,10 @@ def saving_sides(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     if not (x.requires_grad and torch.is_grad_enabled()):
         return None
     if func is F.selu:
-        inplace = args[1] if len(args) > 1 else kwargs.get("inplace", False)
+        inplace = argument(args, kwargs, 1, "inplace", False)
         return None if inplace else (lambda *_, **__: _ELU.apply(x, _SELU_ALPHA, _SELU_SCALE))
     if func is F.elu:
-        alpha = args[1] if len(args) > 1 else kwargs.get("alpha", 1.0)
-        inplace = args[2] if len(args) > 2 else kwargs.get("inplace", False)
+        alpha, inplace = argument(args, kwargs, 1, "alpha", 1.0), argument(args, kwargs, 2, "inplace", False)
         if inplace or not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha == 1.0:
             return None  # at alpha 1 the derivative is continuous
         if not math.isfinite(alpha) or alpha <= 0:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..calls import argument as _arg
 from ..lineage import CAST_AND_VIEW_NODES, copy_of, reaches
 from .activation_derivative import saving_derivative
 from .attention_precision import AttentionPrecision, MaskStorage
@@ -368,10 +369,6 @@ def match_saved(match: OpMatch | None, t: torch.Tensor) -> OpMatch | None:
     if match.slices:
         return match if any(_is_target(t, x) or _slice_of(t, x) for x in match.targets) else None
     return match if any(_is_target(t, x) for x in match.targets) else None
-
-
-def _arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], i: int, name: str, default: Any = None) -> Any:
-    return args[i] if len(args) > i else kwargs.get(name, default)
 
 
 def _rows(x: torch.Tensor, n: int, center: bool) -> Normalized | None:
