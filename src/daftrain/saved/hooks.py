@@ -522,14 +522,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 "matrix's condition number. Compute that part outside the compress context, or under "
                 "compress(bits=None)", AmplifiedRoundingWarning, stacklevel=caller_level())
 
-    # NOTE [ Quotients by a kept divisor ]
-    # An elementwise division keeps its divisor and dividend exact (``NOTE [ Singular backward ]`` in op_rules.py),
-    # and its quotient has no bounded range: where the divisor is small the quotient is large (a standardised
-    # residual ``(x - loc) / scale`` under a learned scale), and a later op that saves it (its square, in a Cauchy's,
-    # a Student-t's or a hand-written Gaussian's log-likelihood) rounds every value by a step set by the largest:
-    # Cauchy.log_prob 0.92, StudentT 0.97 at 8 bits. Such a quotient's storage is noted when the call returns (in a
-    # set the tracer holds without the context: ``NOTE [ No reference cycle ]``), and a save of it later in the
-    # forward is kept exact.
     def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
         ]`` in ``small_tensors.py``): ``_pack``'s steps for a view that is never expanded, in fewer calls (a
@@ -799,6 +791,14 @@ _THROUGH = SHIFTS | SINGULAR_RESULTS
 singular backward reads ]``)."""
 
 
+# NOTE [ Quotients by a kept divisor ]
+# An elementwise division keeps its divisor and dividend exact (``NOTE [ Singular backward ]`` in op_rules.py),
+# and its quotient has no bounded range: where the divisor is small the quotient is large (a standardised
+# residual ``(x - loc) / scale`` under a learned scale), and a later op that saves it (its square, in a Cauchy's,
+# a Student-t's or a hand-written Gaussian's log-likelihood) rounds every value by a step set by the largest:
+# Cauchy.log_prob 0.92, StudentT 0.97 at 8 bits. Such a quotient's storage is noted when the call returns (in a
+# set the tracer holds without the context: ``NOTE [ No reference cycle ]``), and a save of it later in the
+# forward is kept exact.
 def _note_storage(storages: set[StorageWeakRef], out: torch.Tensor) -> None:
     """Add ``out``'s storage to ``storages`` (``NOTE [ Quotients by a kept divisor ]``)."""
     if has_storage(out):
