@@ -12,6 +12,7 @@ its type and first line. With the code before the option
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import warnings
@@ -31,13 +32,18 @@ from daftrain.demo.data import load_fashion_mnist
 Case = Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]
 
 
+@functools.cache
+def _test_split() -> tuple[torch.Tensor, torch.Tensor]:
+    """Fashion-MNIST's test images and labels, read once (every case builds its inputs again per run)."""
+    return load_fashion_mnist("test")
+
+
 def _images(n: int) -> torch.Tensor:
-    images, _ = load_fashion_mnist("test")
-    return (images[:n].float().unsqueeze(1) / 255.0 - 0.2860) / 0.3530
+    return (_test_split()[0][:n].float().unsqueeze(1) / 255.0 - 0.2860) / 0.3530
 
 
 def _labels(n: int) -> torch.Tensor:
-    return load_fashion_mnist("test")[1][:n]
+    return _test_split()[1][:n]
 
 
 def _conv_critic(act: Callable[[], nn.Module], norm: bool) -> nn.Module:
