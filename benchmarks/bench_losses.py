@@ -40,6 +40,12 @@ def _clipped_value_loss(h: torch.Tensor) -> torch.Tensor:
     return torch.max((h - VALUES) ** 2, (clipped - VALUES) ** 2)
 
 
+def _total_variation(image: torch.Tensor) -> torch.Tensor:
+    """An isotropic total-variation penalty: the length of each pixel's gradient, smoothed by a small eps."""
+    dx, dy = image[:, :-1, 1:] - image[:, :-1, :-1], image[:, 1:, :-1] - image[:, :-1, :-1]
+    return torch.sqrt(dx ** 2 + dy ** 2 + 1e-8)
+
+
 CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "binary_cross_entropy": lambda h: F.binary_cross_entropy(torch.sigmoid(h * 5.0), TARGET, reduction="none"),
     "bce_written_out": lambda h: -(TARGET * torch.log(torch.sigmoid(h * 5.0) + 1e-7)
@@ -93,6 +99,10 @@ CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "l1_loss": lambda h: F.l1_loss(h, TARGET, reduction="none"),
     "hardshrink": lambda h: F.hardshrink(h, 0.5),
     "bce_with_logits": lambda h: F.binary_cross_entropy_with_logits(h * 5.0, TARGET, reduction="none"),
+    "charbonnier": lambda h: torch.sqrt((h - TARGET) ** 2 + 1e-12),
+    "total_variation": lambda h: _total_variation(h.reshape(ROWS, 8, 8)),
+    "log_of_square": lambda h: torch.log(h.square() + 1e-6),
+    "cauchy_kernel": lambda h: 1.0 / (1.0 + h * h / 0.01),
 }
 
 

@@ -1053,6 +1053,14 @@ SINGULAR_CALLS = {
     # NOTE [ Quotients by a kept divisor ] in hooks.py: a standardised residual, squared (a Cauchy's log-likelihood)
     "standardised_residual": lambda x: torch.log1p(((_VALUES - x) / (x.flip(0).abs() + 1e-3)) ** 2),
     "cauchy_log_prob": lambda x: torch.distributions.Cauchy(x, F.softplus(x.flip(0) * 3.0) + 1e-3).log_prob(_VALUES),
+    # NOTE [ Squares before a singular backward ] in singular.py: the square's base, read with the kept root, log or
+    # reciprocal (a Charbonnier loss, a total-variation penalty, a Cauchy kernel, a smooth sign through rsqrt)
+    "charbonnier": lambda x: torch.sqrt((x - _TARGET) ** 2 + 1e-12),
+    "total_variation": lambda x: torch.sqrt(torch.diff(x.view(256, 8, 8), dim=1)[:, :, 1:] ** 2
+                                            + torch.diff(x.view(256, 8, 8), dim=2)[:, 1:, :].square() + 1e-8),
+    "log_of_square": lambda x: torch.log((x * 2.0).square() + 1e-6),
+    "cauchy_kernel": lambda x: (lambda h: 1.0 / (1.0 + h * h / 0.01))(x * 0.5),
+    "smooth_sign": lambda x: x * torch.rsqrt(x.pow(2) + 1e-6),
 }
 
 
@@ -1103,6 +1111,31 @@ def test_only_small_saves_are_held_for_a_value_shifted_from_them() -> None:
         assert len(held) == RECENT_SAVES - 1 and all(t.numel() * 4 <= RECENT_SAVE_BYTES for _, _, t in held)
         assert all(type(node).__name__ == "SoftmaxBackward0" for node, _, _ in held)
     assert not ctx._recent_saves  # released with the forward
+
+
+def test_the_saves_of_a_square_are_held_for_a_few_saves_only() -> None:
+    # NOTE [ Squares before a singular backward ] in singular.py: a square no singular op reads (a squared ReLU)
+    # stays rounded, its tensor released SQUARE_SAVES saves later, and at the end of the forward.
+    from daftrain.saved.singular import SQUARE_SAVES
+
+    x = torch.randn(256, 64, requires_grad=True)
+    ctx = _ctx(2)
+    with ctx:
+        r = F.relu(x * 1.0)
+        y = torch.square(r)
+        assert [t.shape for _, _, _, t in ctx._held_squares] == [(256, 64)]
+        for _ in range(SQUARE_SAVES):
+            y = torch.sin(y)
+        assert len(ctx._held_squares) == 1
+        y = torch.sin(y)
+        assert not ctx._held_squares
+        z = torch.sin(y) * torch.sin(y)  # two tensors: no square
+        s = torch.sin(z)
+        z = s * s  # one tensor twice: held once
+        assert len(ctx._held_squares) == 1
+    assert not ctx._held_squares
+    (y.sum() + z.sum()).backward()
+    assert ctx.stats.kept == 0
 
 
 def test_every_save_of_a_value_a_singular_backward_reads_is_exact() -> None:

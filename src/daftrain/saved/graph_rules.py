@@ -69,7 +69,8 @@ class GraphRule:
 #      through them are not followed. A decomposition's, inverse's or solve's input and outputs are kept
 #      whatever the backward graph does with them (``_linalg_svd``'s backward divides by gaps between singular
 #      values through ops the walk does not follow), and so are ``hypot``'s (its backward divides a product of
-#      an input and the gradient by its result).
+#      an input and the gradient by its result). So is a value the forward squares and feeds, through shifts and
+#      sums, to such an op (``sqrt(d ** 2 + eps)``: ``NOTE [ Squares before a singular backward ]`` in singular.py).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
 def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
@@ -88,7 +89,7 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
         return GraphRule("keep", "recomputed clip mask")
     if _is_statistic(node):
         return GraphRule("keep", "normalization statistic")
-    if _singular_use(uses) or _around_kept_op(node):
+    if _singular_use(uses) or _around_kept_op(node) or _squared_before_singular(node):
         return GraphRule("keep", "singular_backward")
     normalized = _normalized(node)
     if normalized is not None:
@@ -436,11 +437,63 @@ def _singular_use(uses: list[tuple[Any, Any]]) -> bool:
     return False
 
 
+_SQUARED_DEPTH = 10
+"""Ops from a saved value to a singular op through a square: views and slices of an image, a difference, the square,
+sums and an epsilon (a total-variation penalty)."""
+_SCALINGS = {"aten.mul.Scalar", "aten.div.Scalar", "aten.neg.default"} | _VIEWS
+"""Ops from a value to what the partitioner saves of it for a square's backward (``2 * x ** 1``)."""
+
+
+def _squared_before_singular(node: Any) -> bool:
+    """Whether the forward squares ``node``, or the value it scales or views (the partitioner saves ``2 * x`` for
+    ``x ** 2``'s backward), and feeds the square, through shifts, sums and products, to an op singular in it
+    (rule 7)."""
+    source = node
+    for _ in range(_VIEW_DEPTH):
+        if _squared_into_singular(source):
+            return True
+        scaling = getattr(source, "op", None) == "call_function" and (str(source.target) in _SCALINGS or (
+            str(source.target) == "aten.pow.Tensor_Scalar" and source.args[1] == 1))  # ``x ** 1`` of pow's backward
+        if not (scaling and source.args and hasattr(source.args[0], "users")):
+            return False
+        source = source.args[0]
+    return False
+
+
+def _squared_into_singular(node: Any) -> bool:
+    """Whether the forward squares ``node`` (``x * x``, ``x ** 2``), after shifts, slices and products, and feeds the
+    square, through them, sums and divisions by constants, to an op singular in it."""
+    frontier, seen = [(node, False)], set()
+    for _ in range(_SQUARED_DEPTH):
+        following = []
+        for value, squared in frontier:
+            for user in value.users:
+                target, positions = str(user.target), _positions(user, value)
+                if squared and positions & _SINGULAR_AT.get(target, set()):
+                    return True
+                if squared and target == "aten.pow.Tensor_Scalar" and positions == {0}:
+                    exponent = user.args[1]
+                    if isinstance(exponent, (int, float)) and (exponent < 0 or 0 < exponent < 1):
+                        return True
+                square = (target == "aten.mul.Tensor" and positions == {0, 1}) or (
+                    target == "aten.pow.Tensor_Scalar" and positions == {0} and user.args[1] == 2)
+                follows = square or target in _PASS_THROUGH or target == "aten.div.Scalar" or (
+                    target == "aten.div.Tensor" and positions == {0})
+                if follows and (user, squared or square) not in seen:
+                    seen.add((user, squared or square))
+                    following.append((user, squared or square))
+        frontier = following
+    return False
+
+
 # Prefixes of their op names; a whole name ends in its overload (``aten.det.default``: not ``aten.detach``).
 _KEPT_AROUND = ("aten._linalg_", "aten.linalg_", "aten.cholesky", "aten.triangular_solve.", "aten.lu_",
-                "aten.ormqr.", "aten.orgqr.", "aten.geqrf.", "aten.logdet.", "aten.det.", "aten.hypot.")
+                "aten.ormqr.", "aten.orgqr.", "aten.geqrf.", "aten.logdet.", "aten.det.", "aten.hypot.",
+                "aten.reciprocal.")
 """Ops whose inputs and outputs rule 7 keeps whatever the backward graph does with them: decompositions, inverses
-and solves, and ``hypot`` (its backward divides a product of an input and the gradient by the result)."""
+and solves, ``hypot`` (its backward divides a product of an input and the gradient by the result) and ``reciprocal``
+(its backward multiplies the gradient by the result squared, which the eager rule keeps: ``1 / (1 + x ** 2)``'s,
+rounded, was off most where its gradient is largest)."""
 
 
 def _around_kept_op(node: Any) -> bool:

@@ -65,8 +65,10 @@ from .singular import (
     RECENT_SAVES,
     SHIFTS,
     SINGULAR_RESULTS,
+    SQUARE_SAVES,
     after_product,
     caller_level,
+    squared_inputs,
 )
 from .small_tensors import SMALL_SHARE, BatchedSlice, SmallTensors, small_tensor_bits
 from .stats import CompressionStats
@@ -210,6 +212,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
         # The latest rounded saves of ``HELD_PRODUCERS``' outputs, held until ``RECENT_SAVES`` more came.
         self._recent_saves: collections.deque[tuple[Any, Any, torch.Tensor]] = collections.deque(maxlen=RECENT_SAVES)
+        # NOTE [ Squares before a singular backward ] in singular.py: the saves of squares, held for ``SQUARE_SAVES``
+        # more saves, each with the count of saves when it came, the node that made it and its record.
+        self._held_squares: collections.deque[tuple[int, Any, Any, torch.Tensor]] = collections.deque()
         self._amplified_warned = False
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
@@ -354,6 +359,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._exact_saves = weakref.WeakValueDictionary()
         self._exact_storages.clear()
         self._recent_saves.clear()
+        self._held_squares.clear()
         self._raw_storages, self._kept_storages = set(), set()
 
     def recomputation_context(self) -> compress:
@@ -427,6 +433,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._trimmer.note(t.numel() * t.element_size())
         stats = self._stats
         stats.tensors_seen += 1
+        held = self._held_squares
+        while held and held[0][0] + SQUARE_SAVES < stats.tensors_seen:
+            held.popleft()
         stats.by_dtype[str(t.dtype).removeprefix("torch.")] += 1
         decision = decide(t, self.config, self.registry, self._op_tracer.current())
         if decision.reason == "parameter":
@@ -438,7 +447,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         storage = None if decision.reason == "layout" else self._count_raw(t)
         if decision.treatment is Treatment.KEEP:
             kept = self._keep(t, storage, decision)
-            if decision.rule == "singular_backward" and storage is not None:
+            if decision.rule in _SINGULAR_KEEPS and storage is not None:
                 self._keep_every_save(t, storage, kept, self._op_tracer.current())
             return kept
         if self._exact_saves and storage is not None and any(
@@ -483,6 +492,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         value a singular backward reads ]``)."""
         if type(t.grad_fn).__name__ in HELD_PRODUCERS and t.numel() * t.element_size() <= RECENT_SAVE_BYTES:
             self._recent_saves.append((t.grad_fn, record, t))
+        call = self._op_tracer.current()
+        if call is not None and call.squares and t.grad_fn is not None and not any(
+                r is record for _, _, r, _ in self._held_squares):  # ``x * x`` saves x twice
+            self._held_squares.append((self._stats.tensors_seen, t.grad_fn, record, t))
 
     # NOTE [ Every save of a value a singular backward reads ]
     # A value the ``singular_backward`` rule keeps exact (``NOTE [ Singular backward ]`` in op_rules.py) is often
@@ -513,6 +526,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         for node, record, source in self._recent_saves:
             if origin is not None and node is origin:
                 self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
+        if self._held_squares:  # NOTE [ Squares before a singular backward ] in singular.py
+            squared = squared_inputs(t.grad_fn, {node for _, node, _, _ in self._held_squares})
+            for _, node, record, source in self._held_squares:
+                if node in squared and record not in self._exact_records:
+                    self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
         if call is not None and call.inverts and not self._amplified_warned and after_product(t.grad_fn):
             self._amplified_warned = True  # NOTE [ Products before a singular backward ] in singular.py
             warnings.warn(
@@ -785,6 +803,9 @@ def _requantize(flat: torch.Tensor, bits: int, seed: int, *, group_size: int,
     """``flat`` stored at ``bits`` the way a record with ``encoding`` stores it, and restored."""
     return encode(flat, "quantize", bits, group_size, seed, encoding).decode()
 
+
+_SINGULAR_KEEPS = frozenset({"singular_backward", "decomposed_rms_norm"})
+"""Rules whose kept values are read with every save of them (an RMSNorm written out keeps ``rsqrt``'s result)."""
 
 _THROUGH = SHIFTS | SINGULAR_RESULTS
 """What a kept value is walked back through to the recent saves it is read with (``NOTE [ Every save of a value a

@@ -141,6 +141,9 @@ class OpRule:
 _BY_INDEX = (torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.scatter_reduce_, torch.index_reduce,
              torch.Tensor.index_reduce, torch.Tensor.index_reduce_, torch.segment_reduce)
 """Reductions through an index or by segments, whose ``reduce`` argument names how."""
+_SQUARING = (torch.square, torch.Tensor.square, torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.multiply,
+             torch.Tensor.multiply)
+"""Calls that square a tensor, with ``_POWERS`` (``NOTE [ Squares before a singular backward ]`` in singular.py)."""
 _EXTREMA = frozenset({"amax", "amin", "max", "min"})
 _PRODUCT = frozenset({"prod"})
 _CLAMP_MIN = (torch.clamp_min, torch.Tensor.clamp_min, torch.Tensor.clamp_min_)
@@ -256,14 +259,15 @@ RULES: tuple[OpRule, ...] = (
             torch.special.logit, torch.special.ndtri, torch.special.log_ndtr, torch.hypot, torch.Tensor.hypot,
             torch.addcdiv, torch.Tensor.addcdiv, torch.Tensor.addcdiv_, torch.acosh, torch.Tensor.acosh, torch.arccosh,
             torch.Tensor.arccosh, torch.tan, torch.Tensor.tan, torch.sinc, torch.Tensor.sinc, torch.special.sinc,
-            F.softsign, torch.float_power, torch.Tensor.float_power, *_BY_INDEX, *LINEAR_ALGEBRA),
+            F.softsign, torch.float_power, torch.Tensor.float_power, *_BY_INDEX, *LINEAR_ALGEBRA, *_SQUARING),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
            "distance), inverts it (a matrix, a triangular factor, gaps between eigenvalues or singular values), "
            "is singular in it (asin's 1 - x**2, atan2's x**2 + y**2, digamma's poles) or picks a grid "
            "cell by it (grid_sample's grid): a value small next to its group's range, or near a pole, gets a "
            "rounding error that no bits bound (a probability of 1e-3 at 8 bits in [0, 1]: 4x its value), so the "
-           "gradient goes wrong or NaN: the value is kept exact"),
+           "gradient goes wrong or NaN: the value is kept exact; so is the base of a square such an op reads "
+           "(sqrt(x ** 2 + eps), a Charbonnier loss: its gradient there is x's error over the root)"),
 )
 
 
@@ -302,6 +306,9 @@ class OpMatch:
     exact_result: bool = False
     """The call's result is kept exact wherever the forward saves it (``NOTE [ Quotients by a kept divisor ]`` in
     ``hooks.py``)."""
+    squares: bool = False
+    """The call squares a tensor (``x * x``, ``x ** 2``, ``square``): what it saves is held for the next few saves,
+    for a singular op that reads the square (``NOTE [ Squares before a singular backward ]`` in ``singular.py``)."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -725,6 +732,20 @@ _DIVISIONS = frozenset({torch.div, torch.Tensor.div, torch.Tensor.__truediv__, t
 _POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.float_power, torch.Tensor.float_power})
 
 
+def squares(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether the call squares a tensor: ``square(x)``, ``x * x`` (one tensor twice), ``x ** 2``."""
+    if func in (torch.square, torch.Tensor.square):
+        return True
+    if func in _POWERS:
+        exponent = _arg(args, kwargs, 1, "exponent")
+        return func not in (torch.float_power, torch.Tensor.float_power) and isinstance(
+            exponent, (int, float)) and exponent == 2
+    if func in _SQUARING:
+        a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+        return isinstance(a, torch.Tensor) and a is b
+    return False
+
+
 # NOTE [ Singular backward ]
 # Rounding adds an error of the order of a group's range / 2**bits to each saved value, whatever the value. Where
 # backward divides by the value (``a / b``'s gradient is ``g / b`` and ``-g a / b**2``; a log's ``g / x``; a square
@@ -753,6 +774,10 @@ def _singular(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[st
             return None
         elementwise = isinstance(dividend, torch.Tensor) and dividend.numel() == divisor.numel()
         return OpMatch(rule, (), keep=(dividend, divisor) if elementwise else (divisor,), exact_result=elementwise)
+    if squares(func, args, kwargs):
+        return OpMatch(rule, (), squares=True)  # NOTE [ Squares before a singular backward ] in singular.py
+    if func in _SQUARING:
+        return None
     if func in _POWERS:
         exponent = _arg(args, kwargs, 1, "exponent")
         if isinstance(exponent, (int, float)) and (exponent == 0 or exponent >= 1):
@@ -845,6 +870,8 @@ class _RuleMode(TorchFunctionMode):
             found = self.tracer.attention(found, args, kwargs)
         elif found is not None and found.computed:
             found = self.tracer.derivative(found)
+        if found is not None and not found.squares and squares(func, args, kwargs):
+            found = replace(found, squares=True)  # ``x ** 2`` of an RMSNorm written out is a square too
         if found is not None and found.call is not None and not saves_reach_daftrain():
             found = None  # NOTE [ Operator-level savings under other hooks ]
         if found is None:

@@ -12,8 +12,8 @@ import torch
 
 from ..lineage import CAST_AND_VIEW_NODES, reached
 
-__all__ = ["HELD_PRODUCERS", "RECENT_SAVES", "RECENT_SAVE_BYTES", "SHIFTS", "SINGULAR_RESULTS", "after_product",
-           "caller_level"]
+__all__ = ["HELD_PRODUCERS", "RECENT_SAVES", "RECENT_SAVE_BYTES", "SHIFTS", "SINGULAR_RESULTS", "SQUARE_SAVES",
+           "after_product", "caller_level", "squared_inputs"]
 
 # Saved outputs held for the values shifted from them: the latest ``RECENT_SAVES`` of these ops, of at most
 # ``RECENT_SAVE_BYTES`` each.
@@ -77,3 +77,38 @@ def _product_of_activations(node: Any) -> bool:
 def _computed(node: Any) -> bool:
     """An input made in the graph: not a leaf (a weight) nor a view or cast of one (a linear layer's weight.T)."""
     return reached(node, lambda n: type(n).__name__ == "AccumulateGrad", CAST_AND_VIEW_NODES, 4) is None
+
+
+# NOTE [ Squares before a singular backward ]
+# ``sqrt(d ** 2 + eps)`` (a Charbonnier loss, a smooth L1 or total-variation penalty), ``log(d ** 2 + eps)`` and
+# ``1 / (1 + d ** 2)`` keep what their singular op saves exact, but the square before it saves ``d``, and its
+# backward multiplies ``d``'s rounding error by the gradient arriving from that op: ``e / sqrt(d**2 + eps)`` for the
+# root, largest exactly where ``d`` is near 0 and its error is largest against it: more bits do not bound it
+# (``docs/saved.md``, "Singular backward"). The square comes first, so what it saves is held: the tensors a call that
+# squares one saves (``x * x``, ``x ** 2``, ``square``; ``OpMatch.squares``) stay referenced for the next
+# ``SQUARE_SAVES`` saves of the forward, and a value the rule keeps exact whose graph reaches such a square through
+# shifts, sums of terms and the singular op that made it (``sqrt(dx ** 2 + dy ** 2 + eps)``) makes the square's
+# record exact. A square no such op reads within those saves (a squared ReLU, a variance) stays rounded, its tensor
+# released: what the holding costs is that tensor a few saves longer.
+SQUARE_SAVES = 4
+_SQUARED_THROUGH = SHIFTS | SINGULAR_RESULTS | {"PowBackward0"}
+_SQUARED_NODES = 16
+"""Nodes the walk from a kept value visits at most."""
+
+
+def squared_inputs(node: Any, producers: set[Any]) -> set[Any]:
+    """The nodes among ``producers`` that walking back from ``node`` reaches through shifts, sums of terms,
+    singular ops that save their result and squares (``NOTE [ Squares before a singular backward ]``)."""
+    found: set[Any] = set()
+    seen: set[Any] = set()
+    frontier = [node]
+    while frontier and len(seen) < _SQUARED_NODES:
+        current = frontier.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if current in producers:
+            found.add(current)
+        if type(current).__name__ in _SQUARED_THROUGH:
+            frontier.extend(fn for fn, _ in current.next_functions)
+    return found
