@@ -32,6 +32,7 @@ VALUES = torch.randn(ROWS, WIDTH, generator=_GEN)
 ONE_HOT = F.one_hot(torch.arange(ROWS) % WIDTH, WIDTH).float()
 IMAGE = torch.randn(8, 3, 16, 16, generator=_GEN)
 GROUPS = torch.arange(ROWS) % 16  # a graph's 16 nodes, each pooled from 16 rows
+SIGNS = torch.arange(ROWS) % 2 * 2.0 - 1.0  # similar and dissimilar pairs
 
 def _clipped_value_loss(h: torch.Tensor) -> torch.Tensor:
     """PPO's value loss: the larger of the squared errors of the value and of its update clipped to 0.2."""
@@ -103,6 +104,10 @@ CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "total_variation": lambda h: _total_variation(h.reshape(ROWS, 8, 8)),
     "log_of_square": lambda h: torch.log(h.square() + 1e-6),
     "cauchy_kernel": lambda h: 1.0 / (1.0 + h * h / 0.01),
+    "cosine_embedding": lambda h: F.cosine_embedding_loss(h, VALUES, SIGNS, reduction="none"),
+    "hinge_embedding": lambda h: F.hinge_embedding_loss(h * 20.0, SIGNS[:, None].expand(ROWS, WIDTH),
+                                                        reduction="none"),
+    "multi_margin": lambda h: F.multi_margin_loss(h * 20.0, torch.arange(ROWS) % WIDTH, reduction="none"),
 }
 
 

@@ -391,11 +391,16 @@ def test_relu6_and_clamp_masks_are_exact() -> None:
 @pytest.mark.parametrize("call", [
     lambda x: F.margin_ranking_loss(x[:, 0] * 1.0, x[:, 1] * 1.0, torch.ones(x.shape[0]), reduction="none"),
     lambda x: F.triplet_margin_loss(x * 1.0, x.detach() + 0.05, x.detach().flip(0), reduction="none"),
-    lambda x: torch.dist(x * 1.0, x.detach() + 1e-3 * torch.arange(x.shape[-1]))])
+    lambda x: torch.dist(x * 1.0, x.detach() + 1e-3 * torch.arange(x.shape[-1])),
+    lambda x: F.cosine_embedding_loss(x * 1.0, _VALUES, torch.arange(256) % 2 * 2.0 - 1.0, reduction="none"),
+    lambda x: F.hinge_embedding_loss(x * 20.0, torch.sign(_VALUES), reduction="none"),
+    lambda x: F.multi_margin_loss(x * 20.0, torch.arange(256) % 64, reduction="none")])
 def test_margin_losses_and_a_distance_keep_what_they_save(call: Any) -> None:
     # A margin ranking loss clamps the difference it makes inside the call at the margin (rounded: the mask flipped
     # for pairs near it, 0.988 at any bits); a triplet loss and torch.dist divide by distances between close points
-    # (0.9998 / 0.17 at 8 bits). Kept exact, plain's gradient bit for bit.
+    # (0.9998 / 0.17 at 8 bits); a cosine embedding loss clamps the cosines it computes at its margin, a hinge
+    # embedding loss and a multi-class margin loss their margins less the input. Kept exact, plain's gradient bit
+    # for bit.
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0)) * 0.05
     ref = _grads(call, [x], None)[0]
     assert torch.equal(_grads(call, [x], _ctx(2))[0], ref)

@@ -149,7 +149,8 @@ _PRODUCT = frozenset({"prod"})
 _CLAMP_MIN = (torch.clamp_min, torch.Tensor.clamp_min, torch.Tensor.clamp_min_)
 _CLAMP_MAX = (torch.clamp_max, torch.Tensor.clamp_max, torch.Tensor.clamp_max_)
 _NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)
-_MARGIN_LOSSES = (F.margin_ranking_loss, F.triplet_margin_loss, F.triplet_margin_with_distance_loss)
+_MARGIN_LOSSES = (F.margin_ranking_loss, F.triplet_margin_loss, F.triplet_margin_with_distance_loss,
+                  F.cosine_embedding_loss, F.hinge_embedding_loss, F.multi_margin_loss, F.multilabel_margin_loss)
 _JUMPS = (F.prelu, F.selu, F.elu)
 RULES: tuple[OpRule, ...] = (
     OpRule("normalization", (F.layer_norm, F.batch_norm, F.instance_norm, F.group_norm, F.rms_norm, F.normalize),
@@ -181,8 +182,9 @@ RULES: tuple[OpRule, ...] = (
            "an L1 loss's of its input less its target, an L1 norm's of its input); rounding flips it near a "
            "bound: the mask is stored exactly, 1 bit per value (2 with the zeros). A margin loss clamps a value "
            "it makes inside the call next to others of its size (a ranking's difference, a triplet's distances, "
-           "which it divides by): what it saves is kept exact. PReLU's and SELU's (ELU's) derivative jumps at 0 "
-           "and reads the values too: the call runs as a function that saves the side of 0 exactly beside them"),
+           "which it divides by, a cosine embedding loss's cosines): what it saves is kept exact. PReLU's and "
+           "SELU's (ELU's) derivative jumps at 0 and reads the values too: the call runs as a function that saves "
+           "the side of 0 exactly beside them"),
     OpRule("comparison",
            (torch.max, torch.min, torch.maximum, torch.minimum, torch.Tensor.max, torch.Tensor.min,
             torch.Tensor.maximum, torch.Tensor.minimum),
