@@ -300,6 +300,7 @@ def test_log_softmax_rows_keep_their_sums(monkeypatch):
 
 
 _TARGET = torch.rand(128, 64, generator=torch.Generator().manual_seed(5))
+_GROUPS = torch.arange(128) % 16
 _IMAGE = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
 # NOTE [ Op rules in compiled graphs ], 7.: backward divides by what these save, or is singular in it, at values
 # the inputs put near the singularity (the eager cases: tests/saved/test_op_rules.py).
@@ -325,6 +326,9 @@ _SINGULAR = {
     "total_variation": lambda h: torch.sqrt(torch.diff(h.view(128, 8, 8), dim=1)[:, :, 1:] ** 2
                                             + torch.diff(h.view(128, 8, 8), dim=2)[:, 1:, :] ** 2 + 1e-8),
     "cauchy_kernel": lambda h: 1.0 / (1.0 + h * h / 0.01),
+    # products, whose backward multiplies the other factors (compiled: no division by them to find)
+    "product": lambda h: h.view(128, 16, 4).prod(-1),
+    "scatter_product": lambda h: torch.ones(16, 64).scatter_reduce(0, _GROUPS[:, None].expand(128, 64), h, "prod"),
 }
 
 

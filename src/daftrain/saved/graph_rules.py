@@ -69,7 +69,9 @@ class GraphRule:
 #      through them are not followed. A decomposition's, inverse's or solve's input and outputs are kept
 #      whatever the backward graph does with them (``_linalg_svd``'s backward divides by gaps between singular
 #      values through ops the walk does not follow), and so are ``hypot``'s (its backward divides a product of
-#      an input and the gradient by its result). So is a value the forward squares and feeds, through shifts and
+#      an input and the gradient by its result), a reciprocal's and a product's (``prod``, ``cumprod``, a
+#      reduction through an index by ``prod``: their backward multiplies by the result or the other factors, as
+#      the eager rule keeps them, instead of dividing). So is a value the forward squares and feeds, through shifts and
 #      sums, to such an op (``sqrt(d ** 2 + eps)``: ``NOTE [ Squares before a singular backward ]`` in singular.py).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
@@ -489,11 +491,21 @@ def _squared_into_singular(node: Any) -> bool:
 # Prefixes of their op names; a whole name ends in its overload (``aten.det.default``: not ``aten.detach``).
 _KEPT_AROUND = ("aten._linalg_", "aten.linalg_", "aten.cholesky", "aten.triangular_solve.", "aten.lu_",
                 "aten.ormqr.", "aten.orgqr.", "aten.geqrf.", "aten.logdet.", "aten.det.", "aten.hypot.",
-                "aten.reciprocal.")
+                "aten.reciprocal.", "aten.prod.", "aten.cumprod.")
 """Ops whose inputs and outputs rule 7 keeps whatever the backward graph does with them: decompositions, inverses
-and solves, ``hypot`` (its backward divides a product of an input and the gradient by the result) and ``reciprocal``
+and solves, ``hypot`` (its backward divides a product of an input and the gradient by the result), ``reciprocal``
 (its backward multiplies the gradient by the result squared, which the eager rule keeps: ``1 / (1 + x ** 2)``'s,
-rounded, was off most where its gradient is largest)."""
+rounded, was off most where its gradient is largest), and products (their backward multiplies the other factors,
+whose relative errors are unbounded near 0; reductions through an index by ``prod`` among them)."""
+_BY_INDEX = frozenset({"aten.scatter_reduce.two", "aten.index_reduce.default"})
+
+
+def _kept_op(node: Any) -> bool:
+    """Whether ``node`` calls one of ``_KEPT_AROUND``'s ops, or reduces through an index by a product."""
+    if getattr(node, "op", None) != "call_function":
+        return False
+    target = str(node.target)
+    return target.startswith(_KEPT_AROUND) or (target in _BY_INDEX and "prod" in node.args)
 
 
 def _around_kept_op(node: Any) -> bool:
@@ -503,14 +515,14 @@ def _around_kept_op(node: Any) -> bool:
     for _ in range(_VIEW_DEPTH):  # an output, or a view or copy of one
         if getattr(source, "op", None) != "call_function":
             break
-        if str(source.target).startswith(_KEPT_AROUND):
+        if _kept_op(source):
             return True
         if source.target is not operator.getitem and str(source.target) not in _VIEWS:
             break
         source = source.args[0]
     users = list(node.users)
     for _ in range(_VIEW_DEPTH):  # the input itself, or a view or copy of it
-        if any(u.op == "call_function" and str(u.target).startswith(_KEPT_AROUND) for u in users):
+        if any(_kept_op(u) for u in users):
             return True
         users = [v for u in users if str(u.target) in _VIEWS for v in u.users]
     return False
