@@ -420,8 +420,8 @@ class CompiledHooks:
         self._constants = (bits, group_size, min_numel, pack_bool)
         self.id = len(_HOOKS_BY_ID)
         _HOOKS_BY_ID[self.id] = self
-        self.pack = _Hook(pack_traced, self._constants, self._eager_pack, self._traced_pack)
-        self.unpack = _Hook(unpack_traced, (self.id,), _eager_unpack,
+        self.pack = _Hook(pack_traced, self._constants, self._pack_until_dynamo, self._traced_pack)
+        self.unpack = _Hook(unpack_traced, (self.id,), self._unpack_until_dynamo,
                             functools.partial(unpack_traced, hooks_id=self.id))
         self._local = threading.local()
         self._last: weakref.ReferenceType[Any] | None = None
@@ -458,6 +458,22 @@ class CompiledHooks:
         self.pack._eager = torch._dynamo.disable(self._eager_pack)
         self.unpack._eager = torch._dynamo.disable(_eager_unpack)
         self._dynamo_skips = True
+
+    def _pack_until_dynamo(self, t: torch.Tensor) -> Any:
+        """The eager pack before Dynamo skips it: Dynamo loaded after the context was entered (``torch.compile``
+        first called inside the ``with`` block) would compile the hooks' frames, and a kernel's first JIT
+        compilation with them (``NOTE [ Eager hooks are not compiled ]``)."""
+        if "torch._dynamo" in sys.modules:
+            self._skip_dynamo()
+            return self.pack._eager(t)
+        return self._eager_pack(t)
+
+    def _unpack_until_dynamo(self, packed: Any) -> torch.Tensor:
+        """The eager unpack before Dynamo skips it (``_pack_until_dynamo``)."""
+        if "torch._dynamo" in sys.modules:
+            self._skip_dynamo()
+            return self.unpack._eager(packed)
+        return _eager_unpack(packed)
 
     def deactivate(self, ctx: Any) -> None:
         stack = self._stack()
