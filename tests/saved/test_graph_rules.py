@@ -320,12 +320,14 @@ _SINGULAR = {
     "segment_max": lambda h: torch.segment_reduce(h, "max", lengths=torch.full((16,), 8)),
     "logit": lambda h: torch.logit(torch.sigmoid(h * 4.0)),
     "hypot": lambda h: torch.hypot(h, h * 0.1 + 0.001),
-    # a square's base, read with a root or a reciprocal (NOTE [ Squares before a singular backward ] in singular.py):
+    # a square's base, read with a root or a reciprocal (NOTE [ Saves held for a singular backward ] in singular.py):
     # the partitioner saves 2 * x ** 1, or the layer's output before the slices of an image
     "charbonnier": lambda h: torch.sqrt((h - _TARGET) ** 2 + 1e-12),
     "total_variation": lambda h: torch.sqrt(torch.diff(h.view(128, 8, 8), dim=1)[:, :, 1:] ** 2
                                             + torch.diff(h.view(128, 8, 8), dim=2)[:, 1:, :] ** 2 + 1e-8),
     "cauchy_kernel": lambda h: 1.0 / (1.0 + h * h / 0.01),
+    # a learned scale through a softplus, divided by where it is small (a standardised residual's scale)
+    "cauchy_log_prob": lambda h: torch.distributions.Cauchy(h, F.softplus(h.flip(0) * 3.0) + 1e-3).log_prob(_TARGET),
     # products, whose backward multiplies the other factors (compiled: no division by them to find)
     "product": lambda h: h.view(128, 16, 4).prod(-1),
     "scatter_product": lambda h: torch.ones(16, 64).scatter_reduce(0, _GROUPS[:, None].expand(128, 64), h, "prod"),

@@ -1058,7 +1058,7 @@ SINGULAR_CALLS = {
     # NOTE [ Quotients by a kept divisor ] in hooks.py: a standardised residual, squared (a Cauchy's log-likelihood)
     "standardised_residual": lambda x: torch.log1p(((_VALUES - x) / (x.flip(0).abs() + 1e-3)) ** 2),
     "cauchy_log_prob": lambda x: torch.distributions.Cauchy(x, F.softplus(x.flip(0) * 3.0) + 1e-3).log_prob(_VALUES),
-    # NOTE [ Squares before a singular backward ] in singular.py: the square's base, read with the kept root, log or
+    # NOTE [ Saves held for a singular backward ] in singular.py: the square's base, read with the kept root, log or
     # reciprocal (a Charbonnier loss, a total-variation penalty, a Cauchy kernel, a smooth sign through rsqrt)
     "charbonnier": lambda x: torch.sqrt((x - _TARGET) ** 2 + 1e-12),
     "total_variation": lambda x: torch.sqrt(torch.diff(x.view(256, 8, 8), dim=1)[:, :, 1:] ** 2
@@ -1074,9 +1074,9 @@ def test_a_singular_backward_reads_its_values_exact(name: str) -> None:
     fn, x = SINGULAR_CALLS[name], torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
     ref = _grads(fn, [x], None)[0]
     # What the gradient divides by is exact, and so is what else these calls save (a sign, a clip's mask, the grid's
-    # tanh: the grid itself), even at 2 bits. The Gaussian's scale is a softplus, which saves its input rounded:
-    # its derivative's relative error is the rounding's (no singular factor), at 8 bits within the zoo's 0.999.
-    bits = 8 if name in ("normal_log_prob", "cauchy_log_prob") else 2
+    # tanh: the grid itself), even at 2 bits. The Gaussian's scale is a softplus, whose input gets 8 bits (its
+    # derivative exponentiates it; the exponentiated rule).
+    bits = 2
     assert _cos(_grads(fn, [x], _ctx(bits))[0], ref) > 0.9995, name
     # Plain quantization at the same bits: below 0.999 (at 8 bits the binary cross-entropy's cosine is -0.04, a
     # product's 0.04, asin's NaN: its input rounded past 1).
@@ -1119,26 +1119,26 @@ def test_only_small_saves_are_held_for_a_value_shifted_from_them() -> None:
 
 
 def test_the_saves_of_a_square_are_held_for_a_few_saves_only() -> None:
-    # NOTE [ Squares before a singular backward ] in singular.py: a square no singular op reads (a squared ReLU)
-    # stays rounded, its tensor released SQUARE_SAVES saves later, and at the end of the forward.
-    from daftrain.saved.singular import SQUARE_SAVES
+    # NOTE [ Saves held for a singular backward ] in singular.py: a square no singular op reads (a squared ReLU)
+    # stays rounded, its tensor released HELD_SAVES saves later, and at the end of the forward.
+    from daftrain.saved.singular import HELD_SAVES
 
     x = torch.randn(256, 64, requires_grad=True)
     ctx = _ctx(2)
     with ctx:
         r = F.relu(x * 1.0)
         y = torch.square(r)
-        assert [t.shape for _, _, _, t in ctx._held_squares] == [(256, 64)]
-        for _ in range(SQUARE_SAVES):
+        assert [t.shape for _, _, _, t in ctx._held_saves] == [(256, 64)]
+        for _ in range(HELD_SAVES):
             y = torch.sin(y)
-        assert len(ctx._held_squares) == 1
+        assert len(ctx._held_saves) == 1
         y = torch.sin(y)
-        assert not ctx._held_squares
+        assert not ctx._held_saves
         z = torch.sin(y) * torch.sin(y)  # two tensors: no square
         s = torch.sin(z)
         z = s * s  # one tensor twice: held once
-        assert len(ctx._held_squares) == 1
-    assert not ctx._held_squares
+        assert len(ctx._held_saves) == 1
+    assert not ctx._held_saves
     (y.sum() + z.sum()).backward()
     assert ctx.stats.kept == 0
 

@@ -71,8 +71,9 @@ class GraphRule:
 #      values through ops the walk does not follow), and so are ``hypot``'s (its backward divides a product of
 #      an input and the gradient by its result), a reciprocal's and a product's (``prod``, ``cumprod``, a
 #      reduction through an index by ``prod``: their backward multiplies by the result or the other factors, as
-#      the eager rule keeps them, instead of dividing). So is a value the forward squares and feeds, through shifts and
-#      sums, to such an op (``sqrt(d ** 2 + eps)``: ``NOTE [ Squares before a singular backward ]`` in singular.py).
+#      the eager rule keeps them, instead of dividing). So is a value the forward squares (or passes through a
+#      softplus) and feeds, through shifts and sums, to such an op (``sqrt(d ** 2 + eps)``, a Gaussian's learned
+#      scale: ``NOTE [ Saves held for a singular backward ]`` in singular.py).
 # The auxiliary outputs of multi-output ops (a ``getitem`` past index 0: a norm's mean and rstd,
 # attention's logsumexp) are kept, as eager ``decide`` keeps them as constants.
 def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
@@ -463,8 +464,9 @@ def _squared_before_singular(node: Any) -> bool:
 
 
 def _squared_into_singular(node: Any) -> bool:
-    """Whether the forward squares ``node`` (``x * x``, ``x ** 2``), after shifts, slices and products, and feeds the
-    square, through them, sums and divisions by constants, to an op singular in it."""
+    """Whether the forward squares ``node`` (``x * x``, ``x ** 2``) or passes it through a softplus, after shifts,
+    slices and products, and feeds the result, through them, sums and divisions by constants, to an op singular in
+    it."""
     frontier, seen = [(node, False)], set()
     for _ in range(_SQUARED_DEPTH):
         following = []
@@ -478,7 +480,8 @@ def _squared_into_singular(node: Any) -> bool:
                     if isinstance(exponent, (int, float)) and (exponent < 0 or 0 < exponent < 1):
                         return True
                 square = (target == "aten.mul.Tensor" and positions == {0, 1}) or (
-                    target == "aten.pow.Tensor_Scalar" and positions == {0} and user.args[1] == 2)
+                    target == "aten.pow.Tensor_Scalar" and positions == {0} and user.args[1] == 2) or (
+                    target == "aten.softplus.default" and positions == {0})
                 follows = square or target in _PASS_THROUGH or target == "aten.div.Scalar" or (
                     target == "aten.div.Tensor" and positions == {0})
                 if follows and (user, squared or square) not in seen:

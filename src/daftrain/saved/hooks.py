@@ -61,14 +61,14 @@ from .records import (
 )
 from .singular import (
     HELD_PRODUCERS,
+    HELD_SAVES,
     RECENT_SAVE_BYTES,
     RECENT_SAVES,
     SHIFTS,
     SINGULAR_RESULTS,
-    SQUARE_SAVES,
     after_product,
     caller_level,
-    squared_inputs,
+    held_inputs,
 )
 from .small_tensors import SMALL_SHARE, BatchedSlice, SmallTensors, small_tensor_bits
 from .stats import CompressionStats
@@ -212,9 +212,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
         # The latest rounded saves of ``HELD_PRODUCERS``' outputs, held until ``RECENT_SAVES`` more came.
         self._recent_saves: collections.deque[tuple[Any, Any, torch.Tensor]] = collections.deque(maxlen=RECENT_SAVES)
-        # NOTE [ Squares before a singular backward ] in singular.py: the saves of squares, held for ``SQUARE_SAVES``
+        # NOTE [ Saves held for a singular backward ] in singular.py: the saves of squares, held for ``HELD_SAVES``
         # more saves, each with the count of saves when it came, the node that made it and its record.
-        self._held_squares: collections.deque[tuple[int, Any, Any, torch.Tensor]] = collections.deque()
+        self._held_saves: collections.deque[tuple[int, Any, Any, torch.Tensor]] = collections.deque()
         self._amplified_warned = False
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
@@ -359,7 +359,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._exact_saves = weakref.WeakValueDictionary()
         self._exact_storages.clear()
         self._recent_saves.clear()
-        self._held_squares.clear()
+        self._held_saves.clear()
         self._raw_storages, self._kept_storages = set(), set()
 
     def recomputation_context(self) -> compress:
@@ -433,8 +433,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._trimmer.note(t.numel() * t.element_size())
         stats = self._stats
         stats.tensors_seen += 1
-        held = self._held_squares
-        while held and held[0][0] + SQUARE_SAVES < stats.tensors_seen:
+        held = self._held_saves
+        while held and held[0][0] + HELD_SAVES < stats.tensors_seen:
             held.popleft()
         stats.by_dtype[str(t.dtype).removeprefix("torch.")] += 1
         decision = decide(t, self.config, self.registry, self._op_tracer.current())
@@ -493,9 +493,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if type(t.grad_fn).__name__ in HELD_PRODUCERS and t.numel() * t.element_size() <= RECENT_SAVE_BYTES:
             self._recent_saves.append((t.grad_fn, record, t))
         call = self._op_tracer.current()
-        if call is not None and call.squares and t.grad_fn is not None and not any(
-                r is record for _, _, r, _ in self._held_squares):  # ``x * x`` saves x twice
-            self._held_squares.append((self._stats.tensors_seen, t.grad_fn, record, t))
+        if call is not None and call.held and t.grad_fn is not None and not any(
+                r is record for _, _, r, _ in self._held_saves):  # ``x * x`` saves x twice
+            self._held_saves.append((self._stats.tensors_seen, t.grad_fn, record, t))
 
     # NOTE [ Every save of a value a singular backward reads ]
     # A value the ``singular_backward`` rule keeps exact (``NOTE [ Singular backward ]`` in op_rules.py) is often
@@ -526,9 +526,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         for node, record, source in self._recent_saves:
             if origin is not None and node is origin:
                 self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
-        if self._held_squares:  # NOTE [ Squares before a singular backward ] in singular.py
-            squared = squared_inputs(t.grad_fn, {node for _, node, _, _ in self._held_squares})
-            for _, node, record, source in self._held_squares:
+        if self._held_saves:  # NOTE [ Saves held for a singular backward ] in singular.py
+            squared = held_inputs(t.grad_fn, {node for _, node, _, _ in self._held_saves})
+            for _, node, record, source in self._held_saves:
                 if node in squared and record not in self._exact_records:
                     self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
         if call is not None and call.inverts and not self._amplified_warned and after_product(t.grad_fn):

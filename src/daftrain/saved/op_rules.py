@@ -143,7 +143,7 @@ _BY_INDEX = (torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.sca
 """Reductions through an index or by segments, whose ``reduce`` argument names how."""
 _SQUARING = (torch.square, torch.Tensor.square, torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.multiply,
              torch.Tensor.multiply)
-"""Calls that square a tensor, with ``_POWERS`` (``NOTE [ Squares before a singular backward ]`` in singular.py)."""
+"""Calls that square a tensor, with ``_POWERS`` (``NOTE [ Saves held for a singular backward ]`` in singular.py)."""
 _EXTREMA = frozenset({"amax", "amin", "max", "min"})
 _PRODUCT = frozenset({"prod"})
 _CLAMP_MIN = (torch.clamp_min, torch.Tensor.clamp_min, torch.Tensor.clamp_min_)
@@ -261,7 +261,8 @@ RULES: tuple[OpRule, ...] = (
             torch.special.logit, torch.special.ndtri, torch.special.log_ndtr, torch.hypot, torch.Tensor.hypot,
             torch.addcdiv, torch.Tensor.addcdiv, torch.Tensor.addcdiv_, torch.acosh, torch.Tensor.acosh, torch.arccosh,
             torch.Tensor.arccosh, torch.tan, torch.Tensor.tan, torch.sinc, torch.Tensor.sinc, torch.special.sinc,
-            F.softsign, torch.float_power, torch.Tensor.float_power, *_BY_INDEX, *LINEAR_ALGEBRA, *_SQUARING),
+            F.softsign, torch.float_power, torch.Tensor.float_power, *_BY_INDEX, *LINEAR_ALGEBRA, *_SQUARING,
+            F.softplus),
            "the backward divides by a value the op saves (a divisor, a reciprocal's or square root's result, a "
            "log's input, a product's factors, binary cross-entropy's probabilities, a Gaussian's variance, a "
            "distance), inverts it (a matrix, a triangular factor, gaps between eigenvalues or singular values), "
@@ -269,7 +270,8 @@ RULES: tuple[OpRule, ...] = (
            "cell by it (grid_sample's grid): a value small next to its group's range, or near a pole, gets a "
            "rounding error that no bits bound (a probability of 1e-3 at 8 bits in [0, 1]: 4x its value), so the "
            "gradient goes wrong or NaN: the value is kept exact; so is the base of a square such an op reads "
-           "(sqrt(x ** 2 + eps), a Charbonnier loss: its gradient there is x's error over the root)"),
+           "(sqrt(x ** 2 + eps), a Charbonnier loss: its gradient there is x's error over the root), and a "
+           "softplus's input (a learned scale softplus(s) + eps: its derivative, exp(s) below 0, times 1 / var)"),
 )
 
 
@@ -308,9 +310,10 @@ class OpMatch:
     exact_result: bool = False
     """The call's result is kept exact wherever the forward saves it (``NOTE [ Quotients by a kept divisor ]`` in
     ``hooks.py``)."""
-    squares: bool = False
-    """The call squares a tensor (``x * x``, ``x ** 2``, ``square``): what it saves is held for the next few saves,
-    for a singular op that reads the square (``NOTE [ Squares before a singular backward ]`` in ``singular.py``)."""
+    held: bool = False
+    """The call squares a tensor (``x * x``, ``x ** 2``, ``square``) or is a softplus: what it saves is held for the
+    next few saves, for a singular op that reads its result (``NOTE [ Saves held for a singular backward ]`` in
+    ``singular.py``)."""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -776,8 +779,8 @@ def _singular(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[st
             return None
         elementwise = isinstance(dividend, torch.Tensor) and dividend.numel() == divisor.numel()
         return OpMatch(rule, (), keep=(dividend, divisor) if elementwise else (divisor,), exact_result=elementwise)
-    if squares(func, args, kwargs):
-        return OpMatch(rule, (), squares=True)  # NOTE [ Squares before a singular backward ] in singular.py
+    if func is F.softplus or squares(func, args, kwargs):
+        return OpMatch(rule, (), held=True)  # NOTE [ Saves held for a singular backward ] in singular.py
     if func in _SQUARING:
         return None
     if func in _POWERS:
@@ -872,8 +875,8 @@ class _RuleMode(TorchFunctionMode):
             found = self.tracer.attention(found, args, kwargs)
         elif found is not None and found.computed:
             found = self.tracer.derivative(found)
-        if found is not None and not found.squares and squares(func, args, kwargs):
-            found = replace(found, squares=True)  # ``x ** 2`` of an RMSNorm written out is a square too
+        if found is not None and not found.held and squares(func, args, kwargs):
+            found = replace(found, held=True)  # ``x ** 2`` of an RMSNorm written out is a square too
         if found is not None and found.call is not None and not saves_reach_daftrain():
             found = None  # NOTE [ Operator-level savings under other hooks ]
         if found is None:

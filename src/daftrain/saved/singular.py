@@ -12,8 +12,17 @@ import torch
 
 from ..lineage import CAST_AND_VIEW_NODES, reached
 
-__all__ = ["HELD_PRODUCERS", "RECENT_SAVES", "RECENT_SAVE_BYTES", "SHIFTS", "SINGULAR_RESULTS", "SQUARE_SAVES",
-           "after_product", "caller_level", "squared_inputs"]
+__all__ = [
+    "HELD_PRODUCERS",
+    "HELD_SAVES",
+    "RECENT_SAVES",
+    "RECENT_SAVE_BYTES",
+    "SHIFTS",
+    "SINGULAR_RESULTS",
+    "after_product",
+    "caller_level",
+    "held_inputs",
+]
 
 # Saved outputs held for the values shifted from them: the latest ``RECENT_SAVES`` of these ops, of at most
 # ``RECENT_SAVE_BYTES`` each.
@@ -79,36 +88,38 @@ def _computed(node: Any) -> bool:
     return reached(node, lambda n: type(n).__name__ == "AccumulateGrad", CAST_AND_VIEW_NODES, 4) is None
 
 
-# NOTE [ Squares before a singular backward ]
+# NOTE [ Saves held for a singular backward ]
 # ``sqrt(d ** 2 + eps)`` (a Charbonnier loss, a smooth L1 or total-variation penalty), ``log(d ** 2 + eps)`` and
 # ``1 / (1 + d ** 2)`` keep what their singular op saves exact, but the square before it saves ``d``, and its
 # backward multiplies ``d``'s rounding error by the gradient arriving from that op: ``e / sqrt(d**2 + eps)`` for the
 # root, largest exactly where ``d`` is near 0 and its error is largest against it: more bits do not bound it
-# (``docs/saved.md``, "Singular backward"). The square comes first, so what it saves is held: the tensors a call that
-# squares one saves (``x * x``, ``x ** 2``, ``square``; ``OpMatch.squares``) stay referenced for the next
-# ``SQUARE_SAVES`` saves of the forward, and a value the rule keeps exact whose graph reaches such a square through
-# shifts, sums of terms and the singular op that made it (``sqrt(dx ** 2 + dy ** 2 + eps)``) makes the square's
-# record exact. A square no such op reads within those saves (a squared ReLU, a variance) stays rounded, its tensor
-# released: what the holding costs is that tensor a few saves longer.
-SQUARE_SAVES = 4
-_SQUARED_THROUGH = SHIFTS | SINGULAR_RESULTS | {"PowBackward0"}
-_SQUARED_NODES = 16
+# (``docs/saved.md``, "Singular backward"). A softplus likewise: a learned scale ``softplus(s) + eps`` is divided by
+# (a Gaussian's ``1 / var``) where it is small, which is where its derivative, ``sigmoid(s)``, is ``exp(s)``, and a
+# rounded ``s`` scales that gradient by ``exp(e)``. The square or softplus comes first, so what it saves is held: the
+# tensors such a call saves (``x * x``, ``x ** 2``, ``square``, ``softplus``; ``OpMatch.held``) stay referenced for
+# the next ``HELD_SAVES`` saves of the forward, and a value the rule keeps exact whose graph reaches such a call
+# through shifts, sums of terms and the singular op that made it (``sqrt(dx ** 2 + dy ** 2 + eps)``) makes that
+# call's record exact. One no such op reads within those saves (a squared ReLU, a variance, Mamba's step size)
+# stays rounded, its tensor released: what the holding costs is that tensor a few saves longer.
+HELD_SAVES = 4
+_HELD_THROUGH = SHIFTS | SINGULAR_RESULTS | {"PowBackward0", "SoftplusBackward0"}
+_HELD_NODES = 16
 """Nodes the walk from a kept value visits at most."""
 
 
-def squared_inputs(node: Any, producers: set[Any]) -> set[Any]:
+def held_inputs(node: Any, producers: set[Any]) -> set[Any]:
     """The nodes among ``producers`` that walking back from ``node`` reaches through shifts, sums of terms,
-    singular ops that save their result and squares (``NOTE [ Squares before a singular backward ]``)."""
+    singular ops that save their result, squares and softplus (``NOTE [ Saves held for a singular backward ]``)."""
     found: set[Any] = set()
     seen: set[Any] = set()
     frontier = [node]
-    while frontier and len(seen) < _SQUARED_NODES:
+    while frontier and len(seen) < _HELD_NODES:
         current = frontier.pop()
         if current is None or current in seen:
             continue
         seen.add(current)
         if current in producers:
             found.add(current)
-        if type(current).__name__ in _SQUARED_THROUGH:
+        if type(current).__name__ in _HELD_THROUGH:
             frontier.extend(fn for fn, _ in current.next_functions)
     return found
