@@ -47,6 +47,13 @@ def _total_variation(image: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(dx ** 2 + dy ** 2 + 1e-8)
 
 
+def _end_point_error(flow: torch.Tensor) -> torch.Tensor:
+    """A 2-D flow's end-point error written out, where most points are nearly right (one in ten is off)."""
+    off = VALUES.view_as(flow)
+    target = flow.detach() + 1e-3 * off + (TARGET.view_as(flow) > 0.9) * off
+    return torch.sqrt(((flow - target) ** 2).sum(1) + 1e-12)
+
+
 CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "binary_cross_entropy": lambda h: F.binary_cross_entropy(torch.sigmoid(h * 5.0), TARGET, reduction="none"),
     "bce_written_out": lambda h: -(TARGET * torch.log(torch.sigmoid(h * 5.0) + 1e-7)
@@ -104,6 +111,7 @@ CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "total_variation": lambda h: _total_variation(h.reshape(ROWS, 8, 8)),
     "log_of_square": lambda h: torch.log(h.square() + 1e-6),
     "cauchy_kernel": lambda h: 1.0 / (1.0 + h * h / 0.01),
+    "end_point_error": lambda h: _end_point_error(h.view(ROWS, 2, WIDTH // 2)),
     "cosine_embedding": lambda h: F.cosine_embedding_loss(h, VALUES, SIGNS, reduction="none"),
     "hinge_embedding": lambda h: F.hinge_embedding_loss(h * 20.0, SIGNS[:, None].expand(ROWS, WIDTH),
                                                         reduction="none"),

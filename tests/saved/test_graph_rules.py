@@ -302,6 +302,12 @@ def test_log_softmax_rows_keep_their_sums(monkeypatch):
 _TARGET = torch.rand(128, 64, generator=torch.Generator().manual_seed(5))
 _GROUPS = torch.arange(128) % 16
 _IMAGE = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+def _end_point_error(flow: torch.Tensor) -> torch.Tensor:
+    """A 2-D flow's end-point error written out, most points nearly right: a root of a sum of two squares."""
+    off = _TARGET.view_as(flow)
+    return torch.sqrt(((flow - flow.detach() - 1e-3 * off - (off > 0.9).float()) ** 2).sum(1) + 1e-12)
+
+
 # NOTE [ Op rules in compiled graphs ], 7.: backward divides by what these save, or is singular in it, at values
 # the inputs put near the singularity (the eager cases: tests/saved/test_op_rules.py).
 _SINGULAR = {
@@ -326,6 +332,7 @@ _SINGULAR = {
     "total_variation": lambda h: torch.sqrt(torch.diff(h.view(128, 8, 8), dim=1)[:, :, 1:] ** 2
                                             + torch.diff(h.view(128, 8, 8), dim=2)[:, 1:, :] ** 2 + 1e-8),
     "cauchy_kernel": lambda h: 1.0 / (1.0 + h * h / 0.01),
+    "end_point_error": lambda h: _end_point_error(h.view(128, 2, 32)),
     # a learned scale through a softplus, divided by where it is small (a standardised residual's scale)
     "cauchy_log_prob": lambda h: torch.distributions.Cauchy(h, F.softplus(h.flip(0) * 3.0) + 1e-3).log_prob(_TARGET),
     # products, whose backward multiplies the other factors (compiled: no division by them to find)

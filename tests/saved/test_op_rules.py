@@ -1021,6 +1021,12 @@ _TARGET = torch.rand(256, 64, generator=torch.Generator().manual_seed(5))
 _VALUES = torch.randn(256, 64, generator=torch.Generator().manual_seed(6))
 _IMAGE = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(7))
 
+def _end_point_error(flow: torch.Tensor) -> torch.Tensor:
+    off = _VALUES.view_as(flow)
+    target = flow.detach() + 1e-3 * off + (_TARGET.view_as(flow) > 0.9) * off
+    return torch.sqrt(((flow - target) ** 2).sum(1) + 1e-12)
+
+
 # NOTE [ Singular backward ] in op_rules.py: each call's backward divides by a value it saves or is singular in
 # it, and each input puts values where that factor is large (probabilities near 0 and 1, divisors near 0).
 SINGULAR_CALLS = {
@@ -1066,6 +1072,8 @@ SINGULAR_CALLS = {
     "log_of_square": lambda x: torch.log((x * 2.0).square() + 1e-6),
     "cauchy_kernel": lambda x: (lambda h: 1.0 / (1.0 + h * h / 0.01))(x * 0.5),
     "smooth_sign": lambda x: x * torch.rsqrt(x.pow(2) + 1e-6),
+    # a 2-D flow's end-point error written out, where most points are nearly right: a sum of two squares
+    "end_point_error": lambda x: _end_point_error(x.view(256, 2, 32)),
 }
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from .decide import NONLINEAR_MIN_BITS
 from .op_rules import ATTENTION_MIN_BITS
+from .singular import FEW_TERMS
 
 __all__ = ["GraphRule", "graph_rule", "is_incoming_gradient"]
 
@@ -463,10 +464,25 @@ def _squared_before_singular(node: Any) -> bool:
     return False
 
 
+def _sums_few_terms(node: Any) -> bool:
+    """Whether ``node`` sums (or averages) at most ``FEW_TERMS`` values along its dims into each result (a 2-D or 3-D
+    vector's squared length)."""
+    if str(node.target) not in ("aten.sum.dim_IntList", "aten.mean.dim") or len(node.args) < 2:
+        return False
+    value = getattr(node.args[0], "meta", {}).get("val")
+    dims = node.args[1]
+    if value is None or not isinstance(dims, (list, tuple)) or not dims:
+        return False
+    count = 1
+    for dim in dims:
+        count *= value.shape[dim % value.dim()]
+    return isinstance(count, int) and count <= FEW_TERMS
+
+
 def _squared_into_singular(node: Any) -> bool:
     """Whether the forward squares ``node`` (``x * x``, ``x ** 2``) or passes it through a softplus, after shifts,
-    slices and products, and feeds the result, through them, sums and divisions by constants, to an op singular in
-    it."""
+    slices and products, and feeds the result, through them, sums (of a few terms along a dim too) and divisions by
+    constants, to an op singular in it."""
     frontier, seen = [(node, False)], set()
     for _ in range(_SQUARED_DEPTH):
         following = []
@@ -483,7 +499,7 @@ def _squared_into_singular(node: Any) -> bool:
                     target == "aten.pow.Tensor_Scalar" and positions == {0} and user.args[1] == 2) or (
                     target == "aten.softplus.default" and positions == {0})
                 follows = square or target in _PASS_THROUGH or target == "aten.div.Scalar" or (
-                    target == "aten.div.Tensor" and positions == {0})
+                    target == "aten.div.Tensor" and positions == {0}) or (squared and _sums_few_terms(user))
                 if follows and (user, squared or square) not in seen:
                     seen.add((user, squared or square))
                     following.append((user, squared or square))

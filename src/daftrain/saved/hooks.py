@@ -212,8 +212,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._exact_records: weakref.WeakKeyDictionary[Any, KeptTensor] = weakref.WeakKeyDictionary()
         # The latest rounded saves of ``HELD_PRODUCERS``' outputs, held until ``RECENT_SAVES`` more came.
         self._recent_saves: collections.deque[tuple[Any, Any, torch.Tensor]] = collections.deque(maxlen=RECENT_SAVES)
-        # NOTE [ Saves held for a singular backward ] in singular.py: the saves of squares, held for ``HELD_SAVES``
-        # more saves, each with the count of saves when it came, the node that made it and its record.
+        # NOTE [ Saves held for a singular backward ] in singular.py: the saves of squares and softplus calls, held for
+        # ``HELD_SAVES`` more saves, each with the count of saves when it came, the node that made it and its record.
         self._held_saves: collections.deque[tuple[int, Any, Any, torch.Tensor]] = collections.deque()
         self._amplified_warned = False
         # Records saved more than once; entries go with their records (after backward frees the graph).
@@ -527,9 +527,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             if origin is not None and node is origin:
                 self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
         if self._held_saves:  # NOTE [ Saves held for a singular backward ] in singular.py
-            squared = held_inputs(t.grad_fn, {node for _, node, _, _ in self._held_saves})
+            reached_held = held_inputs(t.grad_fn, {node for _, node, _, _ in self._held_saves})
             for _, node, record, source in self._held_saves:
-                if node in squared and record not in self._exact_records:
+                if node in reached_held and record not in self._exact_records:
                     self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
         if call is not None and call.inverts and not self._amplified_warned and after_product(t.grad_fn):
             self._amplified_warned = True  # NOTE [ Products before a singular backward ] in singular.py

@@ -737,7 +737,7 @@ _DIVISIONS = frozenset({torch.div, torch.Tensor.div, torch.Tensor.__truediv__, t
 _POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.float_power, torch.Tensor.float_power})
 
 
-def squares(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+def _squares(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """Whether the call squares a tensor: ``square(x)``, ``x * x`` (one tensor twice), ``x ** 2``."""
     if func in (torch.square, torch.Tensor.square):
         return True
@@ -779,7 +779,7 @@ def _singular(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mapping[st
             return None
         elementwise = isinstance(dividend, torch.Tensor) and dividend.numel() == divisor.numel()
         return OpMatch(rule, (), keep=(dividend, divisor) if elementwise else (divisor,), exact_result=elementwise)
-    if func is F.softplus or squares(func, args, kwargs):
+    if func is F.softplus or _squares(func, args, kwargs):
         return OpMatch(rule, (), held=True)  # NOTE [ Saves held for a singular backward ] in singular.py
     if func in _SQUARING:
         return None
@@ -875,7 +875,7 @@ class _RuleMode(TorchFunctionMode):
             found = self.tracer.attention(found, args, kwargs)
         elif found is not None and found.computed:
             found = self.tracer.derivative(found)
-        if found is not None and not found.held and squares(func, args, kwargs):
+        if found is not None and not found.held and _squares(func, args, kwargs):
             found = replace(found, held=True)  # ``x ** 2`` of an RMSNorm written out is a square too
         if found is not None and found.call is not None and not saves_reach_daftrain():
             found = None  # NOTE [ Operator-level savings under other hooks ]

@@ -98,13 +98,30 @@ def _computed(node: Any) -> bool:
 # rounded ``s`` scales that gradient by ``exp(e)``. The square or softplus comes first, so what it saves is held: the
 # tensors such a call saves (``x * x``, ``x ** 2``, ``square``, ``softplus``; ``OpMatch.held``) stay referenced for
 # the next ``HELD_SAVES`` saves of the forward, and a value the rule keeps exact whose graph reaches such a call
-# through shifts, sums of terms and the singular op that made it (``sqrt(dx ** 2 + dy ** 2 + eps)``) makes that
-# call's record exact. One no such op reads within those saves (a squared ReLU, a variance, Mamba's step size)
-# stays rounded, its tensor released: what the holding costs is that tensor a few saves longer.
+# through shifts, sums of terms (or of at most ``FEW_TERMS`` values along a dim: a 2-D flow's end-point error written
+# out) and the singular op that made it (``sqrt(dx ** 2 + dy ** 2 + eps)``) makes that call's record exact. One no
+# such op reads within those saves (a squared ReLU, a variance, Mamba's step size) stays rounded, its tensor
+# released: what the holding costs is that tensor a few saves longer.
 HELD_SAVES = 4
 _HELD_THROUGH = SHIFTS | SINGULAR_RESULTS | {"PowBackward0", "SoftplusBackward0"}
 _HELD_NODES = 16
 """Nodes the walk from a kept value visits at most."""
+FEW_TERMS = 4
+"""A sum of at most this many squares (a 2-D or 3-D vector's length, ``sqrt((d ** 2).sum(1) + eps)``) is small
+wherever its terms are, and is walked through; a longer row's is an RMSNorm written out, whose input the
+``decomposed_rms_norm`` rule stores normalised per row."""
+_SUMS = frozenset({"SumBackward1", "MeanBackward1"})
+
+
+def _sums_few_terms(node: Any) -> bool:
+    """Whether ``node`` sums (or averages) at most ``FEW_TERMS`` values into each of its results."""
+    sizes = node._saved_self_sym_sizes
+    dims = node._saved_dim
+    count = 1
+    for dim in dims:
+        dim = dim - (1 << 64) if dim >= 1 << 63 else dim  # an int64 read back as unsigned
+        count *= sizes[dim % max(1, len(sizes))]
+    return count <= FEW_TERMS
 
 
 def held_inputs(node: Any, producers: set[Any]) -> set[Any]:
@@ -120,6 +137,7 @@ def held_inputs(node: Any, producers: set[Any]) -> set[Any]:
         seen.add(current)
         if current in producers:
             found.add(current)
-        if type(current).__name__ in _HELD_THROUGH:
+        name = type(current).__name__
+        if name in _HELD_THROUGH or (name in _SUMS and _sums_few_terms(current)):
             frontier.extend(fn for fn, _ in current.next_functions)
     return found
