@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CAST_AND_VIEW_NODES", "copy_of", "reaches"]
+__all__ = ["CAST_AND_VIEW_NODES", "copy_of", "reaches", "signed"]
 
 # Single-input autograd nodes that only cast or re-view a tensor (autocast saves ``weight.to(bf16).t()``).
 CAST_AND_VIEW_NODES = frozenset(
@@ -24,6 +24,11 @@ _CAST_NODES = frozenset({"ToCopyBackward0", "CloneBackward0"})
 _COPY_NODES = CAST_AND_VIEW_NODES | _CAST_NODES
 _RESHAPE_NODES = _CAST_NODES | {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"}
 _MAX_STEPS = 5
+
+
+def signed(value: int) -> int:
+    """An int64 an autograd node's ``_saved_*`` attribute read back as unsigned (a negative dim), signed again."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def reaches(node: object, end: Callable[[object], bool], through: frozenset[str], max_steps: int) -> bool:

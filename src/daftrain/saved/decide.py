@@ -10,6 +10,7 @@ import torch
 
 from ..config import CompressionConfig
 from ..layout import QUANTIZABLE_DTYPES, STORED_AS_FLOAT32
+from ..lineage import signed
 from ..params import ParameterRegistry, is_parameter_like
 from .op_rules import OpMatch, computed, keeps, match_saved
 from .records import (
@@ -152,8 +153,7 @@ def _softmax_output(t: torch.Tensor, log: bool = False) -> Decision:
     that sum to 1 (``NOTE [ Probabilities keep their sums ]`` in ``records.py``); a tensor not contiguous is
     quantized as it is."""
     plain = _LOG_SOFTMAX_OUTPUT if log else _QUANTIZE
-    dim = t.grad_fn._saved_dim  # type: ignore[union-attr]  # an int64 read back as unsigned
-    dim = (dim - (1 << 64) if dim >= 1 << 63 else dim) % max(1, t.dim())
+    dim = signed(t.grad_fn._saved_dim) % max(1, t.dim())  # type: ignore[union-attr]
     if not t.is_contiguous() or t.dim() == 0 or t.shape[dim] < 2:
         return plain
     outer, inner = math.prod(t.shape[:dim]), math.prod(t.shape[dim + 1:])

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..calls import argument
+from ..calls import argument, reduced_dims
 
 __all__ = ["extremum_saving_positions", "pairwise_extremum_saving_comparisons", "reads_positions"]
 
@@ -78,8 +78,7 @@ def extremum_saving_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str
         return None
     dim = argument(args, kwargs, 1, "dim", ())
     keepdim = bool(argument(args, kwargs, 2, "keepdim", False))
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    dims = tuple(sorted({d % x.dim() for d in dims})) if dims else tuple(range(x.dim()))
+    dims = reduced_dims(x.dim(), dim)
     largest = name == "amax"
     return lambda *a, **k: _AlongDims.apply(x, dims, keepdim, largest, False)
 

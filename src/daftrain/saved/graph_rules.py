@@ -421,6 +421,17 @@ _PASS_THROUGH = _SHIFTS | _VIEWS | {"aten.mul.Tensor", "aten.mul.Scalar", "aten.
 _SINGULAR_DEPTH = 6
 
 
+def _singular_in(user: Any, target: str, positions: set[int]) -> bool:
+    """Whether ``user`` (an op named ``target``) is singular in its arguments at ``positions`` (rule 7): one of
+    ``_SINGULAR_AT``, or a negative or fractional power of its base."""
+    if positions & _SINGULAR_AT.get(target, set()):
+        return True
+    if target == "aten.pow.Tensor_Scalar" and positions == {0}:
+        exponent = user.args[1]
+        return isinstance(exponent, (int, float)) and (exponent < 0 or 0 < exponent < 1)
+    return False
+
+
 def _singular_use(uses: list[tuple[Any, Any]]) -> bool:
     """Whether the backward divides by the saved value or feeds it to an op singular in it (rule 7)."""
     frontier, seen = list(uses), set()
@@ -428,12 +439,8 @@ def _singular_use(uses: list[tuple[Any, Any]]) -> bool:
         following = []
         for arg, user in frontier:
             target = str(user.target)
-            if _positions(user, arg) & _SINGULAR_AT.get(target, set()):
+            if _singular_in(user, target, _positions(user, arg)):
                 return True
-            if target == "aten.pow.Tensor_Scalar" and _positions(user, arg) == {0}:
-                exponent = user.args[1]
-                if isinstance(exponent, (int, float)) and (exponent < 0 or 0 < exponent < 1):
-                    return True
             if target in _PASS_THROUGH and user not in seen:
                 seen.add(user)
                 following += [(user, u) for u in user.users]
@@ -489,12 +496,8 @@ def _squared_into_singular(node: Any) -> bool:
         for value, squared in frontier:
             for user in value.users:
                 target, positions = str(user.target), _positions(user, value)
-                if squared and positions & _SINGULAR_AT.get(target, set()):
+                if squared and _singular_in(user, target, positions):
                     return True
-                if squared and target == "aten.pow.Tensor_Scalar" and positions == {0}:
-                    exponent = user.args[1]
-                    if isinstance(exponent, (int, float)) and (exponent < 0 or 0 < exponent < 1):
-                        return True
                 square = (target == "aten.mul.Tensor" and positions == {0, 1}) or (
                     target == "aten.pow.Tensor_Scalar" and positions == {0} and user.args[1] == 2) or (
                     target == "aten.softplus.default" and positions == {0})

@@ -437,7 +437,8 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         while held and held[0][0] + HELD_SAVES < stats.tensors_seen:
             held.popleft()
         stats.by_dtype[str(t.dtype).removeprefix("torch.")] += 1
-        decision = decide(t, self.config, self.registry, self._op_tracer.current())
+        call = self._op_tracer.current()
+        decision = decide(t, self.config, self.registry, call)
         if decision.reason == "parameter":
             stats.parameters += 1
             return t.detach()
@@ -448,7 +449,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.treatment is Treatment.KEEP:
             kept = self._keep(t, storage, decision)
             if decision.rule in _SINGULAR_KEEPS and storage is not None:
-                self._keep_every_save(t, storage, kept, self._op_tracer.current())
+                self._keep_every_save(t, storage, kept, call)
             return kept
         if self._exact_saves and storage is not None and any(
                 key in self._exact_saves for key in _keys(t, storage)):
@@ -459,7 +460,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._small_bytes += t.numel() * t.element_size()
             if self._small_bytes <= SMALL_SHARE * stats.raw_bytes:  # NOTE [ Small tensors packed together ]
                 return self._keep(t, storage, _KEEP_SMALL)
-            return self._pack_small(t, storage)
+            return self._pack_small(t, storage, call)
         source, expand_to = t, None
         if is_expanded(t):  # NOTE [ Expanded views ] in records.py
             t, expand_to = compact_expanded(t), t.shape
@@ -484,15 +485,15 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         handle = SavedHandle(record, t, dense, source, expand_to)
         if self._live_saves is not None and t.device.type == "cpu":
             self._live_saves.hold(handle)
-        self._note_recent(source, record)
+        self._note_recent(source, record, call)
         return handle
 
-    def _note_recent(self, t: torch.Tensor, record: Any) -> None:
+    def _note_recent(self, t: torch.Tensor, record: Any, call: OpMatch | None) -> None:
         """Hold a small saved output of a probability's op for the saves shifted from it (``NOTE [ Every save of a
-        value a singular backward reads ]``)."""
+        value a singular backward reads ]``), and what ``call`` saves if it squares (``NOTE [ Saves held for a
+        singular backward ]``)."""
         if type(t.grad_fn).__name__ in HELD_PRODUCERS and t.numel() * t.element_size() <= RECENT_SAVE_BYTES:
             self._recent_saves.append((t.grad_fn, record, t))
-        call = self._op_tracer.current()
         if call is not None and call.held and t.grad_fn is not None and not any(
                 r is record for _, _, r, _ in self._held_saves):  # ``x * x`` saves x twice
             self._held_saves.append((self._stats.tensors_seen, t.grad_fn, record, t))
@@ -525,12 +526,12 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         origin = reached(t.grad_fn, {node for node, _, _ in self._recent_saves}.__contains__, _THROUGH, len(SHIFTS))
         for node, record, source in self._recent_saves:
             if origin is not None and node is origin:
-                self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
+                self._restore_exact(record, source)
         if self._held_saves:  # NOTE [ Saves held for a singular backward ] in singular.py
             reached_held = held_inputs(t.grad_fn, {node for _, node, _, _ in self._held_saves})
             for _, node, record, source in self._held_saves:
                 if node in reached_held and record not in self._exact_records:
-                    self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
+                    self._restore_exact(record, source)
         if call is not None and call.inverts and not self._amplified_warned and after_product(t.grad_fn):
             self._amplified_warned = True  # NOTE [ Products before a singular backward ] in singular.py
             warnings.warn(
@@ -540,7 +541,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
                 "matrix's condition number. Compute that part outside the compress context, or under "
                 "compress(bits=None)", AmplifiedRoundingWarning, stacklevel=caller_level())
 
-    def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None) -> SavedHandle:
+    def _restore_exact(self, record: Any, source: torch.Tensor) -> None:
+        """Restore ``record``, rounded already, from its held ``source`` kept exact instead."""
+        self._exact_records[record] = self._keep(source, self._count_raw(source), _KEEP_SINGULAR)
+
+    def _pack_small(self, t: torch.Tensor, storage: StorageWeakRef | None, call: OpMatch | None) -> SavedHandle:
         """A tensor under ``min_numel`` values staged into a shared record (``NOTE [ Small tensors packed together
         ]`` in ``small_tensors.py``): ``_pack``'s steps for a view that is never expanded, in fewer calls (a
         recurrent layer saves thousands of these per forward)."""
@@ -555,7 +560,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             self._small_records[key] = record
             if record.offset == 0 and self._live_saves is not None and t.device.type == "cpu":
                 self._live_saves.hold(record.batch)  # each batch once: its slices' handles hold it
-        self._note_recent(t, record)
+        self._note_recent(t, record, call)
         return SavedHandle(record, t, contiguous, t)
 
     def _note_shared(self, record: Any) -> None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..calls import argument as _arg
+from ..calls import reduced_dims
 from ..lineage import CAST_AND_VIEW_NODES, copy_of, reaches
 from .activation_derivative import saving_derivative
 from .attention_precision import AttentionPrecision, MaskStorage
@@ -728,7 +729,7 @@ def _exponentiated(rule: OpRule, func: Any, args: tuple[Any, ...], kwargs: Mappi
     if func in (torch.logcumsumexp, torch.Tensor.logcumsumexp):
         return OpMatch(rule, (x,), by_shape=True)
     dim = _arg(args, kwargs, 1, "dim", ())
-    dims = {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)} or set(range(x.dim()))
+    dims = reduced_dims(x.dim(), dim)
     return OpMatch(rule, (x,), statistics=x.numel() // max(1, math.prod(x.shape[d] for d in dims)))
 
 
@@ -741,10 +742,9 @@ def _squares(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> boo
     """Whether the call squares a tensor: ``square(x)``, ``x * x`` (one tensor twice), ``x ** 2``."""
     if func in (torch.square, torch.Tensor.square):
         return True
-    if func in _POWERS:
+    if func in (torch.pow, torch.Tensor.pow, torch.Tensor.__pow__):
         exponent = _arg(args, kwargs, 1, "exponent")
-        return func not in (torch.float_power, torch.Tensor.float_power) and isinstance(
-            exponent, (int, float)) and exponent == 2
+        return isinstance(exponent, (int, float)) and exponent == 2
     if func in _SQUARING:
         a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
         return isinstance(a, torch.Tensor) and a is b

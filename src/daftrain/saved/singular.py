@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..lineage import CAST_AND_VIEW_NODES, reached
+from ..lineage import CAST_AND_VIEW_NODES, reached, signed
 
 __all__ = [
     "HELD_PRODUCERS",
@@ -119,8 +119,7 @@ def _sums_few_terms(node: Any) -> bool:
     dims = node._saved_dim
     count = 1
     for dim in dims:
-        dim = dim - (1 << 64) if dim >= 1 << 63 else dim  # an int64 read back as unsigned
-        count *= sizes[dim % max(1, len(sizes))]
+        count *= sizes[signed(dim) % max(1, len(sizes))]
     return count <= FEW_TERMS
 
 
