@@ -131,6 +131,22 @@ def test_gradient_snr_per_op_family(family, bits, device):
     assert snr >= SNR_FLOOR_DB[bits], f"{family} at {bits} bits: gradient SNR {snr:.1f} dB"
 
 
+@pytest.mark.parametrize("family", ["layernorm", "batchnorm", "maxpool", "sdpa"])
+def test_a_default_device_the_user_set(family, device):
+    """Under ``torch.set_default_device(device)``, as scripts that train on a GPU often call, the model built
+    there trains under ``compress`` as under plain PyTorch: daftrain's host buffers (pinned memory for the
+    checks read later, the small saves sealed when the context exits) name their device."""
+    make, spec = FAMILIES[family]
+    with torch.device(device):  # what torch.set_default_device(device) sets, for this block only
+        model, x = make(), _input(spec, device)
+        ref = _grads(model, x, None)
+        ctx = daftrain.compress(bits=8, min_numel=0, seed=11)
+        got = _grads(model, x, ctx)
+    assert x.device.type == device and ctx.stats.compressed > 0
+    snr = sqnr_db(ref, got)
+    assert snr >= SNR_FLOOR_DB[8], f"{family} at 8 bits: gradient SNR {snr:.1f} dB"
+
+
 @pytest.mark.parametrize("family", ["relu", "conv", "attention", "dropout", "embedding"])
 def test_one_bit_gradients_are_finite_and_correlated(family, device):
     make, spec = FAMILIES[family]

@@ -86,7 +86,8 @@ def _rounding_energy(flat: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, pla
     if candidates.numel() == 0:
         return ()
     if candidates.numel() > _ENERGY_SAMPLE_GROUPS:
-        candidates = candidates[torch.linspace(0, candidates.numel() - 1, _ENERGY_SAMPLE_GROUPS).long()]
+        picked = torch.linspace(0, candidates.numel() - 1, _ENERGY_SAMPLE_GROUPS, device=candidates.device)
+        candidates = candidates[picked.long()]
     lo, span = mn[candidates], (mx - mn)[candidates]
     values = flat[: full * group_size].reshape(full, group_size)[candidates].double()
     position = (values - lo[:, None]) / torch.where(span > 0, span, torch.ones_like(span))[:, None]

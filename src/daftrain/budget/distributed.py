@@ -144,7 +144,7 @@ def agree_plan(own: Plan | None, error: BaseException | None, *, profile: Profil
     world, rank, device = dist.get_world_size(group), dist.get_rank(group), _device(group)
     n = len(segment_names)
     # 1. gather every rank's own plan: [status, required bytes, budget bytes, bits, checkpoint mask...]
-    row = torch.zeros(4 + n, dtype=torch.int64)
+    row = torch.zeros(4 + n, dtype=torch.int64, device="cpu")
     if error is not None or own is None:
         row[0] = _TOO_SMALL if isinstance(error, BudgetTooSmallError) else _FAILED
         if isinstance(error, BudgetTooSmallError):

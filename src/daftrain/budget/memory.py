@@ -128,7 +128,7 @@ class RssMeter:
         costs = []
         for _ in range(_REFAULT_ROUNDS):
             t0 = time.perf_counter()
-            buf = torch.empty(block_bytes, dtype=torch.uint8)
+            buf = torch.empty(block_bytes, dtype=torch.uint8, device="cpu")
             buf.fill_(1)
             t1 = time.perf_counter()
             buf.fill_(2)

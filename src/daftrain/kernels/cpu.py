@@ -1506,7 +1506,7 @@ def _empty(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     kernel that fills it. ``MADV_HUGEPAGE`` (what PyTorch does under
     ``THP_MEM_ALLOC_ENABLE=1``) cuts that to a fraction; it is only a hint, failures are ignored.
     """
-    out = torch.empty(shape, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype, device="cpu")
     nbytes = out.numel() * out.element_size()
     if _madvise is not None and nbytes >= 2 * _HUGE_PAGE:
         start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
@@ -1551,7 +1551,7 @@ def minmax_per_group(x: torch.Tensor, group_size: int) -> torch.Tensor:
     x = _flat(x)
     n = x.numel()
     ng = -(-n // group_size)
-    out = torch.empty(ng, 3, dtype=torch.float32)
+    out = torch.empty(ng, 3, dtype=torch.float32, device="cpu")
     if ng:
         with _Guard(n) as nt:
             _minmax_per_group(_raw(x), n, group_size, out.view(torch.int32).numpy(), _chunks(ng, nt))
@@ -1563,7 +1563,7 @@ def minmax_two_level(x: torch.Tensor, group_size: int) -> torch.Tensor:
     x = _flat(x)
     n = x.numel()
     ng = -(-n // group_size)
-    out = torch.empty(ng, 3, dtype=torch.float32)
+    out = torch.empty(ng, 3, dtype=torch.float32, device="cpu")
     if ng:
         with _Guard(n) as nt:
             tile = _tile(group_size, ng, nt)
@@ -1592,8 +1592,8 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         ng = -(-n // group_size)
         nbytes = group_size * bits // 8
         codes = _empty((ng, nbytes), torch.uint8)
-        lo = torch.empty(ng, dtype=torch.float32)
-        scale = torch.empty(ng, dtype=torch.bfloat16)
+        lo = torch.empty(ng, dtype=torch.float32, device="cpu")
+        scale = torch.empty(ng, dtype=torch.bfloat16, device="cpu")
         if ng == 0:
             return codes, lo, scale
         seed32 = np.uint32(seed & 0xFFFFFFFF)
@@ -1659,8 +1659,8 @@ def quantize_pack_columns(
     n = flat.numel()
     ng = n // group_size
     codes = _empty((ng, group_size * bits // 8), torch.uint8)
-    lo = torch.empty(ng, dtype=torch.float32)
-    scale = torch.empty(ng, dtype=torch.bfloat16)
+    lo = torch.empty(ng, dtype=torch.float32, device="cpu")
+    scale = torch.empty(ng, dtype=torch.bfloat16, device="cpu")
     if ng == 0:
         return codes, lo, scale
     with _Guard(n):
@@ -1687,7 +1687,7 @@ def unpack_dequantize_columns_into(
 def pack_bool(x: torch.Tensor) -> torch.Tensor:
     flat = _flat(x)
     n = flat.numel()
-    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device="cpu")
     if n:
         with _Guard(n // 4) as nt:
             _pack_bool(flat.view(torch.uint8).numpy(), out.numpy(), _chunks(out.numel() // 4096 + 1, nt))
@@ -1713,6 +1713,14 @@ def quantize_pack_with(
     return make_kernels(forced)["quantize_pack"](x, bits, group_size, seed, grid)
 
 
+# NOTE [ Tensors daftrain creates name their device ]
+# ``torch.set_default_device("cuda")`` (or ``with torch.device(...)``) makes every factory call without a device
+# create its tensor there, through a torch function mode active in the user's frames: when a context is constructed
+# (this warm-up), in its ``__exit__`` (the small saves sealed there), in the op rules' handler. Host buffers then
+# landed on the default device: the pinned buffer of the checks read later raised "Only dense CPU tensors can be
+# pinned", and this warm-up failed, leaving the reference kernels for the whole process. So every factory call in
+# daftrain names its device: "cpu" for host work, the input's device otherwise (``tests/test_factory_devices.py``
+# reads the source for calls without one).
 # NOTE [ Kernels load before the first step ]
 # A process's first call of each kernel specialisation loads it from numba's on-disk cache (or
 # compiles it, on a machine's first run), and the very first one also builds numba's typing and
@@ -1725,16 +1733,16 @@ def quantize_pack_with(
 def warmup() -> None:
     """Compile (or load from numba's cache) the float32 specialisations of every kernel; once per process
     (``NOTE [ Kernels load before the first step ]``)."""
-    x = torch.linspace(-1, 1, 100)
+    x = torch.linspace(-1, 1, 100, device="cpu")
     for strategy in STRATEGIES:
         c, lo, s = quantize_pack_with(strategy, x, 2, 32, 0)
         STRATEGIES[strategy](x, 32)
     unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32)
-    grid = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    grid = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cpu")
     c, lo, s = quantize_pack_with(PER_GROUP, x, 2, 32, 0, grid)
     unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32, grid)
-    rows = torch.linspace(-1, 1, 64)
+    rows = torch.linspace(-1, 1, 64, device="cpu")
     for g in (None, grid):
         c, lo, s = quantize_pack_columns(rows, 2, 2, 32, 0, g)
-        unpack_dequantize_columns_into(torch.empty(64), c, lo, s, 2, 2, 32, g)
+        unpack_dequantize_columns_into(torch.empty(64, device="cpu"), c, lo, s, 2, 2, 32, g)
     unpack_bool(pack_bool(x > 0), 100)

@@ -107,7 +107,7 @@ def _variance(histogram: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
 def _snap(inner: torch.Tensor, levels: int) -> torch.Tensor:
     """Inner levels [C, L - 1] on multiples of ``GRID_RESOLUTION``, strictly ascending inside (0, L)."""
     count = inner.shape[1]
-    position = torch.arange(count, dtype=inner.dtype)
+    position = torch.arange(count, dtype=inner.dtype, device=inner.device)
     ticks = torch.round(inner / GRID_RESOLUTION)
     ticks = torch.minimum(torch.maximum(ticks, position + 1), levels / GRID_RESOLUTION - count + position)
     for j in range(1, count):  # each at least one tick above the one below; the cap above leaves room
@@ -118,16 +118,16 @@ def _snap(inner: torch.Tensor, levels: int) -> torch.Tensor:
 def _candidates(histogram: torch.Tensor, bits: int) -> torch.Tensor:
     """Candidate grids [C, L + 1] (float64, on the CPU), the uniform grid first."""
     levels = (1 << bits) - 1
-    uniform = torch.arange(levels + 1, dtype=torch.float64)
+    uniform = torch.arange(levels + 1, dtype=torch.float64, device="cpu")
     inner: list[torch.Tensor] = []
     if bits == 2:
-        ticks = torch.arange(1, levels * _LATTICE, dtype=torch.float64) / _LATTICE
+        ticks = torch.arange(1, levels * _LATTICE, dtype=torch.float64, device="cpu") / _LATTICE
         inner.append(torch.combinations(ticks, 2))
     density = histogram.cpu() / histogram.sum().cpu() + 1e-4 / _BINS
-    edges = torch.linspace(0, levels, _BINS + 1, dtype=torch.float64)
-    quantiles = torch.linspace(0, 1, levels + 1, dtype=torch.float64)[1:-1]
+    edges = torch.linspace(0, levels, _BINS + 1, dtype=torch.float64, device="cpu")
+    quantiles = torch.linspace(0, 1, levels + 1, dtype=torch.float64, device="cpu")[1:-1]
     for power in _DENSITY_POWERS:
-        cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), (density ** power).cumsum(0)])
+        cumulative = torch.cat([torch.zeros(1, dtype=torch.float64, device="cpu"), (density ** power).cumsum(0)])
         cumulative = cumulative / cumulative[-1]
         j = torch.searchsorted(cumulative, quantiles).clamp(1, _BINS)
         c0, c1 = cumulative[j - 1], cumulative[j]
@@ -135,6 +135,6 @@ def _candidates(histogram: torch.Tensor, bits: int) -> torch.Tensor:
         for blend in _BLENDS:
             inner.append((blend * companded + (1 - blend) * uniform[1:-1])[None])
     snapped = _snap(torch.cat(inner), levels)
-    ends = torch.tensor([0.0, float(levels)], dtype=torch.float64).expand(snapped.shape[0], 2)
+    ends = torch.tensor([0.0, float(levels)], dtype=torch.float64, device="cpu").expand(snapped.shape[0], 2)
     grids = torch.cat([ends[:, :1], snapped, ends[:, 1:]], 1)
     return torch.cat([uniform[None], grids])

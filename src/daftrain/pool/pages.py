@@ -120,10 +120,10 @@ def _spill_pieces(spec: _PayloadSpec) -> list[bytes | torch.Tensor]:
 def _host_region(nbytes: int, pinned: bool) -> torch.Tensor:
     """``nbytes`` of zeroed, resident host memory as a uint8 tensor (NOTE [ Host memory ])."""
     if pinned:
-        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.zeros(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if not flags:  # not a POSIX mmap (Windows)
-        return torch.zeros(nbytes, dtype=torch.uint8)
+        return torch.zeros(nbytes, dtype=torch.uint8, device="cpu")
     populate = getattr(mmap, "MAP_POPULATE", 0)
     region = mmap.mmap(-1, nbytes, flags=flags | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     data = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` alive; unmapped with it
@@ -289,7 +289,7 @@ class _PageTable:
 
     def gather(self, runs: list[Run], nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The first ``nbytes`` of a stream stored in ``runs``, copied into a fresh buffer or ``out``."""
-        buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu") if out is None else out[:nbytes]
         for data, doff, soff, n in self.segments(runs, nbytes):
             buf[soff : soff + n].copy_(data[doff : doff + n])
         return buf
@@ -297,7 +297,7 @@ class _PageTable:
     def view(self, runs: list[Run], nbytes: int) -> torch.Tensor:
         """A view of the first ``nbytes`` of a stream stored in at most one run."""
         if not runs:
-            return torch.empty(0, dtype=torch.uint8)
+            return torch.empty(0, dtype=torch.uint8, device="cpu")
         c_id, first, _ = runs[0]
         start = first * self.page_size
         return self.chunks[c_id].data[start : start + nbytes]

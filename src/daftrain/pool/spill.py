@@ -136,7 +136,7 @@ class _SpillFiles:
     @staticmethod
     def read(path: Path, seq: int, nbytes: int, crc: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read and verify the stream of record ``seq`` into a fresh buffer or ``out``."""
-        buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu") if out is None else out[:nbytes]
         try:
             with os.fdopen(os.open(path, _READ_FLAGS), "rb") as f:
                 header = f.read(_SPILL_HEADER.size)

@@ -73,7 +73,7 @@ class DeviceVerdict:
         # one float per check, finite where it holds: a bool's reciprocal is 1 where true, Inf where false
         values = [v.float().reciprocal() if v.dtype == torch.bool else v.float() for v, _ in checks]
         on_device = values[0].reshape(1) if len(values) == 1 else torch.stack(values)
-        self._values = torch.empty(on_device.shape, dtype=torch.float32, pin_memory=True)
+        self._values = torch.empty(on_device.shape, dtype=torch.float32, device="cpu", pin_memory=True)
         self._values.copy_(on_device, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record(torch.cuda.current_stream(on_device.device))  # the checks' device, not the current one

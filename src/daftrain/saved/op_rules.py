@@ -544,7 +544,7 @@ def _clip(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ClipMa
     enc = ClipMask(None if lo is None else float(lo), None if hi is None else float(hi), inclusive, inside, outside,
                    tie=0.0 if func in _ABSOLUTE or func in _NORMS else None)  # the sign of 0 is 0
     # The restored values must compare as the originals did in the tensor's own dtype.
-    probe = torch.tensor([inside, outside], dtype=x.dtype)
+    probe = torch.tensor([inside, outside], dtype=x.dtype, device="cpu")
     if probe.isfinite().all() and enc.mask(probe).tolist() == [True, False]:
         return enc
     return None
@@ -564,8 +564,8 @@ def _comparison(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     value = here.item()
     if not math.isfinite(value):
         return None
-    above = torch.nextafter(here, torch.tensor(math.inf, dtype=c.dtype))
-    below = torch.nextafter(here, torch.tensor(-math.inf, dtype=c.dtype))
+    above = torch.nextafter(here, torch.tensor(math.inf, dtype=c.dtype, device="cpu"))
+    below = torch.nextafter(here, torch.tensor(-math.inf, dtype=c.dtype, device="cpu"))
     upper = func in (torch.min, torch.minimum, torch.Tensor.min, torch.Tensor.minimum)
     if upper:  # the input's gradient flows where x < c
         return x, ClipMask(None, value, False, below.item(), above.item(), tie=value)

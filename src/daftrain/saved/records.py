@@ -864,7 +864,7 @@ def derivative_of(kind: str, x: torch.Tensor) -> torch.Tensor:
 def _extremum(kind: str, lo: float, hi: float, largest: bool) -> float:
     """Where f' is largest (smallest) on [lo, hi], on which it rises to that point and falls after it (falls
     to it and rises after)."""
-    a, b = torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64)
+    a, b = torch.tensor(lo, dtype=torch.float64, device="cpu"), torch.tensor(hi, dtype=torch.float64, device="cpu")
     for _ in range(100):
         m1, m2 = a + (b - a) / 3, b - (b - a) / 3
         rising = derivative_of(kind, m1) < derivative_of(kind, m2)
@@ -875,7 +875,7 @@ def _extremum(kind: str, lo: float, hi: float, largest: bool) -> float:
 def _increasing_interval(kind: str) -> tuple[float, float]:
     """[lo, hi], where f' increases through all its values (``NOTE [ Activations stored as their derivative ]``)."""
     if kind == "hardswish":  # f' jumps at both ends (0 at -3, 1 at 3): the float32 values just inside
-        inside = float(torch.nextafter(torch.tensor(3.0), torch.tensor(0.0)))
+        inside = float(torch.nextafter(torch.tensor(3.0, device="cpu"), torch.tensor(0.0, device="cpu")))
         return -inside, inside
     hi = _extremum(kind, 0.0, 4.0, largest=True)
     if kind == "mish":
@@ -910,8 +910,8 @@ def _inverse_table(kind: str, device: torch.device,
         table, d_lo, d_hi = _inverse_table(kind, device)
         return table.to(dtype), d_lo, d_hi
     lo, hi = _increasing_interval(kind)
-    d_lo, d_hi = (float(v) for v in derivative_of(kind, torch.tensor([lo, hi], dtype=torch.float64)))
-    d = torch.linspace(d_lo, d_hi, _INVERSE_POINTS, dtype=torch.float64)
+    d_lo, d_hi = (float(v) for v in derivative_of(kind, torch.tensor([lo, hi], dtype=torch.float64, device="cpu")))
+    d = torch.linspace(d_lo, d_hi, _INVERSE_POINTS, dtype=torch.float64, device="cpu")
     a, b = torch.full_like(d, lo), torch.full_like(d, hi)
     for _ in range(_BISECTIONS):
         mid = (a + b).mul_(0.5)
@@ -947,8 +947,9 @@ class Derivative(_Encoding):
         if dtype == torch.float32:
             return x
         if self.kind == "hardswish":  # the ends of the table round onto the jumps in a narrower dtype
-            inside = torch.nextafter(torch.tensor(3.0, dtype=dtype), torch.tensor(0.0, dtype=dtype))
-            x.clamp_(-inside.item(), inside.item())
+            three, zero = (torch.tensor(v, dtype=dtype, device="cpu") for v in (3.0, 0.0))
+            inside = torch.nextafter(three, zero).item()
+            x.clamp_(-inside, inside)
         return x
 
     def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
