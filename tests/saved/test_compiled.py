@@ -450,3 +450,34 @@ def test_channels_last_bool_masks_are_bit_packed_and_restored_with_their_strides
     assert ctx.stats.compiled_bool_packed == 1, ctx.stats.summary()
     assert torch.equal(conv.weight.grad, plain)  # the mask is stored losslessly, in its own layout
 
+
+
+def _gram(h: torch.Tensor) -> torch.Tensor:
+    m = h.reshape(-1, 8, 8)
+    return m @ m.transpose(-1, -2) + 0.1 * torch.eye(8)
+
+
+@pytest.mark.parametrize("call", [
+    lambda h: torch.linalg.solve(_gram(h), h.reshape(-1, 8, 8)),
+    lambda h: torch.linalg.inv(_gram(h)),
+    lambda h: torch.inverse(_gram(h)),
+    lambda h: torch.linalg.cholesky(_gram(h)).diagonal(dim1=-2, dim2=-1).log(),
+    lambda h: torch.linalg.lu_factor(_gram(h))[0],
+], ids=["solve", "inv", "inverse", "cholesky", "lu_factor"])
+def test_linalg_calls_that_check_their_result_compile_under_compress(call):
+    # NOTE [ Linalg calls that check their result ]: their error check is an effect token in the graph, and
+    # compiling such a graph with the hooks inlined raised an IndexError inside AOTAutograd. They run eagerly
+    # now, under the op rules, and the graph around them is compressed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return call(model(x))
+
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+    ref = _grads(model, fn, x, None)
+    ctx = daftrain.compress(bits=8, min_numel=0)
+    got = _grads(model, torch.compile(fn, backend=counter), x, ctx)
+    assert counter.frame_count >= 1 and ctx.stats.compiled_quantized > 0, ctx.stats.summary()
+    assert _cos(got, ref) >= COSINE_8_BITS, _cos(got, ref)

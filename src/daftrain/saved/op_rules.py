@@ -838,6 +838,27 @@ def _opened(func: Any) -> Any:
 # where a tensor saved now reaches daftrain's hooks (``compress``'s, or a ``daftrain.checkpoint`` region's, which
 # recomputes under the rules) or no hooks at all (``ExactSavings``: plain autograd saves); anywhere else it runs as
 # it is.
+# NOTE [ Linalg calls that check their result ]
+# ``torch.linalg.inv``, ``solve``, ``cholesky`` and the other linalg functions that raise on a singular input (each
+# has an ``_ex`` twin that returns the error code instead) check their result with ``aten._linalg_check_errors``,
+# which AOTAutograd threads through the graph as an effect token: one more forward output. When saved-tensor hooks
+# are inlined into the graph (``NOTE [ Hooks inside compiled graphs ]`` in compiled.py), AOTAutograd picks the saves
+# to offer them by counting the forward's outputs without that token, one place off: compiling any such graph
+# under ``compress`` failed with an ``IndexError`` from inside PyTorch. So while compiling, these calls break the
+# graph: they run eagerly, under the eager hooks and the op rules, and the graphs around them compile. Exact mode
+# (``bits=None``) has no rule mode to break them out: compiling them under it still fails.
+_CHECKED_LINALG = frozenset(
+    [getattr(torch.linalg, name[:-3]) for name in dir(torch.linalg)
+     if name.endswith("_ex") and hasattr(torch.linalg, name[:-3])]
+    + [torch.inverse, torch.Tensor.inverse, torch.linalg.tensorinv, torch.linalg.tensorsolve])
+
+
+def _called_eagerly(mode: _RuleMode, func: Any, types: Any, args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any]) -> Any:
+    """``func`` called through ``mode``'s handler outside any graph (NOTE [ Linalg calls that check their result ])."""
+    return mode.__torch_function__(func, types, args, kwargs)
+
+
 # NOTE [ Rules while compiling ]
 # Dynamo traces a torch function mode's handler into the graph it compiles, and guards on what the handler read: a
 # lookup of the called function in the rules' table became a guard on that table's keys, which failed on the frame
@@ -853,6 +874,8 @@ class _RuleMode(TorchFunctionMode):
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # compiled graphs decide without the rules (NOTE [ Rules while compiling ])
+            if func in _CHECKED_LINALG:  # NOTE [ Linalg calls that check their result ]
+                return torch._dynamo.disable(_called_eagerly)(self, func, types, args, kwargs)
             return func(*args, **kwargs)
         rules = self.by_function.get(func)
         linear = func in self.tracer.linears
