@@ -5,6 +5,10 @@ plain PyTorch's, with the op rules and without them (the hooks as before any rul
 
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_losses.py
     .venv/bin/python benchmarks/bench_losses.py --cases binary_cross_entropy amax --no-compile
+    python benchmarks/bench_losses.py --device cuda --out /tmp/losses_cuda.json
+
+``--device cuda`` runs every case on the GPU (the same values, drawn on the CPU and moved), compressed against
+plain PyTorch on that device.
 """
 
 from __future__ import annotations
@@ -120,9 +124,10 @@ CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def gradient(case: str, ctx: daftrain.compress | None, compiled: bool) -> torch.Tensor:
+    device = torch.get_default_device()
     torch.manual_seed(0)
-    linear = torch.nn.Linear(WIDTH, WIDTH)
-    x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    linear = torch.nn.Linear(WIDTH, WIDTH, device="cpu").to(device)
+    x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu").to(device).requires_grad_()
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         return CASES[case](linear(x))
@@ -130,7 +135,7 @@ def gradient(case: str, ctx: daftrain.compress | None, compiled: bool) -> torch.
     run = torch.compile(fn, backend="aot_eager") if compiled else fn
     with ctx if ctx is not None else torch.enable_grad():
         out = run(x)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), device="cpu").to(device)
     (grad,) = torch.autograd.grad((out * weights).sum(), x)
     return grad
 
@@ -156,7 +161,12 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="*", default=[8, 4, 2])
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/singular_backward/losses.json")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    if args.device != "cpu":  # the cases' constants and the tensors they create go to the device
+        for name in ("TARGET", "VALUES", "ONE_HOT", "IMAGE", "GROUPS", "SIGNS"):
+            globals()[name] = globals()[name].to(args.device)
+        torch.set_default_device(args.device)
     warnings.simplefilter("ignore")
     rows = []
     for case in args.cases:

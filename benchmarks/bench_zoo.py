@@ -16,7 +16,9 @@ differ by more than a target allows is listed under ``plain_noise`` for that tar
 ``--attribute BITS`` (with ``--models``) also quantizes one saved tensor at a time, the rest exact, and
 reports the ``--top`` tensors with the largest error: which saved tensor carries a model's error.
 
-``--zoo torch`` runs the ``torch.nn`` architectures of ``demo/models/torch_zoo.py`` instead.
+``--zoo torch`` runs the ``torch.nn`` architectures of ``demo/models/torch_zoo.py`` instead. ``--device cuda``
+builds each model and its inputs as on the CPU and moves them to the GPU: every run, plain ones included, is
+on that device.
 
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_zoo.py --zoo torch \
@@ -133,7 +135,8 @@ def share_gradient(model: torch.nn.Module, inputs: dict[str, torch.Tensor], shar
 
 
 def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: float,
-              settings: dict[str, Any] | None = None, checkpointing: bool = False) -> dict[str, Any]:
+              settings: dict[str, Any] | None = None, checkpointing: bool = False,
+              device: str = "cpu") -> dict[str, Any]:
     """One model's row; ``settings`` go to every compressed context (``--memory-order``, ``--uniform-grids``);
     ``checkpointing`` enables the model's own gradient checkpointing (``torch.utils.checkpoint`` per layer) in
     every run, plain ones included, where the model supports it (``--gradient-checkpointing``)."""
@@ -141,6 +144,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
     row: dict[str, Any] = {"model": model_type, "kind": kind}
     with recorded(row):
         model, inputs = build_zoo_model(model_type, kind, overrides)
+        model, inputs = model.to(device), {k: v.to(device) for k, v in inputs.items()}
         row["checkpointed"] = checkpointing and bool(getattr(model, "supports_gradient_checkpointing", False))
         if row["checkpointed"]:
             model.gradient_checkpointing_enable()
@@ -249,6 +253,7 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="enable each model's gradient checkpointing where it supports it, plain runs included "
                         "(NOTE [ A checkpointed region's inputs are kept exact ])")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     settings = {**({"column_groups": False} if args.memory_order else {}),
                 **({"fitted_grids": False} if args.uniform_grids else {})}
@@ -257,9 +262,11 @@ def main() -> None:
     zoo = [z for z in zoo_entries(args.zoo) if not args.models or z[0] in args.models]
     rows = []
     for model_type, kind, overrides in zoo:
-        row = run_model(model_type, kind, overrides, args.error_share, settings or None, args.gradient_checkpointing)
+        row = run_model(model_type, kind, overrides, args.error_share, settings or None, args.gradient_checkpointing,
+                        args.device)
         if args.attribute and row["status"] == "ok":
             model, inputs = build_zoo_model(model_type, kind, overrides)
+            model, inputs = model.to(args.device), {k: v.to(args.device) for k, v in inputs.items()}
             found = attribute(model, inputs, args.attribute, args.top, settings or None)
             row[f"attribution{args.attribute}"] = found
             for e in found:

@@ -373,7 +373,7 @@ def tiny_inputs(model: nn.Module, kind: str, *, batch: int = 4, length: int = 64
 def _projection_loss(out: object) -> torch.Tensor:
     values = out.values() if hasattr(out, "values") else out  # type: ignore[attr-defined]
     y = next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad)
-    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
+    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype).to(y.device)
     return (y * proj).sum()
 
 
