@@ -28,7 +28,9 @@ def grads_of(module: torch.nn.Module, *extra: torch.Tensor) -> torch.Tensor:
 
 def saving_probe(seen: list[tuple[torch.Tensor, ...]]) -> type[torch.autograd.Function]:
     """An autograd Function that saves its inputs for backward and, in backward, appends what it gets
-    back (``ctx.saved_tensors``, restored through whatever saved-tensor hooks were active) to ``seen``."""
+    back (``ctx.saved_tensors``, restored through whatever saved-tensor hooks were active) to ``seen``. ``compress``
+    keeps a custom Function's float saves exact unless ``quantize_custom_functions=True``, which tests that probe
+    how saves are stored pass."""
 
     class SavingProbe(torch.autograd.Function):
         @staticmethod

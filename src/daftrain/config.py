@@ -82,6 +82,11 @@ class CompressionConfig:
     """Store integer tensors (a max pool's indices, a gather's) in the narrowest integer type that holds their
     values' span, losslessly (``NOTE [ Integer tensors in their narrowest type ]`` in ``saved/records.py``)."""
 
+    quantize_custom_functions: bool = False
+    """Quantize what a custom ``torch.autograd.Function`` saves too. Its backward is the author's own code, which
+    daftrain's op rules know nothing of: by default its floating-point saves are kept exact, and only lossless
+    packing applies to them (``NOTE [ Saves of custom Functions are kept ]`` in ``saved/nesting.py``)."""
+
     seed: int | None = None
     """Base seed of the stochastic-rounding stream; ``None`` derives it from ``torch.initial_seed()``."""
 
@@ -163,6 +168,9 @@ class CompressionConfig:
             raise ArgumentTypeError(f"batch_small must be a bool, got {type(self.batch_small).__name__}")
         if not isinstance(self.pack_integers, bool):
             raise ArgumentTypeError(f"pack_integers must be a bool, got {type(self.pack_integers).__name__}")
+        if not isinstance(self.quantize_custom_functions, bool):
+            raise ArgumentTypeError(
+                f"quantize_custom_functions must be a bool, got {type(self.quantize_custom_functions).__name__}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):

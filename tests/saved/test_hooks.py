@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -256,7 +257,7 @@ def test_views_share_a_record_and_get_their_strides_back():
     h = base * 2.0
     a = h.transpose(1, 2)  # dense, not contiguous
     b = h.view(8 * 64, 32)  # same span
-    with daftrain.compress(bits=8) as ctx:
+    with daftrain.compress(bits=8, quantize_custom_functions=True) as ctx:
         Probe.apply(a, b).backward()
     seen = dict(zip("ab", saved[0], strict=True))
     assert ctx.stats.compressed == 1 and ctx.stats.deduplicated == 1
@@ -273,7 +274,7 @@ def test_channels_last_and_sliced_views_come_back_with_their_layout():
     h = torch.randn(4, 32, 16, 16, requires_grad=True) * 1.0
     a = h.contiguous(memory_format=torch.channels_last)
     b = h[:, ::2, 3:11]  # a view with gaps: packed from its contents
-    with daftrain.compress(bits=8, min_numel=0):
+    with daftrain.compress(bits=8, min_numel=0, quantize_custom_functions=True):
         Probe.apply(a, b).backward()
     seen = dict(zip("ab", saved[0], strict=True))
     assert seen["a"].stride() == a.stride() and seen["a"].is_contiguous(memory_format=torch.channels_last)
@@ -288,7 +289,7 @@ def test_in_place_change_between_saves_is_packed_again():
 
     h = torch.randn(64, 128, requires_grad=True) * 1.0
     before = h.detach().clone()
-    with daftrain.compress(bits=8) as ctx:
+    with daftrain.compress(bits=8, quantize_custom_functions=True) as ctx:
         s1 = Probe.apply(h)
         with torch.no_grad():
             h.mul_(10)
@@ -739,3 +740,50 @@ def test_a_gradient_penalty_trains_as_plain_under_double_backward() -> None:
     got = grads(ctx)
     assert ctx.stats.compressed > 0
     assert F.cosine_similarity(got.double(), grads(None).double(), dim=0) >= 0.999
+
+
+class _StraightThroughClip(torch.autograd.Function):
+    """A user's clip with its own backward: a threshold on what it saved, and a mask saved as a bool."""
+
+    @staticmethod
+    def forward(ctx, x, lo):  # type: ignore[no-untyped-def, override]
+        ctx.save_for_backward(x, x > lo + 1.0)
+        ctx.lo = lo
+        return x.clamp(min=lo)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        x, far = ctx.saved_tensors
+        return grad * (x >= ctx.lo) * (1.0 + far), None
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_a_custom_functions_saves_are_kept_unless_asked(quantize):
+    # NOTE [ Saves of custom Functions are kept ]: its backward is opaque to the op rules; a threshold on a rounded
+    # input moved the gradient at any bits.
+    torch.manual_seed(0)
+    model = nn.Linear(64, 256)
+    x = torch.randn(128, 64)
+
+    def grads(ctx):
+        model.zero_grad()
+        with ctx if ctx is not None else contextlib.nullcontext():
+            out = _StraightThroughClip.apply(model(x), 0.1)
+        (out * torch.linspace(-1, 1, 256)).sum().backward()
+        return grads_of(model).clone()
+
+    ref = grads(None)
+    ctx = daftrain.compress(bits=2, quantize_custom_functions=quantize)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = grads(ctx)
+        grads(ctx)
+    told = [w for w in caught if issubclass(w.category, daftrain.CustomFunctionWarning)]
+    assert ctx.stats.bool_packed == 1, ctx.stats.summary()  # lossless packing applies either way
+    if quantize:
+        assert ctx.stats.compressed == 1 and not torch.equal(got, ref) and not told
+    else:
+        assert ctx.stats.kept_reasons["custom_function"] == 1 and ctx.stats.compressed == 0, ctx.stats.summary()
+        assert torch.equal(got, ref)
+        # the kept bytes are most of what the forward saved: said once per context, naming the Function
+        assert len(told) == 1 and "_StraightThroughClip" in str(told[0].message), [str(w.message) for w in told]

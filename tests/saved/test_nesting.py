@@ -1,4 +1,5 @@
-"""Which saves are a ``torch.utils.checkpoint`` region's inputs (``saved/nesting.py``)."""
+"""Who saves what the hooks pack: a ``torch.utils.checkpoint`` region's inputs, a custom Function's saves, or
+autograd's own formulas (``saved/nesting.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from daftrain.saved.nesting import saved_by_torch_checkpoint
+from daftrain.saved.nesting import CHECKPOINT_INPUT, saving_function
 
 
 class _Square(torch.autograd.Function):
@@ -21,11 +22,11 @@ class _Square(torch.autograd.Function):
         return 2 * x * grad
 
 
-def _told(run) -> list[bool]:  # type: ignore[no-untyped-def]
-    told: list[bool] = []
+def _told(run) -> list[object]:  # type: ignore[no-untyped-def]
+    told: list[object] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        told.append(saved_by_torch_checkpoint())
+        told.append(saving_function())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -37,8 +38,9 @@ def _told(run) -> list[bool]:  # type: ignore[no-untyped-def]
 def test_a_checkpoints_input_is_told_from_other_saves(use_reentrant: bool) -> None:
     # The region's saves go to checkpoint's own hooks (non-reentrant) or are not made (reentrant): the one save
     # seen is the region's input.
-    assert _told(lambda x: checkpoint(lambda h: h.sin().cos(), x, use_reentrant=use_reentrant)) == [True]
+    assert _told(lambda x: checkpoint(lambda h: h.sin().cos(), x, use_reentrant=use_reentrant)) == [CHECKPOINT_INPUT]
 
 
-def test_op_and_custom_function_saves_are_not_a_checkpoints() -> None:
-    assert _told(lambda x: _Square.apply(x.sin())) == [False, False]
+def test_a_custom_functions_saves_are_told_by_its_class() -> None:
+    # sin saves its input through autograd's own formula; the Function saves sin's output.
+    assert _told(lambda x: _Square.apply(x.sin())) == [None, _Square]

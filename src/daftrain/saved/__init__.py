@@ -5,8 +5,9 @@ from ..errors import InPlaceModificationError
 from .checkpoint import RecomputationMismatchError, checkpoint
 from .compiled import CompileFallbackWarning
 from .hooks import compress
+from .nesting import CustomFunctionWarning
 from .op_rules import AmplifiedRoundingWarning
 from .stats import CompressionStats
 
-__all__ = ["AmplifiedRoundingWarning", "CompileFallbackWarning", "CompressionStats", "InPlaceModificationError",
-           "RecomputationMismatchError", "checkpoint", "compress"]
+__all__ = ["AmplifiedRoundingWarning", "CompileFallbackWarning", "CompressionStats", "CustomFunctionWarning",
+           "InPlaceModificationError", "RecomputationMismatchError", "checkpoint", "compress"]

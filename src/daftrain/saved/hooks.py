@@ -35,7 +35,13 @@ from .decode_buffers import DecodeBuffers
 from .grid_choice import GridChoice
 from .grouping import ColumnChoice
 from .live_saves import LiveSaves
-from .nesting import saved_by_torch_checkpoint, warn_if_nested
+from .nesting import (
+    CHECKPOINT_INPUT,
+    CUSTOM_SHARE_WARNED,
+    saving_function,
+    warn_custom_functions_kept,
+    warn_if_nested,
+)
 from .op_rules import RULES, AmplifiedRoundingWarning, OpMatch, OpTracer
 from .packer import AsyncPacker
 from .per_position import PerPosition
@@ -215,6 +221,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         # NOTE [ Saves held for a singular backward ] in singular.py: the saves of squares and softplus calls, held for
         # ``HELD_SAVES`` more saves, each with the count of saves when it came, the node that made it and its record.
         self._held_saves: collections.deque[tuple[int, Any, Any, torch.Tensor]] = collections.deque()
+        # NOTE [ Saves of custom Functions are kept ] in nesting.py: bytes kept this forward, by Function
+        self._custom_kept: collections.Counter[str] = collections.Counter()
+        self._custom_warned = False
         self._amplified_warned = False
         # Records saved more than once; entries go with their records (after backward frees the graph).
         self._shared: weakref.WeakKeyDictionary[Any, _SharedDecode] = weakref.WeakKeyDictionary()
@@ -327,6 +336,10 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(exc_type, exc, tb)
         self._hooks.deactivate(self)
         self._small.seal(self._encode_small)
+        if (not self._custom_warned and self._custom_kept
+                and self._custom_kept.total() >= CUSTOM_SHARE_WARNED * self._stats.raw_bytes):
+            self._custom_warned = True
+            warn_custom_functions_kept(self._custom_kept, self._stats.raw_bytes)
         self._forget_saves()
         self._account_settled(self._settling.settle_all())
         if catcher is not None and exc_type is None and self._bit_policy.wants_calibration():
@@ -360,6 +373,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._exact_storages.clear()
         self._recent_saves.clear()
         self._held_saves.clear()
+        self._custom_kept.clear()
         self._raw_storages, self._kept_storages = set(), set()
 
     def recomputation_context(self) -> compress:
@@ -442,8 +456,13 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         if decision.reason == "parameter":
             stats.parameters += 1
             return t.detach()
-        if decision.treatment in _ROUNDED and saved_by_torch_checkpoint():
-            decision = _KEEP_CHECKPOINT_INPUT  # NOTE [ A checkpointed region's inputs are kept exact ] in nesting.py
+        if decision.treatment in _ROUNDED:
+            saver = saving_function()
+            if saver is CHECKPOINT_INPUT:
+                decision = _KEEP_CHECKPOINT_INPUT  # NOTE [ A checkpointed region's inputs are kept exact ]
+            elif saver is not None and not self.config.quantize_custom_functions and not _is_daftrains(saver):
+                decision = _KEEP_CUSTOM_FUNCTION  # NOTE [ Saves of custom Functions are kept ] in nesting.py
+                self._custom_kept[saver.__qualname__] += t.numel() * t.element_size()
         # Sparse, nested and meta tensors have no storage to account or pack (decide keeps them).
         storage = None if decision.reason == "layout" else self._count_raw(t)
         if decision.treatment is Treatment.KEEP:
@@ -840,6 +859,12 @@ _QUANTIZE_SMALL = Decision(Treatment.QUANTIZE, "")
 _KEEP_SMALL = Decision(Treatment.KEEP, "tiny")
 _KEEP_SINGULAR = Decision(Treatment.KEEP, "op_rule", rule="singular_backward")
 _KEEP_CHECKPOINT_INPUT = Decision(Treatment.KEEP, "checkpoint")
+_KEEP_CUSTOM_FUNCTION = Decision(Treatment.KEEP, "custom_function")
+
+
+def _is_daftrains(function: type | str) -> bool:
+    """Whether a custom Function is one of daftrain's own, whose saves its rules chose to be quantized."""
+    return getattr(function, "__module__", "").startswith("daftrain.")
 _ROUNDED = (Treatment.QUANTIZE, Treatment.BATCH)
 _KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
           Treatment.PACK_INTEGER: "integer"}
