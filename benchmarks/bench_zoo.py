@@ -9,9 +9,12 @@ PyTorch's saved bytes, as exact mode sees them, over the bytes stored);
 tensors quantized and kept; and, at 2 bits with the rules, which op class carries the largest error
 (only that class quantized, the rest exact, the lowest cosine). An exception is a row marked ``error``.
 
-Plain PyTorch is run twice: ``cos_plain`` is the cosine between the two. A model whose own two plain runs
-differ by more than a target allows is listed under ``plain_noise`` for that target, not as a miss
-(``zoo_gradient`` seeds torch's and numpy's generators, so no model is there now).
+Plain PyTorch is run twice: ``cos_plain`` is the cosine between the two; and once more with every parameter
+moved by ``PLAIN_PERTURBATION`` of itself (``cos_plain_perturbed``), far less than 8-bit rounding moves anything:
+where that moves the gradient, the device's own arithmetic (TF32 convolutions on a GPU) sets a floor no
+compression can be measured under. A model whose plain runs differ by more than a target allows is listed under
+``plain_noise`` for that target, not as a miss (``zoo_gradient`` seeds torch's and numpy's generators, so on the
+CPU no model is there now).
 
 ``--attribute BITS`` (with ``--models``) also quantizes one saved tensor at a time, the rest exact, and
 reports the ``--top`` tensors with the largest error: which saved tensor carries a model's error.
@@ -108,6 +111,27 @@ def _step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ctx: Any) -> 
     return zoo_gradient(model, inputs, ctx), (ctx.stats if ctx is not None else None)
 
 
+PLAIN_PERTURBATION = 1e-6
+"""Relative size of the perturbation of the parameters in the ``cos_plain_perturbed`` run."""
+
+
+def _perturbed_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Plain PyTorch's gradient with every floating-point parameter moved by ``PLAIN_PERTURBATION`` of itself (a
+    fixed draw), the parameters restored after."""
+    generator = torch.Generator().manual_seed(11)
+    saved = [(p, p.detach().clone()) for p in model.parameters() if p.is_floating_point()]
+    with torch.no_grad():
+        for p, _ in saved:
+            noise = torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.device, p.dtype)
+            p.add_(p * noise * PLAIN_PERTURBATION)
+    try:
+        return zoo_gradient(model, inputs)
+    finally:
+        with torch.no_grad():
+            for p, value in saved:
+                p.copy_(value)
+
+
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
@@ -152,6 +176,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
         again, _ = _step(model, inputs, None)
         row["plain_deterministic"] = bool(torch.equal(ref, again))
         row["cos_plain"] = _cos(again, ref)
+        row["cos_plain_perturbed"] = _cos(_perturbed_step(model, inputs), ref)
         exact, exact_stats = _step(model, inputs, daftrain.compress(bits=None, model=model))
         row["exact_identical"] = bool(torch.equal(exact, ref))
         plain_bytes = row["raw_bytes_plain"] = exact_stats.raw_bytes
@@ -180,12 +205,17 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
     return row
 
 
+def _plain_floor(row: dict[str, Any]) -> float:
+    """The lowest cosine plain PyTorch gets against itself (run again, or its parameters perturbed)."""
+    return min(row["cos_plain"], row.get("cos_plain_perturbed", 1.0))
+
+
 def summarize(rows: list[dict[str, Any]], tag: str) -> dict[str, Any]:
     ok = [r for r in rows if r["status"] == "ok"]
     def col(k: str) -> list[float]:
         return [r[f"{k}_{tag}"] for r in ok]
     def misses(k: str, target: float, noise: bool) -> list[str]:
-        return [r["model"] for r in ok if r[f"cos{k}_{tag}"] < target and (r["cos_plain"] < target) == noise]
+        return [r["model"] for r in ok if r[f"cos{k}_{tag}"] < target and (_plain_floor(r) < target) == noise]
     summary = {
         "models": len(rows), "errors": len(rows) - len(ok),
         "exact_identical": sum(r["exact_identical"] for r in ok),
@@ -198,7 +228,8 @@ def summarize(rows: list[dict[str, Any]], tag: str) -> dict[str, Any]:
     summary["below"] = {k: misses(k, t, noise=False) for k, t in limits}
     summary["plain_noise"] = {k: misses(k, t, noise=True) for k, t in limits}
     summary["met"] = {
-        "no_exception": summary["errors"] == 0, "exact_identical": summary["exact_identical"] == len(rows),
+        "no_exception": summary["errors"] == 0,
+        "exact_identical": all(r["exact_identical"] or not r["plain_deterministic"] for r in ok),
         **{k: summary[k] >= TARGETS[k] for k in TARGETS},
     }
     for k, _ in limits:  # a minimum below its target only through plain PyTorch's own noise is met
