@@ -3,8 +3,9 @@ sequences, straight-through estimators (Gumbel-softmax, fake quantization, a cus
 reparameterised sampling, sparse and bag embeddings, Hessian-vector products, ``torch.func``, parametrizations,
 padding masks, autocast, checkpointing, retained graphs, transposed and 3-D convolutions, sorting and quantiles,
 contrastive and entropy terms. Each: all parameter gradients (or the returned gradient) under ``compress(bits=b)``
-and the default ``compress()`` against plain PyTorch's, same seeds; an exception is reported by its type and
-message (a daftrain error that refuses a setup is a result, not a crash).
+(``min_numel=0``: every save, these setups being small) and the default ``compress()`` against plain PyTorch's,
+same seeds, with how many saves each quantized; an exception is reported by its type and message (a daftrain error
+that refuses a setup is a result, not a crash).
 
     flock /tmp/daftrain-bench.lock .venv/bin/python benchmarks/bench_setups.py
     .venv/bin/python benchmarks/bench_setups.py --cases custom_function ctc --out /tmp/setups.json
@@ -588,6 +589,128 @@ def c_var_std():
     return m, step
 
 
+def c_bf16_weights():
+    m = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 10)).to(torch.bfloat16)
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    y = torch.randint(0, 10, (64,))
+
+    def step(m, ctx):
+        ctxed(ctx, lambda: F.cross_entropy(m(x).float(), y)).backward()
+
+    return m, step
+
+
+def c_float64_model():
+    m = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Softplus(), nn.Linear(64, 1)).double()
+    x = torch.randn(256, 8, dtype=torch.float64)
+
+    def step(m, ctx):
+        ctxed(ctx, lambda: (m(x) - x.sum(-1, keepdim=True).sin()).pow(2).mean()).backward()
+
+    return m, step
+
+
+def c_complex_layer():
+    m = nn.Linear(32, 32, dtype=torch.cfloat)
+    x = torch.randn(64, 32, dtype=torch.cfloat)
+
+    def step(m, ctx):
+        ctxed(ctx, lambda: (m(x).abs() ** 2).log1p().sum()).backward()
+        return torch.cat([torch.view_as_real(p.grad).flatten() for p in m.parameters()])
+
+    return m, step
+
+
+def c_torchscript():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return h / (torch.linalg.vector_norm(h, 2.0, -1, True) + 1e-3)
+
+    m = torch.jit.script(Block())
+    x = torch.randn(64, 32)
+    w = torch.randn(64, 32)
+
+    def step(m, ctx):
+        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
+
+    return m, step
+
+
+def c_fx_traced():
+    m = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(32, 64), nn.ReLU6(), nn.Linear(64, 64), nn.Hardswish()))
+    x = torch.randn(64, 32)
+    w = torch.randn(64, 64)
+
+    def step(m, ctx):
+        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
+
+    return m, step
+
+
+def c_causal_decoder():
+    m = nn.TransformerDecoder(nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2)
+    x = torch.randn(4, 16, 32)
+    memory = torch.randn(4, 8, 32)
+    mask = nn.Transformer.generate_square_subsequent_mask(16)
+    w = torch.randn(4, 16, 32)
+
+    def step(m, ctx):
+        (ctxed(ctx, lambda: m(x, memory, tgt_mask=mask, tgt_is_causal=True)) * w).sum().backward()
+
+    return m, step
+
+
+def c_additive_inf_mask():
+    m = nn.Linear(32, 96)
+    x = torch.randn(4, 16, 32)
+    mask = torch.zeros(16, 16).masked_fill(torch.rand(16, 16, generator=torch.Generator().manual_seed(3)) < 0.3,
+                                           float("-inf")).fill_diagonal_(0.0)
+    w = torch.randn(4, 16, 32)
+
+    def step(m, ctx):
+        def f():
+            q, k, v = m(x).chunk(3, -1)
+            scores = q @ k.transpose(-1, -2) / 32**0.5 + mask
+            return scores.softmax(-1) @ v + F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        (ctxed(ctx, f) * w).sum().backward()
+
+    return m, step
+
+
+def c_zero_rows_normalize():
+    m = nn.Linear(32, 16)
+    x = torch.randn(64, 32)
+    x[::4] = 0.0
+    w = torch.randn(64, 16)
+
+    def step(m, ctx):
+        def f():
+            h = torch.relu(m(x) - 10.0 * (x.abs().sum(-1, keepdim=True) == 0))
+            return F.normalize(h, dim=-1) + h.norm(dim=-1, keepdim=True)
+
+        (ctxed(ctx, f) * w).sum().backward()
+
+    return m, step
+
+
+def c_bidirectional_lstm_dropout():
+    m = nn.LSTM(16, 32, num_layers=2, dropout=0.2, bidirectional=True, batch_first=True)
+    x = torch.randn(8, 20, 16)
+    w = torch.randn(8, 20, 64)
+
+    def step(m, ctx):
+        torch.manual_seed(9)
+        (ctxed(ctx, lambda: m(x)[0]) * w).sum().backward()
+
+    return m, step
+
+
 CASES = {name[2:]: make for name, make in list(globals().items()) if name.startswith("c_")}
 
 
@@ -601,11 +724,15 @@ def gradient(case: str, ctx: daftrain.compress | None) -> torch.Tensor:
     return grad
 
 
-def measure(case: str, ref: torch.Tensor, **settings: object) -> float | str:
+def measure(case: str, ref: torch.Tensor, row: dict[str, object], column: str, **settings: object) -> None:
+    """``row[column]``: the gradient's cosine to ``ref`` under ``compress(**settings)``, or the error raised; and
+    ``row[column + "_quantized"]``: how many saves it quantized (none: the column proves nothing)."""
+    ctx = daftrain.compress(**settings)
     try:
-        return cos(gradient(case, daftrain.compress(**settings)), ref)
+        row[column] = cos(gradient(case, ctx), ref)
+        row[f"{column}_quantized"] = ctx.stats.compressed + ctx.stats.batched
     except Exception as e:  # an error is a result: reported, not fatal
-        return f"{type(e).__module__}.{type(e).__name__}: {str(e)[:160]}"
+        row[column] = f"{type(e).__module__}.{type(e).__name__}: {str(e)[:160]}"
 
 
 def main() -> None:
@@ -618,9 +745,9 @@ def main() -> None:
     for case in args.cases:
         ref = gradient(case, None)
         row: dict[str, object] = {"case": case, "plain": cos(gradient(case, None), ref)}
-        for bits in (8, 4, 2):
-            row[f"bits{bits}"] = measure(case, ref, bits=bits)
-        row["default"] = measure(case, ref)
+        for bits in (8, 4, 2):  # every save, however small: these setups are small
+            measure(case, ref, row, f"bits{bits}", bits=bits, min_numel=0)
+        measure(case, ref, row, "default")
         rows.append(row)
         print(
             case, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "case"}, flush=True
