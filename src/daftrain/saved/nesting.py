@@ -112,9 +112,9 @@ CHECKPOINT_INPUT = "torch.utils.checkpoint"
 # What a custom ``torch.autograd.Function`` saves with ``ctx.save_for_backward`` goes through the same hooks as
 # autograd's own saves, but its backward is the author's code: the op rules, which keep or encode what autograd's
 # backward formulas divide by, compare or exponentiate, know nothing of it. A straight-through clip written as a
-# Function (``backward: g * (x >= lo)``) lost 0.2 % of its gradient's cosine at 8 bits and 18 % at 2, a bound on a
-# square root's derivative (RecurrentGemma's ``SqrtBoundDerivative``) divides by what it saved, a fused kernel's
-# log-sum-exp is exponentiated. So a custom Function's floating-point saves are kept exact unless
+# Function (``backward: g * (x >= lo)``) flips where a rounded save crosses its threshold, at any bits (docs/saved.md);
+# a bound on a square root's derivative (RecurrentGemma's ``SqrtBoundDerivative``) divides by what it saved, a fused
+# kernel's log-sum-exp is exponentiated. So a custom Function's floating-point saves are kept exact unless
 # ``quantize_custom_functions`` is set; bool and integer saves are still packed (losslessly), and daftrain's own
 # Functions, whose saves are chosen for their rules, are quantized as designed. The Function is found as the
 # checkpoint's is: ``Function.apply``'s frame above the pack hook, whose ``cls`` is the Function.
