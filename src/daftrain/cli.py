@@ -88,7 +88,7 @@ def _env(ns: argparse.Namespace) -> int:
     # The hybrid reduction chooses per size class at first use; meet the common classes now so the
     # report shows the choices this machine makes (a few milliseconds each).
     for numel, group_size in ((1 << 16, 65536), (1 << 20, 256), (1 << 20, 8192)):
-        torch.ops.daftrain.group_minmax(torch.randn(numel, device="cpu"), group_size)
+        torch.ops.daftrain.group_minmax(torch.randn(numel, dtype=torch.float32, device="cpu"), group_size)
     report = {
         "daftrain": daftrain.__version__,
         "python": platform.python_version(),

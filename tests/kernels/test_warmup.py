@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from daftrain.kernels import cpu
 
 _CHILD = """
@@ -51,11 +53,14 @@ def test_compress_loads_the_kernels_so_the_first_step_loads_none() -> None:
     assert out["after_step"] == out["constructed"], f"the first step loaded or compiled kernels: {out}"
 
 
-def test_the_kernels_load_under_a_default_device_set_elsewhere() -> None:
-    """A script that calls ``torch.set_default_device("cuda")`` (or any other device) and keeps some work on
-    the CPU: daftrain's own host tensors (the warm-up's, the reduction's calibration, its scratch buffers) name
-    their device, so the kernels still load, and the step quantizes on the CPU."""
-    out = _run_child('torch.set_default_device("meta")')
+@pytest.mark.parametrize("prelude", ['torch.set_default_device("meta")', "torch.set_default_dtype(torch.float64)"],
+                         ids=["device", "dtype"])
+def test_the_kernels_load_under_defaults_set_elsewhere(prelude: str) -> None:
+    """A script that calls ``torch.set_default_device("cuda")`` (or any other device) and keeps some work on the
+    CPU, or ``torch.set_default_dtype(torch.float64)`` (scientific models): daftrain's own host tensors (the
+    warm-up's, the reduction's calibration, its scratch buffers) name their device and dtype, so the kernels still
+    load, and the step quantizes on the CPU."""
+    out = _run_child(prelude)
     assert out["quantized"] > 0 and out["warmed"], out
     assert out["after_step"] == out["constructed"], f"the first step loaded or compiled kernels: {out}"
 

@@ -112,7 +112,8 @@ class CalibrationPass:
             uniform_energy = float((step.double() ** 2).sum()) * group / 12
             if float(noise.double().pow(2).sum()) < _COARSER_GRID * uniform_energy:
                 gen = torch.Generator(device=values.device).manual_seed(seed)
-                uniform = torch.rand((step.numel(), group), generator=gen, device=values.device) - 0.5
+                uniform = torch.rand((step.numel(), group), generator=gen, dtype=torch.float32,
+                                     device=values.device) - 0.5
                 noise = (uniform * step[:, None]).view(-1)[:n].view_as(values) * (values != 0)
         if not bool(torch.isfinite(noise).all()):
             return flat

@@ -86,7 +86,8 @@ def _rounding_energy(flat: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, pla
     if candidates.numel() == 0:
         return ()
     if candidates.numel() > _ENERGY_SAMPLE_GROUPS:
-        picked = torch.linspace(0, candidates.numel() - 1, _ENERGY_SAMPLE_GROUPS, device=candidates.device)
+        picked = torch.linspace(0, candidates.numel() - 1, _ENERGY_SAMPLE_GROUPS, dtype=torch.float32,
+                                device=candidates.device)
         candidates = candidates[picked.long()]
     lo, span = mn[candidates], (mx - mn)[candidates]
     values = flat[: full * group_size].reshape(full, group_size)[candidates].double()

@@ -327,7 +327,7 @@ class Prober:
     def _load_kernels(self, bits: list[int]) -> None:
         """Run every bit-width's kernels once on a small product outside the model: their one-time cost
         (JIT code loaded, thread pools started) is then not measured as the model's."""
-        a = torch.randn(256, 256, device=self.device, requires_grad=True)
+        a = torch.randn(256, 256, dtype=torch.float32, device=self.device, requires_grad=True)
         for b in bits:
             with compress(dataclasses.replace(self.compression, bits=b, asynchronous=False, min_numel=1)) as ctx:
                 (a @ a).sum().backward()

@@ -168,7 +168,8 @@ def batchnorm_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
                 with torch.no_grad():
                     gn.weight.copy_(child.weight)
                     gn.bias.copy_(child.bias)
-            setattr(model, name, gn.to(next(child.parameters(), torch.empty(0, device="cpu")).device))
+            anchor = next(child.parameters(), torch.empty(0, dtype=torch.float32, device="cpu"))
+            setattr(model, name, gn.to(anchor.device))
         else:
             batchnorm_to_groupnorm(child, num_groups)
     return model

@@ -1713,14 +1713,15 @@ def quantize_pack_with(
     return make_kernels(forced)["quantize_pack"](x, bits, group_size, seed, grid)
 
 
-# NOTE [ Tensors daftrain creates name their device ]
+# NOTE [ Tensors daftrain creates name their device and dtype ]
 # ``torch.set_default_device("cuda")`` (or ``with torch.device(...)``) makes every factory call without a device
 # create its tensor there, through a torch function mode active in the user's frames: when a context is constructed
 # (this warm-up), in its ``__exit__`` (the small saves sealed there), in the op rules' handler. Host buffers then
 # landed on the default device: the pinned buffer of the checks read later raised "Only dense CPU tensors can be
-# pinned", and this warm-up failed, leaving the reference kernels for the whole process. So every factory call in
-# daftrain names its device: "cpu" for host work, the input's device otherwise (``tests/test_factory_devices.py``
-# reads the source for calls without one).
+# pinned", and this warm-up failed, leaving the reference kernels for the whole process. ``torch.set_default_dtype(
+# torch.float64)`` (common in scientific models) failed this warm-up the same way: float64 values, which the kernels
+# do not take. So every factory call in daftrain names its device ("cpu" for host work, the input's otherwise) and
+# its dtype (``tests/test_factory_calls.py`` reads the source for calls without them).
 # NOTE [ Kernels load before the first step ]
 # A process's first call of each kernel specialisation loads it from numba's on-disk cache (or
 # compiles it, on a machine's first run), and the very first one also builds numba's typing and
@@ -1733,16 +1734,16 @@ def quantize_pack_with(
 def warmup() -> None:
     """Compile (or load from numba's cache) the float32 specialisations of every kernel; once per process
     (``NOTE [ Kernels load before the first step ]``)."""
-    x = torch.linspace(-1, 1, 100, device="cpu")
+    x = torch.linspace(-1, 1, 100, dtype=torch.float32, device="cpu")
     for strategy in STRATEGIES:
         c, lo, s = quantize_pack_with(strategy, x, 2, 32, 0)
         STRATEGIES[strategy](x, 32)
     unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32)
-    grid = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cpu")
+    grid = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float32, device="cpu")
     c, lo, s = quantize_pack_with(PER_GROUP, x, 2, 32, 0, grid)
     unpack_dequantize(c, lo, s, 2, 32, 100, torch.float32, grid)
-    rows = torch.linspace(-1, 1, 64, device="cpu")
+    rows = torch.linspace(-1, 1, 64, dtype=torch.float32, device="cpu")
     for g in (None, grid):
         c, lo, s = quantize_pack_columns(rows, 2, 2, 32, 0, g)
-        unpack_dequantize_columns_into(torch.empty(64, device="cpu"), c, lo, s, 2, 2, 32, g)
+        unpack_dequantize_columns_into(torch.empty(64, dtype=torch.float32, device="cpu"), c, lo, s, 2, 2, 32, g)
     unpack_bool(pack_bool(x > 0), 100)

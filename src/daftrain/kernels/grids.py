@@ -61,9 +61,11 @@ def fit_grid(values: torch.Tensor, bits: int, group_size: int) -> torch.Tensor |
         return None
     levels = (1 << bits) - 1
     with torch.no_grad():
-        picks = torch.linspace(0, num_groups - 1, min(num_groups, _SAMPLE_GROUPS), device=values.device).round().long()
+        picks = torch.linspace(0, num_groups - 1, min(num_groups, _SAMPLE_GROUPS), dtype=torch.float32,
+                               device=values.device).round().long()
         # take: the sampled groups of ``values`` in row-major order, without a copy of a non-contiguous whole
-        offsets = (picks[:, None] * group_size + torch.arange(group_size, device=values.device)).reshape(-1)
+        within = torch.arange(group_size, dtype=torch.int64, device=values.device)
+        offsets = (picks[:, None] * group_size + within).reshape(-1)
         sample = values.take(offsets).view(-1, group_size).float()
         lo, scale = reference.group_params(kernel_ops.group_minmax(sample.reshape(-1), group_size), bits)
         step = scale.float().abs()

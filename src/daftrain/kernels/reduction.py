@@ -145,7 +145,8 @@ class ReductionSelector:
         num_groups = -(-numel // group_size)
         syn_groups = max(1, min(num_groups, self.max_synthetic // group_size))
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(syn_groups * group_size, generator=gen, device="cpu").to(dtype=dtype, device=self.device)
+        x = torch.randn(syn_groups * group_size, generator=gen, dtype=torch.float32, device="cpu")
+        x = x.to(dtype=dtype, device=self.device)
         timings: dict[str, float] = {}
         for name, fn in self.strategies.items():
             fn(x, group_size)  # warm-up: JIT compile or cache load, page-in

@@ -875,7 +875,8 @@ def _extremum(kind: str, lo: float, hi: float, largest: bool) -> float:
 def _increasing_interval(kind: str) -> tuple[float, float]:
     """[lo, hi], where f' increases through all its values (``NOTE [ Activations stored as their derivative ]``)."""
     if kind == "hardswish":  # f' jumps at both ends (0 at -3, 1 at 3): the float32 values just inside
-        inside = float(torch.nextafter(torch.tensor(3.0, device="cpu"), torch.tensor(0.0, device="cpu")))
+        inside = float(torch.nextafter(torch.tensor(3.0, dtype=torch.float32, device="cpu"),
+                                     torch.tensor(0.0, dtype=torch.float32, device="cpu")))
         return -inside, inside
     hi = _extremum(kind, 0.0, 4.0, largest=True)
     if kind == "mish":
