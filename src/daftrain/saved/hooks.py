@@ -860,14 +860,14 @@ _KEEP_SMALL = Decision(Treatment.KEEP, "tiny")
 _KEEP_SINGULAR = Decision(Treatment.KEEP, "op_rule", rule="singular_backward")
 _KEEP_CHECKPOINT_INPUT = Decision(Treatment.KEEP, "checkpoint")
 _KEEP_CUSTOM_FUNCTION = Decision(Treatment.KEEP, "custom_function")
+_ROUNDED = (Treatment.QUANTIZE, Treatment.BATCH)
+_KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
+          Treatment.PACK_INTEGER: "integer"}
 
 
 def _is_daftrains(function: type | str) -> bool:
     """Whether a custom Function is one of daftrain's own, whose saves its rules chose to be quantized."""
     return getattr(function, "__module__", "").startswith("daftrain.")
-_ROUNDED = (Treatment.QUANTIZE, Treatment.BATCH)
-_KINDS = {Treatment.QUANTIZE: "quantize", Treatment.QUANTIZE_IF_LOSSLESS: "lossless", Treatment.PACK_BOOL: "bool",
-          Treatment.PACK_INTEGER: "integer"}
 
 
 def _key(t: torch.Tensor, storage: StorageWeakRef | None, whole: bool) -> _Key:
