@@ -451,7 +451,6 @@ def test_channels_last_bool_masks_are_bit_packed_and_restored_with_their_strides
     assert torch.equal(conv.weight.grad, plain)  # the mask is stored losslessly, in its own layout
 
 
-
 def _gram(h: torch.Tensor) -> torch.Tensor:
     m = h.reshape(-1, 8, 8)
     return m @ m.transpose(-1, -2) + 0.1 * torch.eye(8)
