@@ -42,6 +42,18 @@ def ctxed(ctx, fn):  # type: ignore[no-untyped-def]
         return fn()
 
 
+def weighted(model, forward, weights, seed=None):  # type: ignore[no-untyped-def]
+    """A setup whose loss is a fixed weighting of ``forward(model)``'s output, under torch's seed ``seed`` where one
+    is given (dropout, power iteration)."""
+
+    def step(m, ctx):  # type: ignore[no-untyped-def]
+        if seed is not None:
+            torch.manual_seed(seed)
+        (ctxed(ctx, lambda: forward(m)) * weights).sum().backward()
+
+    return model, step
+
+
 def c_ctc():
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 20))
     x = torch.randn(50, 4, 32)
@@ -121,15 +133,12 @@ def c_fake_quant():
     x = torch.randn(64, 32)
     w = torch.randn(64, 10)
 
-    def step(m, ctx):
-        def f():
-            h = m[0](x)
-            h = torch.fake_quantize_per_tensor_affine(h, 0.05, 0, -128, 127)
-            return m[2](m[1](h))
+    def forward(m):
+        h = m[0](x)
+        h = torch.fake_quantize_per_tensor_affine(h, 0.05, 0, -128, 127)
+        return m[2](m[1](h))
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_embedding_bag():
@@ -139,10 +148,7 @@ def c_embedding_bag():
     idx = torch.randint(0, 100, (64, 8))
     w = torch.randn(64, 4)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m.lin(m.bag(idx))) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m.lin(m.bag(idx)), w)
 
 
 def c_embedding_bag_max():
@@ -152,10 +158,7 @@ def c_embedding_bag_max():
     idx = torch.randint(0, 100, (64, 8))
     w = torch.randn(64, 4)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m.lin(torch.tanh(m.bag(idx)))) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m.lin(torch.tanh(m.bag(idx))), w)
 
 
 def c_sparse_embedding():
@@ -222,10 +225,7 @@ def c_weight_norm():
     x = torch.randn(64, 32)
     w = torch.randn(64, 10)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x), w)
 
 
 def c_spectral_norm():
@@ -233,11 +233,7 @@ def c_spectral_norm():
     x = torch.randn(64, 32)
     w = torch.randn(64, 10)
 
-    def step(m, ctx):
-        torch.manual_seed(3)
-        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x), w, seed=3)
 
 
 def c_mha_padding():
@@ -247,10 +243,7 @@ def c_mha_padding():
     mask[:, 12:] = True
     w = torch.randn(8, 16, 32)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x, x, x, key_padding_mask=mask)[0]) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x, x, x, key_padding_mask=mask)[0], w)
 
 
 def c_transformer_mask():
@@ -282,10 +275,7 @@ def c_conv_transpose_pixelshuffle():
     x = torch.randn(4, 8, 8, 8)
     w = torch.randn(4, 3, 64, 64)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x), w)
 
 
 def c_conv3d():
@@ -302,10 +292,7 @@ def c_conv3d():
     x = torch.randn(2, 3, 8, 16, 16)
     w = torch.randn(2, 2)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x), w)
 
 
 def c_sort_topk():
@@ -313,19 +300,16 @@ def c_sort_topk():
     x = torch.randn(64, 32)
     w = torch.randn(64, 8)
 
-    def step(m, ctx):
-        def f():
-            h = m(x)
-            return (
-                h.topk(8, -1).values
-                + h.sort(-1).values[:, :8]
-                + h.median(-1, keepdim=True).values
-                + torch.quantile(h, 0.9, dim=-1, keepdim=True)
-            )
+    def forward(m):
+        h = m(x)
+        return (
+            h.topk(8, -1).values
+            + h.sort(-1).values[:, :8]
+            + h.median(-1, keepdim=True).values
+            + torch.quantile(h, 0.9, dim=-1, keepdim=True)
+        )
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_cumprod():
@@ -333,10 +317,7 @@ def c_cumprod():
     x = torch.randn(64, 32)
     w = torch.randn(64, 32)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: torch.cumprod(m(x), -1)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: torch.cumprod(m(x), -1), w)
 
 
 def c_safe_log_where():
@@ -344,14 +325,11 @@ def c_safe_log_where():
     x = torch.randn(64, 32)
     w = torch.randn(64, 32)
 
-    def step(m, ctx):
-        def f():
-            h = m(x)
-            return torch.where(h > 0, torch.log(h.clamp_min(1e-6)), torch.zeros_like(h))
+    def forward(m):
+        h = m(x)
+        return torch.where(h > 0, torch.log(h.clamp_min(1e-6)), torch.zeros_like(h))
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_nll_2d():
@@ -385,14 +363,11 @@ def c_reentrant_ckpt():
     x = torch.randn(64, 32, requires_grad=True)
     w = torch.randn(64, 10)
 
-    def step(m, ctx):
-        def f():
-            h = torch.utils.checkpoint.checkpoint(m[:3], x, use_reentrant=True)
-            return m[3:](h)
+    def forward(m):
+        h = torch.utils.checkpoint.checkpoint(m[:3], x, use_reentrant=True)
+        return m[3:](h)
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_grad_accum_retain():
@@ -425,10 +400,7 @@ def c_custom_function():
     w = torch.randn(64, 64)
     lo = torch.tensor(0.1)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: Clip.apply(m(x), lo)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: Clip.apply(m(x), lo), w)
 
 
 def c_glu_logsigmoid():
@@ -436,10 +408,7 @@ def c_glu_logsigmoid():
     x = torch.randn(64, 32)
     w = torch.randn(64, 10)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x), w)
 
 
 def c_cosine_sim_contrastive():
@@ -495,14 +464,11 @@ def c_unfold_fold():
     x = torch.randn(2, 3, 16, 16)
     w = torch.randn(2, 8, 16, 16)
 
-    def step(m, ctx):
-        def f():
-            u = F.unfold(m(x), 3, padding=1)
-            return F.fold(u.tanh(), (16, 16), 3, padding=1)
+    def forward(m):
+        u = F.unfold(m(x), 3, padding=1)
+        return F.fold(u.tanh(), (16, 16), 3, padding=1)
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_rnn_cell_loop():
@@ -510,16 +476,13 @@ def c_rnn_cell_loop():
     x = torch.randn(30, 8, 16)
     w = torch.randn(8, 32)
 
-    def step(m, ctx):
-        def f():
-            h = torch.zeros(8, 32)
-            for t in range(30):
-                h = m(x[t], h)
-            return h
+    def forward(m):
+        h = torch.zeros(8, 32)
+        for t in range(30):
+            h = m(x[t], h)
+        return h
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_fft_conv():
@@ -527,15 +490,12 @@ def c_fft_conv():
     x = torch.randn(16, 64)
     w = torch.randn(16, 64)
 
-    def step(m, ctx):
-        def f():
-            h = m(x)
-            H = torch.fft.rfft(h)
-            return torch.fft.irfft(H * H.conj() / (H.abs() + 1e-3), n=64)
+    def forward(m):
+        h = m(x)
+        H = torch.fft.rfft(h)
+        return torch.fft.irfft(H * H.conj() / (H.abs() + 1e-3), n=64)
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_entropy_reg():
@@ -557,10 +517,7 @@ def c_normalize_no_eps():
     x = torch.randn(64, 32)
     w = torch.randn(64, 8)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x) / m(x).norm(dim=-1, keepdim=True)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x) / m(x).norm(dim=-1, keepdim=True), w)
 
 
 def c_rms_custom():
@@ -568,14 +525,11 @@ def c_rms_custom():
     x = torch.randn(64, 32) * 0.01
     w = torch.randn(64, 64)
 
-    def step(m, ctx):
-        def f():
-            h = m(x)
-            return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    def forward(m):
+        h = m(x)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_var_std():
@@ -583,10 +537,7 @@ def c_var_std():
     x = torch.randn(64, 32)
     w = torch.randn(64, 1)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x).std(-1, keepdim=True) + m(x).var(-1, keepdim=True).sqrt()) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x).std(-1, keepdim=True) + m(x).var(-1, keepdim=True).sqrt(), w)
 
 
 def c_bf16_weights():
@@ -635,10 +586,7 @@ def c_torchscript():
     x = torch.randn(64, 32)
     w = torch.randn(64, 32)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x), w)
 
 
 def c_fx_traced():
@@ -646,10 +594,7 @@ def c_fx_traced():
     x = torch.randn(64, 32)
     w = torch.randn(64, 64)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x), w)
 
 
 def c_causal_decoder():
@@ -659,28 +604,25 @@ def c_causal_decoder():
     mask = nn.Transformer.generate_square_subsequent_mask(16)
     w = torch.randn(4, 16, 32)
 
-    def step(m, ctx):
-        (ctxed(ctx, lambda: m(x, memory, tgt_mask=mask, tgt_is_causal=True)) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x, memory, tgt_mask=mask, tgt_is_causal=True), w)
 
 
 def c_additive_inf_mask():
     m = nn.Linear(32, 96)
     x = torch.randn(4, 16, 32)
-    mask = torch.zeros(16, 16).masked_fill(torch.rand(16, 16, generator=torch.Generator().manual_seed(3)) < 0.3,
-                                           float("-inf")).fill_diagonal_(0.0)
+    mask = (
+        torch.zeros(16, 16)
+        .masked_fill(torch.rand(16, 16, generator=torch.Generator().manual_seed(3)) < 0.3, float("-inf"))
+        .fill_diagonal_(0.0)
+    )
     w = torch.randn(4, 16, 32)
 
-    def step(m, ctx):
-        def f():
-            q, k, v = m(x).chunk(3, -1)
-            scores = q @ k.transpose(-1, -2) / 32**0.5 + mask
-            return scores.softmax(-1) @ v + F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    def forward(m):
+        q, k, v = m(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / 32**0.5 + mask
+        return scores.softmax(-1) @ v + F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_zero_rows_normalize():
@@ -689,14 +631,11 @@ def c_zero_rows_normalize():
     x[::4] = 0.0
     w = torch.randn(64, 16)
 
-    def step(m, ctx):
-        def f():
-            h = torch.relu(m(x) - 10.0 * (x.abs().sum(-1, keepdim=True) == 0))
-            return F.normalize(h, dim=-1) + h.norm(dim=-1, keepdim=True)
+    def forward(m):
+        h = torch.relu(m(x) - 10.0 * (x.abs().sum(-1, keepdim=True) == 0))
+        return F.normalize(h, dim=-1) + h.norm(dim=-1, keepdim=True)
 
-        (ctxed(ctx, f) * w).sum().backward()
-
-    return m, step
+    return weighted(m, forward, w)
 
 
 def c_bidirectional_lstm_dropout():
@@ -704,11 +643,7 @@ def c_bidirectional_lstm_dropout():
     x = torch.randn(8, 20, 16)
     w = torch.randn(8, 20, 64)
 
-    def step(m, ctx):
-        torch.manual_seed(9)
-        (ctxed(ctx, lambda: m(x)[0]) * w).sum().backward()
-
-    return m, step
+    return weighted(m, lambda m: m(x)[0], w, seed=9)
 
 
 CASES = {name[2:]: make for name, make in list(globals().items()) if name.startswith("c_")}
