@@ -872,11 +872,16 @@ def _extremum(kind: str, lo: float, hi: float, largest: bool) -> float:
     return float((a + b) / 2)
 
 
+def _inside_hardswish_jumps(dtype: torch.dtype) -> float:
+    """The largest ``dtype`` value below 3: Hardswish's derivative jumps at -3 and 3."""
+    three, zero = (torch.tensor(v, dtype=dtype, device="cpu") for v in (3.0, 0.0))
+    return torch.nextafter(three, zero).item()
+
+
 def _increasing_interval(kind: str) -> tuple[float, float]:
     """[lo, hi], where f' increases through all its values (``NOTE [ Activations stored as their derivative ]``)."""
     if kind == "hardswish":  # f' jumps at both ends (0 at -3, 1 at 3): the float32 values just inside
-        inside = float(torch.nextafter(torch.tensor(3.0, dtype=torch.float32, device="cpu"),
-                                     torch.tensor(0.0, dtype=torch.float32, device="cpu")))
+        inside = _inside_hardswish_jumps(torch.float32)
         return -inside, inside
     hi = _extremum(kind, 0.0, 4.0, largest=True)
     if kind == "mish":
@@ -948,8 +953,7 @@ class Derivative(_Encoding):
         if dtype == torch.float32:
             return x
         if self.kind == "hardswish":  # the ends of the table round onto the jumps in a narrower dtype
-            three, zero = (torch.tensor(v, dtype=dtype, device="cpu") for v in (3.0, 0.0))
-            inside = torch.nextafter(three, zero).item()
+            inside = _inside_hardswish_jumps(dtype)
             x.clamp_(-inside, inside)
         return x
 
