@@ -167,8 +167,7 @@ def run_model(model_type: str, kind: str, overrides: dict[str, Any], share: floa
     settings = settings or {}
     row: dict[str, Any] = {"model": model_type, "kind": kind}
     with recorded(row):
-        model, inputs = build_zoo_model(model_type, kind, overrides)
-        model, inputs = model.to(device), {k: v.to(device) for k, v in inputs.items()}
+        model, inputs = build_zoo_model(model_type, kind, overrides, device)
         row["checkpointed"] = checkpointing and bool(getattr(model, "supports_gradient_checkpointing", False))
         if row["checkpointed"]:
             model.gradient_checkpointing_enable()
@@ -296,8 +295,7 @@ def main() -> None:
         row = run_model(model_type, kind, overrides, args.error_share, settings or None, args.gradient_checkpointing,
                         args.device)
         if args.attribute and row["status"] == "ok":
-            model, inputs = build_zoo_model(model_type, kind, overrides)
-            model, inputs = model.to(args.device), {k: v.to(args.device) for k, v in inputs.items()}
+            model, inputs = build_zoo_model(model_type, kind, overrides, args.device)
             found = attribute(model, inputs, args.attribute, args.top, settings or None)
             row[f"attribution{args.attribute}"] = found
             for e in found:

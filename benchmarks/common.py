@@ -64,16 +64,20 @@ def zoo_entries(zoo: str) -> list[tuple[str, str, dict[str, Any]]]:
     return list(TINY_ZOO)
 
 
-def build_zoo_model(model_type: str, kind: str, overrides: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model of one zoo entry and its keyword inputs, from the same seeds every time."""
+def build_zoo_model(model_type: str, kind: str, overrides: dict[str, Any],
+                    device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model of one zoo entry and its keyword inputs, from the same seeds every time: built on the CPU and
+    moved to ``device``."""
     if kind == "torch":
         from daftrain.demo.models.torch_zoo import zoo_inputs, zoo_model
 
-        return zoo_model(model_type), zoo_inputs(model_type)
-    from daftrain.demo.models.transformers_zoo import tiny_inputs, tiny_model
+        model, inputs = zoo_model(model_type), zoo_inputs(model_type)
+    else:
+        from daftrain.demo.models.transformers_zoo import tiny_inputs, tiny_model
 
-    model = tiny_model(model_type, overrides)
-    return model, tiny_inputs(model, kind)
+        model = tiny_model(model_type, overrides)
+        inputs = tiny_inputs(model, kind)
+    return model.to(device), {k: v.to(device) for k, v in inputs.items()}
 
 
 @contextlib.contextmanager
