@@ -10,7 +10,7 @@ from typing import Any
 
 from .decide import NONLINEAR_MIN_BITS
 from .op_rules import ATTENTION_MIN_BITS
-from .singular import FEW_TERMS
+from .singular import sums_few_terms
 
 __all__ = ["GraphRule", "graph_rule", "is_incoming_gradient"]
 
@@ -480,10 +480,7 @@ def _sums_few_terms(node: Any) -> bool:
     dims = node.args[1]
     if value is None or not isinstance(dims, (list, tuple)) or not dims:
         return False
-    count = 1
-    for dim in dims:
-        count *= value.shape[dim % value.dim()]
-    return isinstance(count, int) and count <= FEW_TERMS
+    return sums_few_terms(value.shape, dims)
 
 
 def _squared_into_singular(node: Any) -> bool:

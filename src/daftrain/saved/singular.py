@@ -5,6 +5,7 @@ backward reads ]`` in ``hooks.py``, ``NOTE [ Products before a singular backward
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "after_product",
     "caller_level",
     "held_inputs",
+    "sums_few_terms",
 ]
 
 # Saved outputs held for the values shifted from them: the latest ``RECENT_SAVES`` of these ops, of at most
@@ -113,14 +115,13 @@ wherever its terms are, and is walked through; a longer row's is an RMSNorm writ
 _SUMS = frozenset({"SumBackward1", "MeanBackward1"})
 
 
-def _sums_few_terms(node: Any) -> bool:
-    """Whether ``node`` sums (or averages) at most ``FEW_TERMS`` values into each of its results."""
-    sizes = node._saved_self_sym_sizes
-    dims = node._saved_dim
+def sums_few_terms(sizes: Sequence[Any], dims: Sequence[int]) -> bool:
+    """Whether reducing a tensor of ``sizes`` along ``dims`` sums at most ``FEW_TERMS`` values into each result (a
+    dim read back from an autograd node as unsigned is signed again)."""
     count = 1
     for dim in dims:
         count *= sizes[signed(dim) % max(1, len(sizes))]
-    return count <= FEW_TERMS
+    return isinstance(count, int) and count <= FEW_TERMS
 
 
 def held_inputs(node: Any, producers: set[Any]) -> set[Any]:
@@ -137,6 +138,7 @@ def held_inputs(node: Any, producers: set[Any]) -> set[Any]:
         if current in producers:
             found.add(current)
         name = type(current).__name__
-        if name in _HELD_THROUGH or (name in _SUMS and _sums_few_terms(current)):
+        if name in _HELD_THROUGH or (name in _SUMS and sums_few_terms(current._saved_self_sym_sizes,
+                                                                     current._saved_dim)):
             frontier.extend(fn for fn, _ in current.next_functions)
     return found
