@@ -16,7 +16,7 @@ from daftrain.budget.batching import (
     split_batch,
     token_count,
 )
-from daftrain.errors import ArgumentTypeError
+from daftrain.errors import ArgumentTypeError, InvalidArgumentError
 
 
 def test_split_batch_structures():
@@ -36,6 +36,20 @@ def test_batch_size_reads_the_first_tensor():
     assert batch_size({"ids": torch.zeros(7, 3), "labels": torch.zeros(7)}) == 7
     assert batch_size(("tag", [torch.zeros(5, 2)])) == 5
     assert batch_size(torch.zeros(0, 4)) == 0
+
+
+def test_batch_size_passes_over_0d_tensors():
+    assert batch_size((torch.tensor(2.0), {"x": torch.zeros(6, 3)})) == 6
+
+
+@pytest.mark.parametrize(("batch", "named"), [
+    ((torch.zeros(20, 8, 4), torch.zeros(8)), r"batch\[1\] \(shape \(8,\)\) has 8 along dim 0 where batch\[0\]"),
+    ({"ids": torch.zeros(8, 5), "weights": [torch.zeros(3)]}, r"batch\['weights'\]\[0\] \(shape \(3,\)\)"),
+])
+def test_batch_size_refuses_tensors_that_disagree_on_the_samples(batch, named):
+    # NOTE [ Every tensor of a batch is split ]
+    with pytest.raises(InvalidArgumentError, match=named + r".*put the sample dimension first"):
+        batch_size(batch)
 
 
 @pytest.mark.parametrize("bad", [{"tag": "x"}, torch.tensor(3.0), 12])

@@ -678,6 +678,48 @@ def test_zero_sample_batch_names_the_batch():
     assert step.profile is None and all(p.grad is None for p in model.parameters())
 
 
+def test_a_batch_whose_tensors_disagree_on_dim_0_names_the_tensor():
+    # NOTE [ Every tensor of a batch is split ]: a time-first sequence beside per-sample labels
+    model = mlp()
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB", tune_allocator=False)
+    with pytest.raises(InvalidArgumentError, match=r"batch\[1\] \(shape \(32,\)\) has 32 along dim 0 where batch\[0\] "
+                                                   r"\(shape \(20, 32, 64\)\) has 20.*sample dimension first"):
+        step((torch.randn(20, 32, 64), torch.randint(0, 10, (32,))))
+    assert step.profile is None and all(p.grad is None for p in model.parameters())
+
+
+def _clipped_sgd_reference(model: nn.Module, batch, max_norm: float, steps: int) -> list[float]:
+    """A hand-written loop: full-batch loss, ``clip_grad_norm_``, SGD; the norms before clipping."""
+    opt, norms = torch.optim.SGD(model.parameters(), lr=0.5), []
+    for _ in range(steps):
+        opt.zero_grad()
+        ce(model, batch).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+    return norms
+
+
+@pytest.mark.parametrize("budget", ["100GB", "tight"])
+def test_max_grad_norm_clips_the_whole_batchs_gradient_as_a_hand_written_loop_does(budget, monkeypatch):
+    # Clipping each micro-batch's gradient, or clipping before the last micro-batch was added, would give
+    # other parameters; float64, so that the only difference from the reference is summation order.
+    torch.manual_seed(2)
+    batch = (torch.randn(48, 64, dtype=torch.float64), torch.randint(0, 10, (48,)))
+    ref = mlp().double()
+    norms = _clipped_sgd_reference(ref, batch, max_norm=0.05, steps=3)
+    assert min(norms) > 0.05  # every step clips
+    model = mlp().double()
+    if budget == "tight":  # micro-batches of 5: the whole batch's gradient is their sum
+        monkeypatch.setattr(BudgetedStep, "_micro_batches", lambda self, plan, samples, fresh: -(-samples // 5))
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.5), budget="100GB",
+                        config=PlannerConfig(bits=(None,)), tune_allocator=False, max_grad_norm=0.05)
+    for _ in range(3):
+        step(batch)
+    assert [r.grad_norm for r in step.history] == pytest.approx(norms, rel=1e-9)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
 class FixedMeter:
     """A meter that always reads the same memory, so that what the step holds is the same every call."""
 
@@ -741,6 +783,9 @@ def test_constructor_errors_name_the_argument():
         BudgetedStep(model, ce, opt, budget="1GB", compression=2)
     with pytest.raises(ArgumentTypeError, match=r"pool must be a daftrain\.PagePool"):
         BudgetedStep(model, ce, opt, budget="1GB", pool=PoolConfig())
+    for bad in (0, -1.0, math.inf, math.nan, True, "1"):
+        with pytest.raises(InvalidArgumentError, match="max_grad_norm must be a positive finite number"):
+            BudgetedStep(model, ce, opt, budget="1GB", max_grad_norm=bad)
     for target in ({"avg_bits": 3.0}, {"packed_bytes": 10**6}, {"error_share": 0.01}):
         name = next(iter(target))
         with pytest.raises(InvalidArgumentError, match=f"compression must not name {name}"):

@@ -1,17 +1,17 @@
 """Batches as the budgeted step sees them: their size, slices of them, and what a mean loss counts.
 
 A batch is a tensor, or a tuple/list/dict (nested) holding tensors whose dim 0 is the sample
-dimension; anything else in it (strings, flags) is passed to every slice as is.
+dimension; anything else in it (strings, flags, 0-d tensors) is passed to every slice as is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..errors import ArgumentTypeError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["CountFn", "balanced_sizes", "batch_size", "head_copy", "shapes_of", "slice_copy", "split_batch",
            "token_count"]
@@ -19,28 +19,43 @@ __all__ = ["CountFn", "balanced_sizes", "batch_size", "head_copy", "shapes_of", 
 CountFn = Callable[[Any], int | torch.Tensor]
 
 
-def _first_tensor(batch: Any) -> torch.Tensor | None:
+def _tensors(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``batch`` with where it is (``batch['ids']``, ``batch[1][0]``), in order."""
     if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            t = _first_tensor(item)
-            if t is not None:
-                return t
-    return None
+        yield path, batch
+    elif isinstance(batch, Mapping):
+        for key, item in batch.items():
+            yield from _tensors(item, f"{path}[{key!r}]")
+    elif isinstance(batch, (list, tuple)):
+        for i, item in enumerate(batch):
+            yield from _tensors(item, f"{path}[{i}]")
 
 
+# NOTE [ Every tensor of a batch is split ]
+# A micro-batch is a slice along dim 0 of every tensor of the batch, so a tensor whose dim 0 is not the
+# samples' would be cut into pieces that do not belong to the samples beside them: a time-first sequence
+# (``nn.LSTM`` without ``batch_first``) split into time steps, class weights into classes. Where the sizes
+# disagree that is certain, and the step refuses the batch naming the tensor; where they agree by chance
+# (as many time steps as samples) no check can tell, hence the module docstring's rule.
 def batch_size(batch: Any) -> int:
-    """Samples in ``batch``: dim 0 of its first tensor."""
-    t = _first_tensor(batch)
-    if t is None or t.dim() == 0:
+    """Samples in ``batch``: dim 0 of its tensors, which must agree (``NOTE [ Every tensor of a batch is split ]``)."""
+    found = [(path, t) for path, t in _tensors(batch) if t.dim() > 0]
+    if not found:
+        got = ("a 0-d tensor" if isinstance(batch, torch.Tensor) else f"{type(batch).__name__} holding only 0-d "
+               "tensors" if next(_tensors(batch), None) is not None else type(batch).__name__)
         raise ArgumentTypeError(
             f"a batch must be a tensor, or a tuple/list/dict holding tensors with a batch dimension (dim 0), got "
-            f"{type(batch).__name__}{' holding only a 0-d tensor' if t is not None else ''}; pass the samples as "
-            "tensors of shape (batch, ...)")
-    return int(t.shape[0])
+            f"{got}; pass the samples as tensors of shape (batch, ...)")
+    (first_path, first), samples = found[0], int(found[0][1].shape[0])
+    for path, t in found[1:]:
+        if t.shape[0] != samples:
+            raise InvalidArgumentError(
+                f"BudgetedStep splits a batch into micro-batches along dim 0 of every tensor in it, but {path} "
+                f"(shape {tuple(t.shape)}) has {t.shape[0]} along dim 0 where {first_path} (shape "
+                f"{tuple(first.shape)}) has {samples}; put the sample dimension first in every tensor of the batch "
+                "(a time-first sequence: transpose it inside loss_fn), and give loss_fn what is not per sample "
+                "(class weights, a shared mask) another way, e.g. through a closure")
+    return samples
 
 
 def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:

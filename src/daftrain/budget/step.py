@@ -223,6 +223,8 @@ class StepRecord:
     of the batch and ``plan`` the rest; ``step_s`` includes them."""
     allocator_tightened: bool = False
     """Whether glibc's mmap threshold was fixed when the step ended (NOTE [ The allocator as a lever ])."""
+    grad_norm: float | None = None
+    """With ``max_grad_norm``: the total 2-norm of the step's gradients before they were clipped."""
 
 
 _KERNELS_TOOK_THE_ROOM = (
@@ -261,6 +263,10 @@ class BudgetedStep:
         compression: base ``CompressionConfig`` for compressed plans (its ``bits`` is replaced). With
             ``bits="auto"``, a plan at ``b`` bits stores the bytes of fixed ``b``-bit with each tensor's
             bits chosen by its importance (``avg_bits=b``; NOTE [ Bits by importance under a plan ]).
+        max_grad_norm: clip the gradients to this total 2-norm before the optimizer step, as
+            ``torch.nn.utils.clip_grad_norm_`` over the model's parameters does in a hand-written loop:
+            once, on the whole batch's gradients (after every micro-batch, and DDP's all-reduce); each
+            step's norm before clipping is in ``history[i].grad_norm``. ``None`` (default): no clipping.
         inplace: exact in-place savings: activation modules run in place where autograd allows it
             (verified on the first step, see ``inplace_activations``), and ``Linear`` and ``Embedding``
             weight gradients are added into ``.grad`` in backward (``weight_grads_in_place``; not under
@@ -282,7 +288,7 @@ class BudgetedStep:
 
     Raises:
         BudgetTooSmallError: from a call, when even the leanest plan cannot fit the budget read then.
-        InvalidArgumentError: from a call, for a batch without samples.
+        InvalidArgumentError: from a call, for a batch without samples, or whose tensors disagree on dim 0.
 
     Example::
 
@@ -297,7 +303,8 @@ class BudgetedStep:
                  config: PlannerConfig | None = None, segments: Mapping[str, nn.Module] | None = None,
                  count: CountFn | None = None, reduction: str = "mean",
                  compression: CompressionConfig | None = None, pool: PagePool | None = None,
-                 tune_allocator: bool | None = None, inplace: bool = True) -> None:
+                 tune_allocator: bool | None = None, inplace: bool = True,
+                 max_grad_norm: float | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentTypeError(f"BudgetedStep model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -321,6 +328,10 @@ class BudgetedStep:
         if tune_allocator is not None and not isinstance(tune_allocator, bool):
             raise ArgumentTypeError(f"BudgetedStep tune_allocator must be None (where the budget needs it), True "
                                     f"or False, got {type(tune_allocator).__name__}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float)
+                                          or not 0 < max_grad_norm < math.inf):
+            raise InvalidArgumentError(f"BudgetedStep max_grad_norm must be a positive finite number (the total "
+                                       f"gradient norm to clip to) or None, got {max_grad_norm!r}")
         targets = [n for n in ("avg_bits", "packed_bytes", "error_share")
                    if compression is not None and getattr(compression, n) is not None]
         if targets:
@@ -328,6 +339,7 @@ class BudgetedStep:
                                        f"plan's bits), so compression must not name {targets[0]}; pass "
                                        "CompressionConfig(bits='auto') without a target")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.max_grad_norm = max_grad_norm
         self._ddp = ddp_of(model)
         local = unwrap(model)
         self.budget = budget if isinstance(budget, Budget) else Budget(budget)
@@ -494,6 +506,8 @@ class BudgetedStep:
         elif self._ddp is not None:
             all_reduce_grads(self._ddp)
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
+        grad_norm = None if self.max_grad_norm is None else float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
         new_state = missing_state_bytes(self.model, self.optimizer) - missing_grad_bytes(self.model)
         assert self.profile is not None
         if new_state > 0:  # NOTE [ The optimizer step that creates the state ]
@@ -523,7 +537,8 @@ class BudgetedStep:
             self._tighten_allocator(f"step {len(self.history)} peaked {(peak - budget) / 1e6:.1f} MB over the budget")
         record = StepRecord(len(self.history), budget, plan, peak, start_rss, step_s, loss,
                             replanned, rank_plan, optimizer_parts=parts, pool_evictions=evicted,
-                            planning=first is not None, allocator_tightened=self.allocator_tightened)
+                            planning=first is not None, allocator_tightened=self.allocator_tightened,
+                            grad_norm=grad_norm)
         self.history.append(record)
         return loss
 
