@@ -688,6 +688,22 @@ def test_a_batch_whose_tensors_disagree_on_dim_0_names_the_tensor():
     assert step.profile is None and all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize(("loss_fn", "error", "named"), [
+    (lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), InvalidArgumentError, r"one floating-point value"),
+    (lambda m, b: ce(m, b).item(), ArgumentTypeError, r"got float \(a Python number has no graph"),
+    (lambda m, b: (ce(m, b), {}), ArgumentTypeError, r"as a tensor holding one value, got tuple"),
+    (lambda m, b: ce(m, b).detach(), InvalidArgumentError, r"does not require grad"),
+    (lambda m, b: b[1].sum(), InvalidArgumentError, r"got a torch.int64 tensor of shape \(\)"),
+], ids=["per-sample", "float", "tuple", "detached", "integer"])
+def test_a_loss_fn_that_returns_no_loss_is_named(loss_fn, error, named):
+    model = mlp()
+    step = BudgetedStep(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB",
+                        tune_allocator=False)
+    with pytest.raises(error, match=r"BudgetedStep loss_fn .*" + named):
+        step((torch.randn(16, 64), torch.randint(0, 10, (16,))))
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _clipped_sgd_reference(model: nn.Module, batch, max_norm: float, steps: int) -> list[float]:
     """A hand-written loop: full-batch loss, ``clip_grad_norm_``, SGD; the norms before clipping."""
     opt, norms = torch.optim.SGD(model.parameters(), lr=0.5), []

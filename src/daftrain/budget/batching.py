@@ -1,4 +1,5 @@
-"""Batches as the budgeted step sees them: their size, slices of them, and what a mean loss counts.
+"""Batches as the budgeted step sees them: their size, slices of them, what a mean loss counts, and the
+loss ``loss_fn`` returns for one.
 
 A batch is a tensor, or a tuple/list/dict (nested) holding tensors whose dim 0 is the sample
 dimension; anything else in it (strings, flags, 0-d tensors) is passed to every slice as is.
@@ -13,8 +14,8 @@ import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["CountFn", "balanced_sizes", "batch_size", "head_copy", "shapes_of", "slice_copy", "split_batch",
-           "token_count"]
+__all__ = ["CountFn", "balanced_sizes", "batch_size", "checked_loss", "head_copy", "shapes_of", "slice_copy",
+           "split_batch", "token_count"]
 
 CountFn = Callable[[Any], int | torch.Tensor]
 
@@ -138,3 +139,24 @@ def token_count(labels_key: str | int = "labels", *, ignore_index: int = -100, s
         return (labels != ignore_index).sum()
 
     return count
+
+
+def checked_loss(loss: Any, backward: bool = True) -> torch.Tensor:
+    """``loss``, what ``loss_fn`` returned for a micro-batch, if it is one floating-point value whose backward
+    reaches the model (``backward``); else an error naming what it is and what to return."""
+    if not isinstance(loss, torch.Tensor):
+        hint = (" (a model output: return its .loss)" if hasattr(loss, "loss") else
+                " (a Python number has no graph: return the tensor itself)" if isinstance(loss, int | float) else "")
+        raise ArgumentTypeError(f"BudgetedStep loss_fn must return the loss as a tensor holding one value, got "
+                                f"{type(loss).__name__}{hint}")
+    if loss.numel() != 1 or not (loss.is_floating_point() or loss.is_complex()):
+        raise InvalidArgumentError(
+            f"BudgetedStep loss_fn must return one floating-point value (the batch's loss, reduced as "
+            f"reduction= says), got a {loss.dtype} tensor of shape {tuple(loss.shape)}; reduce it, e.g. with "
+            "reduction='mean' in the loss function")
+    if backward and not loss.requires_grad:
+        raise InvalidArgumentError(
+            "BudgetedStep loss_fn returned a loss that does not require grad, so backward would reach no "
+            "parameter: compute it from the model's output outside torch.no_grad() and without .detach(), and "
+            "give the optimizer parameters with requires_grad=True")
+    return loss

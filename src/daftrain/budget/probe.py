@@ -18,7 +18,7 @@ from torch import nn
 from ..config import CompressionConfig
 from ..saved.hooks import compress
 from ..saved.op_rules import ExactSavings
-from .batching import batch_size, head_copy, shapes_of, slice_copy
+from .batching import batch_size, checked_loss, head_copy, shapes_of, slice_copy
 from .budgets import BudgetTooSmallError
 from .memory import (
     REFAULT_BLOCK_BYTES,
@@ -373,7 +373,7 @@ class Prober:
             with grads_in_place:  # over the backward too (NOTE [ Weight gradients accumulated in place ])
                 with checkpointing(self.segments, list(self.segments) if mode == "ckpt" else []), in_place, exact, \
                         ctx:
-                    loss = self.loss_fn(self.model, part)
+                    loss = checked_loss(self.loss_fn(self.model, part), backward=mode != "count")
                 m.saved = saved_now()
                 if mode != "count":
                     (loss * weight).backward()

@@ -32,7 +32,7 @@ from ..pool import PagePool
 from ..saved.hooks import compress
 from ..saved.op_rules import ExactSavings, may_have_wide_head
 from . import weight_grads
-from .batching import CountFn, balanced_sizes, batch_size, shapes_of, split_batch
+from .batching import CountFn, balanced_sizes, batch_size, checked_loss, shapes_of, split_batch
 from .budgets import Budget, BudgetTooSmallError
 from .distributed import agree_plan, all_reduce_grads, ddp_of, micro_batch_model, unwrap
 from .memory import meter_for, missing_grad_bytes, missing_state_bytes
@@ -749,7 +749,7 @@ class BudgetedStep:
             recompute = context if isinstance(context, compress) else None
             with self._weight_grads():  # over the backward too (NOTE [ Weight gradients accumulated in place ])
                 with checkpointing(self.segments, plan.checkpointed, recompute), self._inplace(), context:
-                    loss = self.loss_fn(model, parts[i])
+                    loss = checked_loss(self.loss_fn(model, parts[i]))
                 if ceiling is not None:
                     trimmed |= self._make_room(ceiling)  # what the forward freed, before the backward allocates
                 (loss * weights[i]).backward()
