@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import daftrain
 from daftrain.demo.models.transformers_zoo import bert_classifier
@@ -71,3 +72,49 @@ def test_wrapping_twice_is_refused() -> None:
     with pytest.raises(UnsupportedError, match="already compressed"):
         compress_forward(model, ctx)
     undo()
+
+
+class _Net(torch.nn.Module):
+    """A model class of its own, whose ``forward`` Dynamo compiles as a frame (unlike torch.nn's containers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("own_class", [True, False], ids=["own_class", "nn_sequential"])
+@pytest.mark.parametrize("bits", [4, None])
+def test_a_compiled_module_is_compressed(own_class, bits) -> None:
+    # NOTE [ A compressed forward under torch.compile ] and NOTE [ Callbacks in a compiled function's eager code ]:
+    # ``Trainer(args=TrainingArguments(torch_compile=True))`` compiles the model whose forward the callback
+    # wrapped. A compiled ``nn.Sequential`` at 4 bits stored nothing compressed (cosine 1.0): its saves reached
+    # daftrain's callbacks only as one-op graphs Dynamo compiled of them.
+    torch.manual_seed(0)
+    model = _Net() if own_class else _Net().inner
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+    model(x).square().sum().backward()
+    ref = torch.cat([p.grad.flatten() for p in model.parameters()])
+    ctx = daftrain.compress(bits=bits)
+    undo = compress_forward(model, ctx)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    try:
+        for _ in range(2):
+            model.zero_grad()
+            compiled(x).square().sum().backward()
+    finally:
+        undo()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    cos = float(torch.nn.functional.cosine_similarity(got, ref, dim=0))
+    # the model's own frame compiled with the hooks inlined, or torch.nn's container run eagerly under the
+    # context: every save reaches daftrain either way, and Dynamo compiled no frame of daftrain's
+    stored = ctx.stats.compiled_saved if own_class else ctx.stats.tensors_seen
+    assert stored > 0, ctx.stats.summary()
+    assert counter.frame_count == (1 if own_class else 0), counter.frame_count
+    if bits is None:
+        assert cos == pytest.approx(1.0, abs=1e-6)
+    else:
+        assert 0.99 < cos < 1 - 1e-6, cos  # rounded at 4 bits (a cosine of 1 would mean nothing was compressed)

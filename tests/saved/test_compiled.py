@@ -268,44 +268,43 @@ def test_bool_masks_are_bit_packed():
 
 
 
-def test_eager_hooks_are_skipped_by_dynamo():
-    """NOTE [ Eager hooks are not compiled ]: once Dynamo is loaded, entering a context wraps the eager
-    hooks in ``torch._dynamo.disable`` (GPT-2 under compile hit the recompile limit compiling ``encode``)."""
-    ctx = daftrain.compress(bits=2, group_size=64)
-    with ctx:
-        pass
-    assert getattr(ctx.pack_hook._eager, "_torchdynamo_disable", False)
-    assert getattr(ctx.unpack_hook._eager, "_torchdynamo_disable", False)
-
-
 _LOADED_INSIDE_CHILD = """
-import torch, torch.nn.functional as F
+import sys, torch, torch.nn.functional as F
 import daftrain
+print("torch._dynamo" in sys.modules)  # eager-only users never load it
+from daftrain.saved.compiled import _Hook, is_traced
 from daftrain.saved.hooks import compress
+from daftrain.saved.op_rules import _RuleMode
 values = torch.randn(256, 64)
 lin = torch.nn.Linear(64, 64)
+
+@torch.compiler.disable(recursive=False)
+def squashed(h):  # eager code inside the compiled function
+    return torch.tanh(h * h)
+
 def fn(x):
-    h = lin(x)
+    h = squashed(lin(x))
     return F.gaussian_nll_loss(h, values, F.softplus(h * 3.0) + 1e-3)  # a graph break: it checks var
 x = torch.randn(256, 64, requires_grad=True)
 ctx = daftrain.compress(bits=2)
 with ctx:  # entered before Dynamo is loaded: torch.compile is first called inside
     loss = torch.compile(fn, backend="aot_eager")(x)
 loss.backward()
-from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-print(len(_debug_get_cache_entry_list(compress._pack.__code__)), len(_debug_get_cache_entry_list(fn.__code__)))
-print(getattr(ctx.pack_hook._eager, "_torchdynamo_disable", False), ctx.stats.compressed > 0)
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+print(*[len(entries(f.__code__)) for f in (compress._pack, _Hook.__call__, is_traced, _RuleMode.__torch_function__)])
+print(len(entries(fn.__code__)), ctx.stats.compressed > 0)
 """
 
 
-def test_eager_hooks_are_skipped_by_dynamo_loaded_inside_the_context():
-    # NOTE [ Eager hooks are not compiled ]: before, the hooks were wrapped only when a context was entered with
-    # Dynamo loaded; compiling inside the first context, Dynamo compiled the eager pack's frames at the graph
-    # break, and a numba kernel's first compilation under it raised (KeyError: 'parfor_index...').
+def test_callbacks_are_never_compiled_with_dynamo_loaded_inside_the_context():
+    # NOTE [ Callbacks in a compiled function's eager code ]: compiling inside the first context (Dynamo loaded
+    # after it was entered), Dynamo compiled the eager pack's frames at a graph break, and a numba kernel's first
+    # compilation under it raised (KeyError: 'parfor_index...'); the handlers of the rule mode were compiled
+    # there too, as one-op graphs.
     out = subprocess.run([sys.executable, "-c", _LOADED_INSIDE_CHILD], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    frames, wrapped = out.stdout.split("\n")[:2]
-    assert frames == "0 1" and wrapped == "True True", out.stdout
+    loaded, callbacks, compiled = out.stdout.split("\n")[:3]
+    assert (loaded, callbacks, compiled) == ("False", "0 0 0 0", "1 True"), out.stdout
 
 
 @pytest.mark.parametrize("bits", [None, 8])
@@ -480,3 +479,35 @@ def test_linalg_calls_that_check_their_result_compile_under_compress(call):
     got = _grads(model, torch.compile(fn, backend=counter), x, ctx)
     assert counter.frame_count >= 1 and ctx.stats.compiled_quantized > 0, ctx.stats.summary()
     assert _cos(got, ref) >= COSINE_8_BITS, _cos(got, ref)
+
+
+@pytest.mark.parametrize("bits", [2, None, "auto"])
+def test_the_eager_code_of_a_graph_break_compiles_no_frame_of_daftrains(bits):
+    # NOTE [ Callbacks in a compiled function's eager code ]: a graph break's call runs eagerly with Dynamo's frame
+    # callback set; the rule mode's handler and the saved-tensor hooks PyTorch calls there were each compiled as a
+    # frame of their own (a graph per op, recompiled per call signature), and the op's saves, that graph's inputs,
+    # were never offered to the hooks.
+    model = _mlp()
+
+    @torch.compiler.disable(recursive=False)  # its own frame runs eagerly, what it calls is compiled
+    def squashed(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h * h)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = model(x)
+        return squashed(h).sum(0) + h.mean(0)
+
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+    ref = _grads(model, fn, x, None)
+    plain = CompileCounterWithBackend("aot_eager")
+    _grads(model, torch.compile(fn, backend=plain), x, None)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    ctx = daftrain.compress(bits=bits, model=model) if bits == "auto" else daftrain.compress(bits=bits, min_numel=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileFallbackWarning)
+        got = _grads(model, torch.compile(fn, backend=counter), x, ctx)
+    assert counter.frame_count == plain.frame_count, (counter.frame_count, plain.frame_count)
+    assert _cos(got, ref) >= (COSINE_8_BITS if bits is None else 0.9), _cos(got, ref)
+    if bits == 2:  # the eager part's saves (h twice, tanh's output) reached the eager hooks
+        assert ctx.stats.compressed >= 2, ctx.stats.summary()

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..callbacks import eagerly, never_a_frame
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..kernels import ops as kernel_ops
 from ..layout import record_seed
@@ -293,9 +294,15 @@ class LossCatcher(TorchFunctionMode):
         super().__init__()
         self._latest: weakref.ref[torch.Tensor] | None = None
 
+    @never_a_frame  # NOTE [ Callbacks in a compiled function's eager code ] in callbacks.py
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        if torch.compiler.is_compiling():
+            return self._handle(func, args, kwargs or {})
+        return eagerly(self._handle, func, args, kwargs or {})
+
+    def _handle(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        out = func(*args, **kwargs)
         if (isinstance(out, torch.Tensor) and out.grad_fn is not None and out.numel() == 1
                 and out.is_floating_point()):
             self._latest = weakref.ref(out)

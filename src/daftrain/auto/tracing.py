@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..callbacks import eagerly, never_a_frame
 from ..calls import argument as _arg
 from ..kernels import ops as kernel_ops
 from ..lineage import copy_of
@@ -455,9 +456,14 @@ class _SaverMode(TorchFunctionMode):
         self.saved: list[tuple[Observation, torch.Tensor]] = []
         """Records saved (or saved again) inside the traced call in progress, innermost last."""
 
+    @never_a_frame  # NOTE [ Callbacks in a compiled function's eager code ] in callbacks.py
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return self._handle(func, args, kwargs or {})
+        return eagerly(self._handle, func, args, kwargs or {})
+
+    def _handle(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         if args and not torch.compiler.is_compiling() and _writes_in_place(func):
             self.tracer.written(args[0])  # eager only: compiled graphs store exact under bits="auto"
         saved = self.saved

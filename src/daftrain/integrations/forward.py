@@ -24,9 +24,31 @@ __all__ = ["compress_forward"]
 # trainer's backward. Forwards that save nothing (evaluation, ``no_grad``) skip the context, so they
 # neither count as steps nor pay for it.
 #
+# NOTE [ A compressed forward under torch.compile ]
+# A compiled module (``torch.compile(model)``, ``Trainer(args=TrainingArguments(torch_compile=True))``) calls
+# the wrapped ``forward`` from inside the frame Dynamo traces. Traced, ``with ctx:`` was compiled too: a graph
+# break inside the context's ``__enter__``, whose hooks then never reached the autograd stack, so no save of the
+# forward reached the context: nothing was compressed, and nothing said so. So the wrapper is not traced
+# (``torch.compiler.disable(recursive=False)``), the context's entry and exit run eagerly (disabled with what
+# they call), and the original ``forward`` the wrapper calls is compiled as its own frame, with the context's
+# hooks on the stack as in ``with ctx: compiled(x)``.
+#
 # Hugging Face models with gradient checkpointing enabled (before this call, as ``Trainer`` does before
 # its callbacks' ``on_train_begin``) have their layers' checkpointing swapped for daftrain's for as long as the
 # wrapping lasts (``NOTE [ Hugging Face layers checkpointed under compress ]`` in ``saved/checkpoint.py``).
+_EAGER = "daftrain enters and leaves its context eagerly (NOTE [ A compressed forward under torch.compile ])"
+
+
+@torch.compiler.disable(reason=_EAGER)
+def _enter(ctx: compress) -> None:
+    ctx.__enter__()
+
+
+@torch.compiler.disable(reason=_EAGER)
+def _exit(ctx: compress, exc: BaseException | None) -> None:
+    ctx.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc is not None else None)
+
+
 def compress_forward(module: nn.Module, ctx: compress) -> Callable[[], None]:
     """Run every training forward of ``module`` under ``ctx``; returns a function that undoes it."""
     if not isinstance(module, nn.Module):
@@ -40,12 +62,19 @@ def compress_forward(module: nn.Module, ctx: compress) -> Callable[[], None]:
     had_instance_attr = "forward" in module.__dict__
 
     @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def entered(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        with ctx:
-            return original(*args, **kwargs)
+        _enter(ctx)  # NOTE [ A compressed forward under torch.compile ]
+        try:
+            out = original(*args, **kwargs)
+        except BaseException as exc:
+            _exit(ctx, exc)
+            raise
+        _exit(ctx, None)
+        return out
 
+    forward = torch.compiler.disable(entered, recursive=False, reason=_EAGER)
     forward.__daftrain_ctx__ = ctx  # type: ignore[attr-defined]
     module.forward = forward  # type: ignore[method-assign]
     swapped = compress_recomputation(module, ctx)

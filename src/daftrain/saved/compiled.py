@@ -25,6 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from ..callbacks import eagerly, never_a_frame, skip_frames
 from ..config import CompressionConfig
 from ..errors import UnsupportedError
 from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
@@ -91,6 +92,7 @@ class CompileFallbackWarning(UserWarning):
 _SEED_HIGH = 1 << 32
 
 
+@never_a_frame  # the saved-tensor hooks call it first (NOTE [ Callbacks in a compiled function's eager code ])
 def is_traced(value: Any) -> bool:
     """True when ``value`` (a tensor, or what a pack hook returned) is being traced, not computed."""
     if isinstance(value, tuple):
@@ -390,10 +392,12 @@ class _Hook(torch.fx.GraphModule):
         # the generated code's exceptions; without it, autograd's eager calls reach ``__call__`` directly.
         del type(self).__call__
 
+    @never_a_frame  # NOTE [ Callbacks in a compiled function's eager code ] in callbacks.py
     def __call__(self, value: Any) -> Any:  # type: ignore[override]
         if is_traced(value):
+            skip_frames()  # before the compiled function runs, with Dynamo loaded inside the context
             return self._traced(value)
-        return self._eager(value)
+        return eagerly(self._eager, value)
 
 
 class _Owned:
@@ -420,8 +424,8 @@ class CompiledHooks:
         self._constants = (bits, group_size, min_numel, pack_bool)
         self.id = len(_HOOKS_BY_ID)
         _HOOKS_BY_ID[self.id] = self
-        self.pack = _Hook(pack_traced, self._constants, self._pack_until_dynamo, self._traced_pack)
-        self.unpack = _Hook(unpack_traced, (self.id,), self._unpack_until_dynamo,
+        self.pack = _Hook(pack_traced, self._constants, self._eager_pack, self._traced_pack)
+        self.unpack = _Hook(unpack_traced, (self.id,), _eager_unpack,
                             functools.partial(unpack_traced, hooks_id=self.id))
         self._local = threading.local()
         self._last: weakref.ReferenceType[Any] | None = None
@@ -429,7 +433,6 @@ class CompiledHooks:
         # compile id -> (the forward graph while it is being compiled, its saved tensors by node name)
         self._graphs: dict[str, tuple[weakref.ReferenceType[Any], dict[str, SavedInGraph]]] = {}
         self._watching = False
-        self._dynamo_skips = False
 
     # -- the active context ------------------------------------------------------------------------
     def _stack(self) -> list[Any]:
@@ -442,38 +445,9 @@ class CompiledHooks:
         self._stack().append(ctx)
         self._last = weakref.ref(ctx)
         if "torch._dynamo" in sys.modules:
-            if not self._dynamo_skips:
-                self._skip_dynamo()
+            skip_frames()  # NOTE [ Callbacks in a compiled function's eager code ] in callbacks.py
             if self._constants[0] is not None or self._constants[3]:  # it decodes something
                 install_decode_order()  # before a compile starts: inductor keeps its config for the backward
-
-    def _skip_dynamo(self) -> None:
-        """NOTE [ Eager hooks are not compiled ]
-        Autograd calls the eager hooks from eager code that ``torch.compile``'s frame callback still
-        watches (a graph break's fallback), and Dynamo would compile their frames: ``encode`` once per
-        seed, up to the recompile limit. Wrapped in ``torch._dynamo.disable`` once Dynamo is loaded (no
-        import for eager-only users), they always run as plain Python."""
-        import torch._dynamo
-
-        self.pack._eager = torch._dynamo.disable(self._eager_pack)
-        self.unpack._eager = torch._dynamo.disable(_eager_unpack)
-        self._dynamo_skips = True
-
-    def _pack_until_dynamo(self, t: torch.Tensor) -> Any:
-        """The eager pack before Dynamo skips it: Dynamo loaded after the context was entered (``torch.compile``
-        first called inside the ``with`` block) would compile the hooks' frames, and a kernel's first JIT
-        compilation with them (``NOTE [ Eager hooks are not compiled ]``)."""
-        if "torch._dynamo" in sys.modules:
-            self._skip_dynamo()
-            return self.pack._eager(t)
-        return self._eager_pack(t)
-
-    def _unpack_until_dynamo(self, packed: Any) -> torch.Tensor:
-        """The eager unpack before Dynamo skips it (``_pack_until_dynamo``)."""
-        if "torch._dynamo" in sys.modules:
-            self._skip_dynamo()
-            return self.unpack._eager(packed)
-        return _eager_unpack(packed)
 
     def deactivate(self, ctx: Any) -> None:
         stack = self._stack()

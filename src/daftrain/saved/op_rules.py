@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..callbacks import eagerly, never_a_frame
 from ..calls import argument as _arg
 from ..calls import reduced_dims
 from ..lineage import CAST_AND_VIEW_NODES, copy_of, reaches
@@ -870,6 +871,7 @@ class _RuleMode(TorchFunctionMode):
         super().__init__()
         self.tracer, self.by_function = tracer, by_function
 
+    @never_a_frame  # NOTE [ Callbacks in a compiled function's eager code ] in callbacks.py
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -877,6 +879,10 @@ class _RuleMode(TorchFunctionMode):
             if func in _CHECKED_LINALG:  # NOTE [ Linalg calls that check their result ]
                 return torch._dynamo.disable(_called_eagerly)(self, func, types, args, kwargs)
             return func(*args, **kwargs)
+        return eagerly(self._eager, func, args, kwargs)
+
+    def _eager(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """The handler outside any compiled graph: ``func`` under the rule it matches."""
         rules = self.by_function.get(func)
         linear = func in self.tracer.linears
         if rules is None and not linear:

@@ -1,0 +1,77 @@
+"""What PyTorch calls back into daftrain while a model runs (saved-tensor hooks, torch function modes' handlers):
+never compiled by ``torch.compile`` as a frame of its own (``NOTE [ Callbacks in a compiled function's eager
+code ]``)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from types import CodeType
+from typing import Any, TypeVar
+
+import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+__all__ = ["eagerly", "never_a_frame", "skip_frames"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+# NOTE [ Callbacks in a compiled function's eager code ]
+# Inside a function ``torch.compile`` compiled, what Dynamo leaves out of its graphs runs eagerly with Dynamo's
+# frame callback still set: the call at a graph break, and frames Dynamo does not compile on their own (torch.nn's
+# modules: a compiled ``nn.Sequential`` whose ``forward`` was wrapped by ``compress_forward``). Every other Python
+# frame entered there is compiled alone, and PyTorch enters daftrain's callbacks there: the saved-tensor hooks (from
+# autograd, for each save) and the torch function modes' handlers (for each torch call). Each was compiled as a
+# graph of its own, recompiled for every new call signature, and in such a one-op graph the tensors the op saves
+# are the graph's inputs, which AOTAutograd never offers to hooks: nothing the compiled module saved was
+# compressed (a cosine of 1.0 at 4 bits, ``ctx.stats`` at 0 seen), and nothing said so; and the op rules never saw
+# the rest of a call that broke the graph (a Gaussian NLL's division by its variance). So each callback is never a
+# frame of its own (``never_a_frame``: Dynamo still inlines it where it traces the code that calls it, a mode's
+# handler under ``with ctx: compiled(x)``), and its eager work runs with the frame callback off (``eagerly``), as
+# in code that was never compiled. A frame a callback calls before ``eagerly`` is compiled on its own unless it
+# too is ``never_a_frame``. Marking a frame needs ``torch._dynamo``, which eager-only users never import (it costs
+# a second and its memory): the marks wait until it is loaded (``skip_frames``, called where a context is entered
+# and where a compiled graph's hooks are traced).
+_pending: list[CodeType] = []
+_lock = threading.Lock()
+
+
+def skip_frames() -> None:
+    """Mark the frames ``never_a_frame`` named, once ``torch._dynamo`` is loaded."""
+    if not _pending or "torch._dynamo" not in sys.modules:
+        return
+    from torch._dynamo.eval_frame import skip_code
+
+    with _lock:
+        for code in _pending:
+            skip_code(code)
+        _pending.clear()
+
+
+def never_a_frame(fn: _F) -> _F:
+    """``fn``, which Dynamo will not compile as a frame of its own (it may still inline it)."""
+    with _lock:
+        _pending.append(fn.__code__)
+    skip_frames()
+    return fn
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+@functools.cache
+def _uncompiled() -> Callable[..., Any]:
+    return torch.compiler.disable(_call, reason="daftrain's callbacks run eagerly")
+
+
+@never_a_frame
+def eagerly(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, with Dynamo's frame callback off where it is set (nothing ``fn`` calls is compiled)."""
+    if not get_eval_frame_callback():  # not inside a compiled function (or one that compiles nothing more)
+        return fn(*args)
+    skip_frames()
+    return _uncompiled()(fn, *args)
