@@ -46,7 +46,8 @@ class _Text(_Passages):
             item["labels"] = item["input_ids"].masked_fill(item["attention_mask"] == 0, -100)
 
 
-def _train(tmp_path, callbacks, *, lora=False, checkpointing=False, steps=3, optim="adamw_torch", causal_lm=False):
+def _train(tmp_path, callbacks, *, lora=False, checkpointing=False, steps=3, optim="adamw_torch", causal_lm=False,
+           compiled=False, dropout=True):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
     path = weights.get_model_path()
@@ -56,7 +57,8 @@ def _train(tmp_path, callbacks, *, lora=False, checkpointing=False, steps=3, opt
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=tokenizer.vocab_size, n_embd=64, n_layer=2, n_head=2, n_positions=32, use_cache=False))
     else:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+        off = {} if dropout else {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3, **off)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -65,7 +67,8 @@ def _train(tmp_path, callbacks, *, lora=False, checkpointing=False, steps=3, opt
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=steps,
                              learning_rate=1e-3, optim=optim, logging_steps=1, report_to=[], save_strategy="no",
                              use_cpu=True, seed=0, data_seed=0, gradient_checkpointing=checkpointing,
-                             dataloader_num_workers=0, disable_tqdm=True)
+                             dataloader_num_workers=0, disable_tqdm=True, torch_compile=compiled,
+                             torch_compile_backend="aot_eager" if compiled else None)
     data = _Text(tokenizer) if causal_lm else _Passages(tokenizer)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
@@ -108,6 +111,23 @@ def test_compressed_run_tracks_plain_and_saves_bytes(tmp_path, lora, checkpointi
     if checkpointing:  # the layers' recomputation in backward was stored compressed, through the callback's context
         recomputed = callback.ctx.recomputation_context().stats
         assert recomputed.compressed > 0 and recomputed.packed_bytes < recomputed.raw_bytes / 2, recomputed.summary()
+
+
+def test_a_compiled_model_is_compressed_in_its_graphs(tmp_path):
+    # TrainingArguments(torch_compile=True): the Trainer compiles the model whose forward the callback wrapped; the
+    # context is entered eagerly around the compiled forward (NOTE [ A compressed forward under torch.compile ]).
+    # Without dropout: a compiled graph draws its records' seeds from torch's generator (NOTE [ A fresh seed per
+    # compiled call ]), so its dropout masks are not plain's.
+    kw = {"optim": "sgd", "compiled": True, "dropout": False}
+    plain_losses, plain_update = _train(tmp_path / "plain", [], **kw)
+    callback = DaftrainCallback(bits=8)
+    losses, update = _train(tmp_path / "daftrain", [callback], **kw)
+    stats = callback.ctx.stats
+    assert stats.compiled_quantized > 0 and stats.compiled_stored_bytes < stats.compiled_raw_bytes / 2, stats.summary()
+    for a, b in zip(losses, plain_losses, strict=True):  # 8-bit activations: as in the test above
+        assert abs(a - b) <= 0.02 * abs(b) + 1e-3, (losses, plain_losses)
+    cos = torch.nn.functional.cosine_similarity(update, plain_update, dim=0)
+    assert cos >= 0.999, cos
 
 
 def test_a_language_models_loss_runs_over_its_head(tmp_path, monkeypatch):
