@@ -9,7 +9,8 @@ Example::
 
 Works with ``peft`` adapters (frozen base weights are parameters and stay exact) and with
 ``gradient_checkpointing`` (the layers' recomputation in backward is stored compressed too, through
-``daftrain.checkpoint``). Statistics of the latest step: ``callback.ctx.stats``.
+``daftrain.checkpoint``) and with ``torch_compile`` (the hooks are inlined into the compiled graphs: fixed bits
+only, see ``compress``). Statistics of the latest step: ``callback.ctx.stats``.
 """
 
 from __future__ import annotations
