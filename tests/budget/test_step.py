@@ -142,6 +142,37 @@ def test_token_mean_loss_weighted_by_tokens():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
 
 
+def _lm_batch(ignored: bool) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 50, (6, 9), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    if ignored:
+        labels[0, 3:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _lm_loss(model: nn.Module, b) -> torch.Tensor:
+    logits = model(b["input_ids"])[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, 50), b["labels"][:, 1:].reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize(("ignored", "count", "warns"), [
+    (True, None, True), (True, token_count(), False), (False, None, False),
+], ids=["ignored-labels", "token-count", "no-ignored-labels"])
+def test_a_per_token_loss_counted_by_samples_warns_once(ignored, count, warns, recwarn):
+    # NOTE [ Micro-batching keeps the math ]: counting samples where the loss averages tokens is the
+    # gradient-accumulation bug users of Hugging Face's Trainer met.
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50))
+    step = BudgetedStep(model, _lm_loss, torch.optim.SGD(model.parameters(), lr=0.1), budget="100GB",
+                        config=PlannerConfig(bits=(None,)), count=count, tune_allocator=False)
+    for _ in range(2):
+        step(_lm_batch(ignored))
+    named = [w for w in recwarn.list if "count=daftrain.token_count()" in str(w.message)]
+    assert len(named) == (1 if warns else 0), [str(w.message) for w in recwarn.list]
+    if warns:
+        assert named[0].filename == __file__  # it points at the user's call
+
+
 def test_full_step_trains_like_plain_sgd(device):
     """A budgeted step (planned, micro-batched) then optimizer.step equals plain full-batch SGD."""
     torch.manual_seed(3)

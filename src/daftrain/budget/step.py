@@ -190,7 +190,9 @@ _OPTIMIZER_SLACK = 1.1  # on the optimizer step's measured transient
 # For a mean-reduced loss, each micro-batch's loss is weighted by its share of the elements the mean
 # counts: ``count(micro) / count(batch)``. ``count`` defaults to the number of samples; for token
 # losses pass ``count=token_count()`` (non-ignored labels after the causal shift), so the accumulated
-# gradient equals the full batch's. BatchNorm is the exception: in train mode it normalises by each
+# gradient equals the full batch's; a step given a dict batch whose ``labels`` are per token with ignored
+# positions, and no ``count``, warns once (counting samples there is the gradient-accumulation bug users of
+# Hugging Face's Trainer met). BatchNorm is the exception: in train mode it normalises by each
 # micro-batch's own statistics and updates its running statistics once per micro-batch, so gradients
 # and running statistics differ from the full batch (as with any gradient accumulation). The usual
 # remedy, if that matters, is a batch-independent normalisation: ``batchnorm_to_groupnorm(model)``.
@@ -226,6 +228,9 @@ class StepRecord:
     grad_norm: float | None = None
     """With ``max_grad_norm``: the total 2-norm of the step's gradients before they were clipped."""
 
+
+_IGNORE_INDEX = -100
+"""The label PyTorch's and Hugging Face's token losses ignore by default."""
 
 _KERNELS_TOOK_THE_ROOM = (
     "this planning step loaded the compression kernels to measure compressed plans, and they stay in the "
@@ -346,6 +351,7 @@ class BudgetedStep:
         self.config = config if config is not None else PlannerConfig()
         self.segments = dict(segments) if segments is not None else find_segments(local)
         self.count = count if count is not None else batch_size
+        self._warned_tokens = count is not None or reduction != "mean"  # NOTE [ Micro-batching keeps the math ]
         self.reduction = reduction
         self._compression = dataclasses.replace(compression if compression is not None else CompressionConfig(),
                                                 tune_allocator=tune_allocator is True)
@@ -404,6 +410,8 @@ class BudgetedStep:
                 "the batch given to BudgetedStep has 0 samples (dim 0 of its first tensor is 0), and a step "
                 "needs at least one; skip empty batches before calling the step")
         total = float(self.count(batch)) if self.reduction == "mean" else 1.0
+        if not self._warned_tokens:
+            self._warn_token_mean(batch, samples)
         budget = start_rss = persistent = reserve = 0
         own: Plan | None = None
         first: FirstStep | None = None
@@ -657,6 +665,22 @@ class BudgetedStep:
             warnings.warn("micro-batching a model with BatchNorm: batch statistics are per micro-batch, so gradients "
                           "and running statistics differ from the full batch (see batchnorm_to_groupnorm)",
                           stacklevel=3)
+
+    def _warn_token_mean(self, batch: Any, samples: int) -> None:
+        """Warn once where the batch's labels look like a per-token loss's and ``count`` was left to count samples
+        (``NOTE [ Micro-batching keeps the math ]``): Hugging Face's language-model batches."""
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if samples < 2 or not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.is_floating_point():
+            return
+        if bool((labels == _IGNORE_INDEX).any()):
+            self._warned_tokens = True
+            warnings.warn(
+                f"BudgetedStep: batch['labels'] holds ignored positions ({_IGNORE_INDEX}) and no count= was given, so "
+                "each micro-batch's mean loss is weighted by its share of the samples, not of the tokens the loss "
+                "averages over: where micro-batches hold different numbers of tokens the step's gradient is not the "
+                "whole batch's. For a per-token mean loss (Hugging Face's language-model losses) pass "
+                "count=daftrain.token_count() (shift=False for a loss without the causal shift); to weigh by samples, "
+                "pass count=lambda batch: len(batch['labels'])", stacklevel=4)
 
     # -- running ---------------------------------------------------------------------------------------
     def _context(self, bits: int | None) -> contextlib.AbstractContextManager[Any]:
