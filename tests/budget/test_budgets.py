@@ -30,6 +30,13 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad)
 
 
+@pytest.mark.parametrize(("share", "fraction"), [("50%", "0.5"), ("12.5 %", "0.125"), (0.5, "0.5"), ("0.25", "0.25")])
+def test_a_share_of_memory_is_refused_naming_budget_system(share, fraction):
+    # "50%" or 0.5 was read as a size: an error, or a budget of 0 bytes (truncated) that no plan fits.
+    with pytest.raises(BudgetError, match=rf"pass daftrain\.Budget\.system\({fraction}\)"):
+        Budget(share)
+
+
 def test_budget_fixed_and_callable():
     assert Budget("600MB").bytes() == 600_000_000
     assert not Budget(100).is_dynamic

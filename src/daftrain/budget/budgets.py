@@ -75,6 +75,7 @@ _UNITS = {
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_SHARE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -94,6 +95,10 @@ def parse_bytes(value: str | int | float) -> int:
         n = value
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
+        share = _SHARE_RE.match(value)
+        if share is not None:
+            raise BudgetError(f"{value!r} is a share of memory, not a memory size (budget); for a share of what this "
+                              f"process may use pass daftrain.Budget.system({float(share.group(1)) / 100:g})")
         if match is None:
             raise BudgetError(f"cannot read {value!r} as a memory size (budget); write e.g. '600MB', '1.5GiB' or "
                               "'2e9'")
@@ -110,6 +115,10 @@ def parse_bytes(value: str | int | float) -> int:
                           "bytes or a string like '600MB'")
     if n < 0:
         raise BudgetError(f"a memory size (budget) cannot be negative, got {value!r}; pass bytes >= 0")
+    if 0 < n < 1:  # truncated, it would be a budget of 0 bytes
+        raise BudgetError(f"a memory size (budget) of {value!r} is less than one byte; sizes are in bytes (or a "
+                          f"string like '600MB'): for a share of what this process may use pass "
+                          f"daftrain.Budget.system({value})")
     return int(n)
 
 
