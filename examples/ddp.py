@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--no-checkpoint", action="store_true", help="plans use micro-batches and bits only")
     ap.add_argument("--count-allreduce", action="store_true", help="count gradient all-reduces (comm hook)")
     ap.add_argument("--image-size", type=int, default=16)
+    ap.add_argument("--max-grad-norm", type=float, default=None, help="clip the gradients to this total norm")
     ap.add_argument("--out", help="save rank 0's final parameters here")
     args = ap.parse_args()
     bits = None if args.bits == "none" else int(args.bits)
@@ -108,7 +109,8 @@ def main() -> None:
         planner = daftrain.PlannerConfig(bits=(None,) if bits is None else (None, bits),
                                          checkpoint=not args.no_checkpoint)
         step = daftrain.BudgetedStep(model, loss_fn, optimizer, budget=lambda: current["budget"](), config=planner,
-                                     compression=daftrain.CompressionConfig(bits=bits))
+                                     compression=daftrain.CompressionConfig(bits=bits),
+                                     max_grad_norm=args.max_grad_norm)
     ctx = (daftrain.compress(bits="auto", error_share=args.error_share, model=model) if args.error_share
            else daftrain.compress(bits=bits, model=model))
     for i, (x, y) in enumerate(batches(args.steps, args.batch_size, args.image_size)):
@@ -126,6 +128,8 @@ def main() -> None:
         with ctx:
             loss = loss_fn(model, local)
         loss.backward()
+        if args.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
     params = torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -103,6 +103,20 @@ def test_budgeted_ddp_ranks_with_different_budgets_agree(tmp_path):
     assert _rel(ddp, single) < 1e-5
 
 
+def test_budgeted_ddp_clips_the_all_reduced_gradient(tmp_path):
+    """``max_grad_norm``: each rank clips the gradient DDP all-reduced over both ranks' micro-batches, so the
+    ranks stay identical and equal one process clipping the whole batch's gradient by hand."""
+    common = ("--steps", "3", "--bits", "none", "--image-size", "32", "--batch-size", "128", "--max-grad-norm", "0.05")
+    ddp, stdout = _run(tmp_path, *common, "--no-checkpoint", "--budgeted", "--budget", "+96MB,+96MB", "--budget-from",
+                       "1:+20MB,+20MB")
+    assert stdout.count("parameters identical on all 2 ranks: True") == 2, stdout
+    assert any(int(k) > 1 for *_, k, _, _, _, _ in _STEP.findall(stdout)), stdout  # micro-batches ran
+    single, _ = _run(tmp_path, *common, nproc=None)
+    unclipped, _ = _run(tmp_path, "--steps", "3", "--bits", "none", "--image-size", "32", "--batch-size", "128",
+                        nproc=None)
+    assert _rel(ddp, single) < 1e-5 < _rel(unclipped, single)  # clipped as one process clips, and clipping acted
+
+
 def test_budgeted_ddp_compressed_plan_agreed(tmp_path):
     """A budget roomy enough for compressed probes: the ranks agree on a plan and stay identical."""
     _, stdout = _run(tmp_path, "--steps", "2", "--bits", "2", "--budgeted", "--budget", "4GB", "--count-allreduce")
