@@ -719,6 +719,46 @@ def test_a_batch_whose_tensors_disagree_on_dim_0_names_the_tensor():
     assert step.profile is None and all(p.grad is None for p in model.parameters())
 
 
+def _scaled_sgd_reference(model: nn.Module, batches, scaler: torch.amp.GradScaler) -> list[float]:
+    """A hand-written float16-style loop: scaled loss, ``unscale_``, ``clip_grad_norm_``, ``scaler.step``,
+    ``scaler.update``; the scale after each step."""
+    opt, scales = torch.optim.SGD(model.parameters(), lr=0.5), []
+    for batch in batches:
+        opt.zero_grad()
+        scaler.scale(ce(model, batch)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_grad_scaler_scales_unscales_and_skips_the_steps_a_scaler_skips(monkeypatch):
+    # The second batch's last sample is infinite: the scaler finds non-finite gradients, the step is skipped
+    # and the scale halved, as scaler.step and scaler.update do; the other steps equal the hand-written loop's.
+    torch.manual_seed(2)
+    batches = [(torch.randn(48, 64, dtype=torch.float64), torch.randint(0, 10, (48,))) for _ in range(3)]
+    batches[1][0][-1, 0] = math.inf
+    ref = mlp().double()
+    scales = _scaled_sgd_reference(ref, batches, torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1))
+    model = mlp().double()
+    monkeypatch.setattr(BudgetedStep, "_micro_batches", lambda self, plan, samples, fresh: -(-samples // 5))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1)
+    step = BudgetedStep(model, ce, torch.optim.SGD(model.parameters(), lr=0.5), budget="100GB",
+                        config=PlannerConfig(bits=(None,)), tune_allocator=False, max_grad_norm=0.05,
+                        grad_scaler=scaler)
+    got = []
+    for batch in batches:
+        step(batch)
+        got.append(scaler.get_scale())
+    assert got == scales == [2.0**13, 2.0**12, 2.0**13]
+    assert [r.optimizer_parts > 0 for r in step.history] == [True, False, True]
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize(("loss_fn", "error", "named"), [
     (lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), InvalidArgumentError, r"one floating-point value"),
     (lambda m, b: ce(m, b).item(), ArgumentTypeError, r"got float \(a Python number has no graph"),
@@ -830,6 +870,8 @@ def test_constructor_errors_name_the_argument():
         BudgetedStep(model, ce, opt, budget="1GB", compression=2)
     with pytest.raises(ArgumentTypeError, match=r"pool must be a daftrain\.PagePool"):
         BudgetedStep(model, ce, opt, budget="1GB", pool=PoolConfig())
+    with pytest.raises(ArgumentTypeError, match=r"grad_scaler must be a torch\.amp\.GradScaler"):
+        BudgetedStep(model, ce, opt, budget="1GB", grad_scaler=object())
     for bad in (0, -1.0, math.inf, math.nan, True, "1"):
         with pytest.raises(InvalidArgumentError, match="max_grad_norm must be a positive finite number"):
             BudgetedStep(model, ce, opt, budget="1GB", max_grad_norm=bad)

@@ -145,20 +145,25 @@ class Prober:
         meter: the memory meter of the budget's device (``memory.meter_for``).
         grads_in_place: run every slice under ``weight_grads_in_place`` (as the step runs its micro-batches).
         exact: the context the step's exact plans run under, for the exact slices (``None``: plain PyTorch).
+        grad_scaler: scales each slice's loss before its backward (``BudgetedStep``'s ``grad_scaler``).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                  segments: Mapping[str, nn.Module], config: PlannerConfig, compression: CompressionConfig,
                  meter: RssMeter | CudaMeter, grads_in_place: bool = False,
-                 exact: ExactSavings | None = None) -> None:
+                 exact: ExactSavings | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.segments, self.config, self.compression, self.meter = segments, config, compression, meter
         self.grads_in_place = grads_in_place
-        self.exact = exact
+        self.exact, self.grad_scaler = exact, grad_scaler
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # Whether compressed slices ran once: their kernels' one-time footprint is then part of the process.
         self.compression_loaded = False
         self.refault_s_per_byte: float | None = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the loss scaled by the step's ``grad_scaler`` where it has one."""
+        (self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss).backward()
 
     def planning_step(self, batch: Any, budget: int, persistent: int, *, inplace: bool,
                       share: Callable[[Any], float], keep: int = 0) -> FirstStep:
@@ -376,7 +381,7 @@ class Prober:
                     loss = checked_loss(self.loss_fn(self.model, part), backward=mode != "count")
                 m.saved = saved_now()
                 if mode != "count":
-                    (loss * weight).backward()
+                    self.backward(loss * weight)
             m.seconds = time.perf_counter() - t0
             m.loss = float(loss.detach())
             del loss

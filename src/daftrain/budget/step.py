@@ -216,7 +216,8 @@ class StepRecord:
     agreed on ``plan`` (NOTE [ Agreeing on one plan ] in distributed.py); ``None`` otherwise."""
     optimizer_parts: int = 1
     """How many ``optimizer.step()`` calls the optimizer step made: parts, and slices of a parameter
-    larger than a part (NOTEs [ Stepping in parts ] and [ Slicing a parameter ] in optimizer_step.py)."""
+    larger than a part (NOTEs [ Stepping in parts ] and [ Slicing a parameter ] in optimizer_step.py);
+    0 where a ``grad_scaler`` found non-finite gradients and the step was skipped."""
     pool_evictions: int = 0
     """With a ``pool``: records it demoted or spilled during the step because they exceeded the byte cap
     the plan set (NOTE [ The pool under the plan's cap ]); 0 where the plan's model held."""
@@ -272,6 +273,10 @@ class BudgetedStep:
             ``torch.nn.utils.clip_grad_norm_`` over the model's parameters does in a hand-written loop:
             once, on the whole batch's gradients (after every micro-batch, and DDP's all-reduce); each
             step's norm before clipping is in ``history[i].grad_norm``. ``None`` (default): no clipping.
+        grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast: every micro-batch's loss is scaled
+            before its backward, the gradients are unscaled (then clipped) before the optimizer step,
+            which is skipped where the scaler found non-finite gradients (``optimizer_parts`` 0), and the
+            scaler is updated after it, as ``scaler.step`` and ``scaler.update`` do in a hand-written loop.
         inplace: exact in-place savings: activation modules run in place where autograd allows it
             (verified on the first step, see ``inplace_activations``), and ``Linear`` and ``Embedding``
             weight gradients are added into ``.grad`` in backward (``weight_grads_in_place``; not under
@@ -309,7 +314,7 @@ class BudgetedStep:
                  count: CountFn | None = None, reduction: str = "mean",
                  compression: CompressionConfig | None = None, pool: PagePool | None = None,
                  tune_allocator: bool | None = None, inplace: bool = True,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentTypeError(f"BudgetedStep model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -333,6 +338,9 @@ class BudgetedStep:
         if tune_allocator is not None and not isinstance(tune_allocator, bool):
             raise ArgumentTypeError(f"BudgetedStep tune_allocator must be None (where the budget needs it), True "
                                     f"or False, got {type(tune_allocator).__name__}")
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise ArgumentTypeError(f"BudgetedStep grad_scaler must be a torch.amp.GradScaler or None, got "
+                                    f"{type(grad_scaler).__name__}")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float)
                                           or not 0 < max_grad_norm < math.inf):
             raise InvalidArgumentError(f"BudgetedStep max_grad_norm must be a positive finite number (the total "
@@ -344,7 +352,7 @@ class BudgetedStep:
                                        f"plan's bits), so compression must not name {targets[0]}; pass "
                                        "CompressionConfig(bits='auto') without a target")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.grad_scaler = max_grad_norm, grad_scaler
         self._ddp = ddp_of(model)
         local = unwrap(model)
         self.budget = budget if isinstance(budget, Budget) else Budget(budget)
@@ -382,7 +390,7 @@ class BudgetedStep:
         self._exact = (ExactSavings(linears=(weight_grads.linear,), weight_grads_in_place=self._grads_in_place)
                        if self._compression.linear_cross_entropy and may_have_wide_head(model) else None)
         self._prober = Prober(local, loss_fn, optimizer, self.segments, self.config, self._compression, self._meter,
-                              grads_in_place=self._grads_in_place, exact=self._exact)
+                              grads_in_place=self._grads_in_place, exact=self._exact, grad_scaler=grad_scaler)
         self._warned_bn = False
         self.inplace = inplace and not self._compression.asynchronous  # async packing reads tensors later
         self.tune_allocator = tune_allocator
@@ -514,8 +522,7 @@ class BudgetedStep:
         elif self._ddp is not None:
             all_reduce_grads(self._ddp)
         acc_peak = max(self._meter.peak(), first.peak_bytes if first is not None else 0)
-        grad_norm = None if self.max_grad_norm is None else float(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        grad_norm, finite = self._unscale_and_clip()
         new_state = missing_state_bytes(self.model, self.optimizer) - missing_grad_bytes(self.model)
         assert self.profile is not None
         if new_state > 0:  # NOTE [ The optimizer step that creates the state ]
@@ -534,12 +541,14 @@ class BudgetedStep:
             self._make_room(budget - new_state - part_scale * nbytes)
             opt_start = min(opt_start, self._meter.current())
 
-        parts = step_in_parts(self.optimizer, part, before_part)
+        parts = step_in_parts(self.optimizer, part, before_part) if finite else 0
         self.optimizer.zero_grad(set_to_none=True)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update()
         opt_peak = self._meter.peak()
         step_s = time.perf_counter() - t0
         # 4. correct
-        self._correct_model(act_ratio, opt_peak - opt_start - new_state, part)
+        self._correct_model(act_ratio, opt_peak - opt_start - new_state if parts else 0, part)
         peak = max(acc_peak, opt_peak)
         if peak > budget:
             self._tighten_allocator(f"step {len(self.history)} peaked {(peak - budget) / 1e6:.1f} MB over the budget")
@@ -666,6 +675,20 @@ class BudgetedStep:
                           "and running statistics differ from the full batch (see batchnorm_to_groupnorm)",
                           stacklevel=3)
 
+    def _unscale_and_clip(self) -> tuple[float | None, bool]:
+        """Between the last backward and the optimizer step, as a hand-written loop: the gradients unscaled by
+        ``grad_scaler`` and clipped to ``max_grad_norm``; their norm before clipping (with ``max_grad_norm``) and
+        whether the optimizer may step (no gradient the scaler found non-finite)."""
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        norm = None if self.max_grad_norm is None else float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        if scaler is None or not scaler.is_enabled():
+            return norm, True
+        # what GradScaler.step reads to skip a step (its own per-device inf checks from unscale_)
+        return norm, not sum(float(v) for v in scaler._found_inf_per_device(self.optimizer).values())
+
     def _warn_token_mean(self, batch: Any, samples: int) -> None:
         """Warn once where the batch's labels look like a per-token loss's and ``count`` was left to count samples
         (``NOTE [ Micro-batching keeps the math ]``): Hugging Face's language-model batches."""
@@ -776,7 +799,7 @@ class BudgetedStep:
                     loss = checked_loss(self.loss_fn(model, parts[i]))
                 if ceiling is not None:
                     trimmed |= self._make_room(ceiling)  # what the forward freed, before the backward allocates
-                (loss * weights[i]).backward()
+                self._prober.backward(loss * weights[i])
                 value += float(loss.detach()) * weights[i]
                 del loss  # free the graph's last references before the next slice
             if i == run[0]:
