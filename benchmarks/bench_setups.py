@@ -649,23 +649,29 @@ def c_bidirectional_lstm_dropout():
 CASES = {name[2:]: make for name, make in list(globals().items()) if name.startswith("c_")}
 
 
-def gradient(case: str, ctx: daftrain.compress | None) -> torch.Tensor:
+def gradient(case: str, ctx: daftrain.compress | None, compiled: bool = False) -> torch.Tensor:
+    """The setup's gradient; ``compiled``: its model under ``torch.compile`` (``aot_eager``: the graphs AOTAutograd
+    makes, with the hooks inlined, without inductor's code generation)."""
     torch.manual_seed(0)
     model, step = CASES[case]()
     torch.manual_seed(1)
-    grad = step(model, ctx)
+    if compiled:
+        torch._dynamo.reset()
+    grad = step(torch.compile(model, backend="aot_eager") if compiled else model, ctx)
     if grad is None:
         grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return grad
 
 
-def measure(case: str, ref: torch.Tensor, row: dict[str, object], column: str, **settings: object) -> None:
+def measure(case: str, ref: torch.Tensor, row: dict[str, object], column: str, compiled: bool = False,
+            **settings: object) -> None:
     """``row[column]``: the gradient's cosine to ``ref`` under ``compress(**settings)``, or the error raised; and
-    ``row[column + "_quantized"]``: how many saves it quantized (none: the column proves nothing)."""
+    ``row[column + "_quantized"]``: how many saves it quantized (none: the column proves nothing), compiled graphs'
+    included."""
     ctx = daftrain.compress(**settings)
     try:
-        row[column] = cos(gradient(case, ctx), ref)
-        row[f"{column}_quantized"] = ctx.stats.compressed + ctx.stats.batched
+        row[column] = cos(gradient(case, ctx, compiled), ref)
+        row[f"{column}_quantized"] = ctx.stats.compressed + ctx.stats.batched + ctx.stats.compiled_quantized
     except Exception as e:  # an error is a result: reported, not fatal
         row[column] = f"{type(e).__module__}.{type(e).__name__}: {str(e)[:160]}"
 
@@ -673,21 +679,28 @@ def measure(case: str, ref: torch.Tensor, row: dict[str, object], column: str, *
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES))
-    parser.add_argument("--out", default="benchmarks/results/setups.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/setups[_compiled].json")
+    parser.add_argument("--compile", action="store_true",
+                        help="each setup's model under torch.compile (aot_eager), against plain eager PyTorch")
     args = parser.parse_args()
+    out = args.out or f"benchmarks/results/setups{'_compiled' if args.compile else ''}.json"
     warnings.simplefilter("ignore")
     rows = []
     for case in args.cases:
         ref = gradient(case, None)
-        row: dict[str, object] = {"case": case, "plain": cos(gradient(case, None), ref)}
+        row: dict[str, object] = {"case": case}
+        try:
+            row["plain"] = cos(gradient(case, None, args.compile), ref)
+        except Exception as e:  # PyTorch's own: the setup does not compile
+            row["plain"] = f"{type(e).__module__}.{type(e).__name__}: {str(e)[:160]}"
         for bits in (8, 4, 2):  # every save, however small: these setups are small
-            measure(case, ref, row, f"bits{bits}", bits=bits, min_numel=0)
-        measure(case, ref, row, "default")
+            measure(case, ref, row, f"bits{bits}", args.compile, bits=bits, min_numel=0)
+        measure(case, ref, row, "default", args.compile)
         rows.append(row)
         print(
             case, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "case"}, flush=True
         )
-    write_json(args.out, {"command": " ".join(sys.argv), "rows": rows})
+    write_json(out, {"command": " ".join(sys.argv), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -115,6 +115,32 @@ def test_stochastic_rounding_is_fresh_every_call_and_unbiased():
     assert mean_err < 2 * single_err / math.sqrt(64), (mean_err, single_err)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_rounding_leaves_torchs_generator_alone(backend):
+    # NOTE [ A fresh seed per compiled call ]: the seeds were drawn from torch's generator, so every random draw
+    # after them moved: the model's own dropout masks (here), a sampler's noise, a DataLoader's shuffling. The
+    # context seeds them as it seeds its eager records: its seed, its step, the record's count.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.5), nn.Linear(256, 10))
+    x = torch.randn(128, 64)
+    compiled = torch.compile(model, backend=backend)
+
+    def run(ctx):  # a step, and the next draw of torch's generator after it
+        torch.manual_seed(1)
+        grads = _grads(model, compiled, x, ctx)
+        return grads, torch.rand(4)
+
+    plain, after_plain = run(None)
+    ctx = daftrain.compress(bits=8, min_numel=0, seed=3)
+    got, after = run(ctx)
+    next_step, _ = run(ctx)
+    again, _ = run(daftrain.compress(bits=8, min_numel=0, seed=3))
+    assert ctx.stats.compiled_quantized >= 2, ctx.stats.summary()
+    assert torch.equal(after, after_plain)  # compression drew nothing from torch's generator
+    assert _cos(got, plain) >= COSINE_8_BITS  # the same dropout masks: 8-bit rounding is all that differs
+    assert torch.equal(got, again) and not torch.equal(got, next_step)  # seeded as eager records are
+
+
 def test_parameters_and_inputs_are_never_offered_to_the_hooks():
     """A bias-free linear layer saves only its input and its weight: neither reaches the hooks inside the
     compiled graph (AOTAutograd offers intermediates only), so the gradients are exactly plain compile's.

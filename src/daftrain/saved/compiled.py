@@ -28,7 +28,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from ..callbacks import eagerly, never_a_frame, skip_frames
 from ..config import CompressionConfig
 from ..errors import UnsupportedError
-from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes
+from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes, record_seed
 from .graph_order import install_decode_order
 from .graph_rules import GraphRule, graph_rule
 from .records import KeptTensor, normalized_over, restandardized, with_row_sums
@@ -84,12 +84,19 @@ class CompileFallbackWarning(UserWarning):
 
 # NOTE [ A fresh seed per compiled call ]
 # An ``int`` seed would be a constant of the compiled graph: every step would round with the same
-# noise, and the rounding errors of successive steps would add up instead of averaging out. The
-# traced pack draws each record's seed inside the graph (``torch.randint`` on the CPU, from torch's
-# generator: ``torch.manual_seed`` reproduces it, ``config.seed`` does not apply) and passes it to
-# ``quantize_pack_seeded`` as a tensor.
+# noise, and the rounding errors of successive steps would add up instead of averaging out. So the
+# traced pack draws each record's seed inside the graph and passes it to ``quantize_pack_seeded`` as a
+# tensor. It drew it with ``torch.randint`` from torch's own generator, which moved every random draw of
+# the user's after it: under ``torch.compile`` a model's dropout masks, a Gumbel-softmax's or a
+# reparameterised sample's noise (cosine 0.26 and 0.67 against plain compiled PyTorch at 8 bits, on the
+# same seeds: ``bench_setups.py --compile``), a DataLoader's shuffling all changed with compression, where
+# eager code draws nothing from it. ``daftrain::seed_in_graph`` asks the context that runs the graph
+# instead, which hashes its seed (``config.seed``, else ``torch.initial_seed()`` when it was made), its
+# step and a count of the step's compiled records, as it seeds its eager records: a new context on the
+# same seed rounds alike. The op is tagged ``nondeterministic_seeded``, as torch's random ops are, so that
+# AOTAutograd neither merges two of its calls nor recomputes one in backward; it reads the tensor it seeds,
+# so that no compiler takes it for a constant.
 
-_SEED_HIGH = 1 << 32
 
 
 @never_a_frame  # the saved-tensor hooks call it first (NOTE [ Callbacks in a compiled function's eager code ])
@@ -236,7 +243,8 @@ def _normalized(x: torch.Tensor, rule: GraphRule) -> tuple[torch.Tensor, torch.T
 
 
 @torch.fx.wrap
-def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: int, pack_bool: bool) -> Any:
+def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: int, pack_bool: bool,
+                hooks_id: int = -1) -> Any:
     """The pack hook inside a compiled graph: ``x`` kept, or a tuple whose first item says how it was
     stored (``unpack_traced`` reads it): the stored tensors, a carrier of the stored values' shape in
     memory order and ``back``, the permutation to ``x``'s (``NOTE [ The shape travels in an empty tensor
@@ -259,7 +267,7 @@ def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: i
         masks = torch.stack([m for t in rule.thresholds for m in (values < t, values == t)])
         return ("thresholds", torch.ops.daftrain.pack_bool(masks.view(-1)), _shape_carrier(values), back,
                 x.dtype, rule.thresholds, _representatives(rule.thresholds, x.dtype))
-    seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")  # NOTE [ A fresh seed per compiled call ]
+    seed = torch.ops.daftrain.seed_in_graph(x, hooks_id)  # NOTE [ A fresh seed per compiled call ]
     codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(values.reshape(-1), rule.min_bits, group_size, seed)
     return (rule.kind, codes, lo, scale, _shape_carrier(values), back, x.dtype, rule.min_bits, group_size, *extra)
 
@@ -319,6 +327,20 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
 # trims as the eager hooks' does; nothing where that context does not tune the allocator (CUDA,
 # ``tune_allocator=False``) or is gone. With decodes at their first use (``NOTE [ Decodes at their first
 # use ]``) a trim comes after the previous layers' decoded tensors were freed.
+@torch.library.custom_op("daftrain::seed_in_graph", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def seed_in_graph(x: torch.Tensor, hooks_id: int) -> torch.Tensor:
+    """A fresh 32-bit seed, as an int64 tensor on the CPU, for the record the hook pair ``hooks_id`` makes of ``x``
+    (``NOTE [ A fresh seed per compiled call ]``)."""
+    hooks = _HOOKS_BY_ID.get(hooks_id)
+    seed = hooks.next_seed() if hooks is not None else record_seed(torch.initial_seed(), 0, 0)
+    return torch.tensor(seed, dtype=torch.int64, device="cpu")
+
+
+@seed_in_graph.register_fake
+def _(x: torch.Tensor, hooks_id: int) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
 @torch.library.custom_op("daftrain::decode_in_graph", mutates_args=())
 def decode_in_graph(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
                     numel: int, dtype: torch.dtype, hooks_id: int) -> torch.Tensor:
@@ -424,12 +446,13 @@ class CompiledHooks:
         self._constants = (bits, group_size, min_numel, pack_bool)
         self.id = len(_HOOKS_BY_ID)
         _HOOKS_BY_ID[self.id] = self
-        self.pack = _Hook(pack_traced, self._constants, self._eager_pack, self._traced_pack)
+        self.pack = _Hook(pack_traced, (*self._constants, self.id), self._eager_pack, self._traced_pack)
         self.unpack = _Hook(unpack_traced, (self.id,), _eager_unpack,
                             functools.partial(unpack_traced, hooks_id=self.id))
         self._local = threading.local()
         self._last: weakref.ReferenceType[Any] | None = None
         self._lock = threading.Lock()
+        self._seeds = itertools.count()  # without a context (NOTE [ A fresh seed per compiled call ])
         # compile id -> (the forward graph while it is being compiled, its saved tensors by node name)
         self._graphs: dict[str, tuple[weakref.ReferenceType[Any], dict[str, SavedInGraph]]] = {}
         self._watching = False
@@ -469,6 +492,14 @@ class CompiledHooks:
             )
         return ctx
 
+    def next_seed(self) -> int:
+        """The seed of the next record packed in a compiled graph, from the context that runs it (``NOTE [ A fresh
+        seed per compiled call ]``)."""
+        ctx = self._active_or_none() or (self._last() if self._last is not None else None)
+        if ctx is not None:
+            return ctx.compiled_seed()
+        return record_seed(torch.initial_seed(), self.id, next(self._seeds))
+
     def noted(self, nbytes: int) -> None:
         """Count ``nbytes`` decoded in a compiled graph on the context entered last, if it trims the heap
         (``NOTE [ Heap trims in a compiled backward ]``)."""
@@ -491,7 +522,7 @@ class CompiledHooks:
 
     # -- traced ------------------------------------------------------------------------------------
     def _traced_pack(self, x: torch.Tensor) -> Any:
-        packed = pack_traced(x, *self._constants)
+        packed = pack_traced(x, *self._constants, self.id)
         saved = _saved_node()
         if saved is None or saved[0] is None:  # traced by someone else than AOTAutograd's inlining
             return packed

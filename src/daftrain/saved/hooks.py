@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import threading
 import warnings
 import weakref
@@ -120,6 +121,9 @@ class _NoTracer:
 
 _NO_TRACER = _NoTracer()
 
+_COMPILED_RECORDS = 1 << 31
+"""Where the indices that seed compiled graphs' records start, apart from the eager records' (``compiled_seed``)."""
+
 RECOMPUTATION_SHARE_BITS = 8
 """The bits a ``bits="auto", error_share=...`` context's recomputation stores at (``recomputation_context``)."""
 
@@ -199,6 +203,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         base = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._base_seed = base & ((1 << 64) - 1)
         self.step = -1
+        self._compiled_records = itertools.count()  # this step's, for their seeds (``compiled_seed``)
         self._stats = CompressionStats()
         self._stats_lock = threading.Lock()
         self._packer = AsyncPacker() if self.config.asynchronous else None
@@ -281,6 +286,7 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self) -> compress:  # type: ignore[override]
         self.step += 1
+        self._compiled_records = itertools.count()
         self._stats = CompressionStats()
         if self.pool is not None and self.step > 0:
             self.pool.end_step()
@@ -730,6 +736,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # (``NOTE [ Non-finite activations ]`` in records.py): what is kept then is the float64 tensor itself. A tensor
     # whose values are all tiny (``decide.FLOAT32_SMALLEST_RANGE``), whose groups' steps would be subnormal there,
     # is kept whole by ``decide``.
+    def compiled_seed(self) -> int:
+        """The seed of the next record a compiled graph packs in this step (``NOTE [ A fresh seed per compiled call ]``
+        in compiled.py): hashed as an eager record's, its index counted apart from theirs."""
+        return record_seed(self._base_seed, self.step, _COMPILED_RECORDS + next(self._compiled_records))
+
     def _encode(self, flat: torch.Tensor, decision: Decision, kind: str, assignment: Assignment,
                 index: int, constant_at: tuple[int, Any] | None = None,
                 exact: torch.Tensor | None = None) -> Record | PendingRecord:
