@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
-__all__ = ["eagerly", "never_a_frame", "skip_frames"]
+__all__ = ["eagerly", "never_a_frame", "skip_frames", "uncompiled"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -75,3 +75,12 @@ def eagerly(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     skip_frames()
     return _uncompiled()(fn, *args)
+
+
+def uncompiled(fn: _F) -> _F:
+    """``fn`` for a hook registered now that Dynamo would trace into a compiled graph (a module's forward hooks):
+    run eagerly at a graph break (``torch.compiler.disable``) once ``torch._dynamo`` is loaded; ``fn`` itself
+    before, when nothing can be compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    return torch.compiler.disable(fn, reason="daftrain's measuring hooks run eagerly")  # type: ignore[return-value]

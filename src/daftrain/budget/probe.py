@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..callbacks import uncompiled
 from ..config import CompressionConfig
 from ..saved.hooks import compress
 from ..saved.op_rules import ExactSavings
@@ -366,8 +367,9 @@ class Prober:
         handles = []
         if mode != "ckpt":
             for name, mod in self.segments.items():
-                handles.append(mod.register_forward_pre_hook(functools.partial(pre, name), with_kwargs=True))
-                handles.append(mod.register_forward_hook(functools.partial(post, name), with_kwargs=True))
+                before, after = uncompiled(functools.partial(pre, name)), uncompiled(functools.partial(post, name))
+                handles.append(mod.register_forward_pre_hook(before, with_kwargs=True))
+                handles.append(mod.register_forward_hook(after, with_kwargs=True))
         in_place = inplace_activations(self.model) if inplace else contextlib.nullcontext()
         grads_in_place = weight_grads_in_place(self.model) if self.grads_in_place else contextlib.nullcontext()
         # exact slices measure what the step's exact plans run (NOTE [ Exact training with the loss over the head ])
