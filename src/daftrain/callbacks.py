@@ -20,21 +20,20 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 # NOTE [ Callbacks in a compiled function's eager code ]
-# Inside a function ``torch.compile`` compiled, what Dynamo leaves out of its graphs runs eagerly with Dynamo's
-# frame callback still set: the call at a graph break, and frames Dynamo does not compile on their own (torch.nn's
-# modules: a compiled ``nn.Sequential`` whose ``forward`` was wrapped by ``compress_forward``). Every other Python
-# frame entered there is compiled alone, and PyTorch enters daftrain's callbacks there: the saved-tensor hooks (from
-# autograd, for each save) and the torch function modes' handlers (for each torch call). Each was compiled as a
-# graph of its own, recompiled for every new call signature, and in such a one-op graph the tensors the op saves
-# are the graph's inputs, which AOTAutograd never offers to hooks: nothing the compiled module saved was
-# compressed (a cosine of 1.0 at 4 bits, ``ctx.stats`` at 0 seen), and nothing said so; and the op rules never saw
-# the rest of a call that broke the graph (a Gaussian NLL's division by its variance). So each callback is never a
-# frame of its own (``never_a_frame``: Dynamo still inlines it where it traces the code that calls it, a mode's
-# handler under ``with ctx: compiled(x)``), and its eager work runs with the frame callback off (``eagerly``), as
-# in code that was never compiled. A frame a callback calls before ``eagerly`` is compiled on its own unless it
-# too is ``never_a_frame``. Marking a frame needs ``torch._dynamo``, which eager-only users never import (it costs
-# a second and its memory): the marks wait until it is loaded (``skip_frames``, called where a context is entered
-# and where a compiled graph's hooks are traced).
+# Inside a function ``torch.compile`` compiled, what Dynamo leaves out of its graphs runs eagerly with Dynamo's frame
+# callback still set: the call at a graph break, and frames Dynamo does not compile on their own (torch.nn's modules: a
+# compiled ``nn.Sequential`` whose ``forward`` was wrapped by ``compress_forward``). Every other Python frame entered
+# there is compiled alone, and PyTorch enters daftrain's callbacks there: the saved-tensor hooks (from autograd, for
+# each save) and the torch function modes' handlers (for each torch call). Each was compiled as a graph of its own,
+# recompiled for every new call signature, and in such a one-op graph the tensors the op saves are the graph's inputs,
+# which AOTAutograd never offers to hooks: nothing the compiled module saved was compressed, and nothing said so; and
+# the op rules never saw the rest of a call that broke the graph (a Gaussian NLL's division by its variance). So each
+# callback is never a frame of its own (``never_a_frame``: Dynamo still inlines it where it traces the code that calls
+# it, a mode's handler under ``with ctx: compiled(x)``), and its eager work runs with the frame callback off
+# (``eagerly``), as in code that was never compiled. A frame a callback calls before ``eagerly`` is compiled on its own
+# unless it too is ``never_a_frame``. Marking a frame needs ``torch._dynamo``, which eager-only users never import (its
+# import time and memory): the marks wait until it is loaded (``skip_frames``, called where a context is entered and
+# where a compiled graph's hooks are traced).
 _pending: list[CodeType] = []
 _lock = threading.Lock()
 

@@ -244,11 +244,10 @@ _KERNELS_TOOK_THE_ROOM = (
 # The planning step measures slices of growing size under hooks of its own (per-segment forward hooks, a counter of
 # saved bytes). A compiled model compiles again for each new slice size (until Dynamo makes the batch dimension
 # dynamic) and for each new set of saved-tensor hooks, and those compilations land inside the measured slices:
-# on a six-layer MLP of 1024 at batch 4096, 100 MB above what the process held, the profile read 12 MB and 0.26 s
-# a sample (14 KB and 0.2 ms uncompiled) and the plan ran 4096 micro-batches of one sample, 24 s a step against
-# 0.9 s. The measuring hooks run eagerly (``callbacks.uncompiled``: traced, they failed on symbolic sizes), and the
-# step warns; measuring a compiled model's steady state (compiling before measuring, hooks Dynamo does not guard
-# on) is not built.
+# the profile reads them as the step's time and memory per sample, and under a tight budget the plan runs far
+# smaller micro-batches than it needs (docs/budget.md). The measuring hooks run eagerly (``callbacks.uncompiled``:
+# traced, they failed on symbolic sizes), and the step warns; measuring a compiled model's steady state
+# (compiling before measuring, hooks Dynamo does not guard on) is not built.
 def _compiled(model: nn.Module) -> bool:
     """Whether ``model`` or a module in it was compiled with ``torch.compile`` (or ``Module.compile``)."""
     if "torch._dynamo" not in sys.modules:

@@ -26,12 +26,13 @@ __all__ = ["compress_forward"]
 #
 # NOTE [ A compressed forward under torch.compile ]
 # A compiled module (``torch.compile(model)``, ``Trainer(args=TrainingArguments(torch_compile=True))``) calls
-# the wrapped ``forward`` from inside the frame Dynamo traces. Traced, ``with ctx:`` was compiled too: a graph
-# break inside the context's ``__enter__``, whose hooks then never reached the autograd stack, so no save of the
-# forward reached the context: nothing was compressed, and nothing said so. So the wrapper is not traced
+# the wrapped ``forward`` from inside the frame Dynamo traces. Traced, ``with ctx:`` put the context's own entry
+# and exit into what Dynamo compiles: a graph break inside ``__enter__`` (it reads the saved-tensor hook stack),
+# its remainder compiled as frames of their own, guards on the context's state. So the wrapper is not traced
 # (``torch.compiler.disable(recursive=False)``), the context's entry and exit run eagerly (disabled with what
 # they call), and the original ``forward`` the wrapper calls is compiled as its own frame, with the context's
-# hooks on the stack as in ``with ctx: compiled(x)``.
+# hooks on the stack as in ``with ctx: compiled(x)``; where Dynamo compiles no frame of it (torch.nn's own
+# modules), it runs eagerly under the context (``NOTE [ Callbacks in a compiled function's eager code ]``).
 #
 # Hugging Face models with gradient checkpointing enabled (before this call, as ``Trainer`` does before
 # its callbacks' ``on_train_begin``) have their layers' checkpointing swapped for daftrain's for as long as the

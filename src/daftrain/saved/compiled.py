@@ -83,20 +83,17 @@ class CompileFallbackWarning(UserWarning):
 #     the rest quantized at the configured bits.
 
 # NOTE [ A fresh seed per compiled call ]
-# An ``int`` seed would be a constant of the compiled graph: every step would round with the same
-# noise, and the rounding errors of successive steps would add up instead of averaging out. So the
-# traced pack draws each record's seed inside the graph and passes it to ``quantize_pack_seeded`` as a
-# tensor. It drew it with ``torch.randint`` from torch's own generator, which moved every random draw of
-# the user's after it: under ``torch.compile`` a model's dropout masks, a Gumbel-softmax's or a
-# reparameterised sample's noise (cosine 0.26 and 0.67 against plain compiled PyTorch at 8 bits, on the
-# same seeds: ``bench_setups.py --compile``), a DataLoader's shuffling all changed with compression, where
-# eager code draws nothing from it. ``daftrain::seed_in_graph`` asks the context that runs the graph
-# instead, which hashes its seed (``config.seed``, else ``torch.initial_seed()`` when it was made), its
-# step and a count of the step's compiled records, as it seeds its eager records: a new context on the
-# same seed rounds alike. The op is tagged ``nondeterministic_seeded``, as torch's random ops are, so that
-# AOTAutograd neither merges two of its calls nor recomputes one in backward; it reads the tensor it seeds,
-# so that no compiler takes it for a constant.
-
+# An ``int`` seed would be a constant of the compiled graph: every step would round with the same noise, and the
+# rounding errors of successive steps would add up instead of averaging out. So the traced pack draws each record's
+# seed inside the graph and passes it to ``quantize_pack_seeded`` as a tensor. It drew it with ``torch.randint`` from
+# torch's own generator, which moved every random draw of the user's after it: under ``torch.compile`` a model's
+# dropout masks, a Gumbel-softmax's or a reparameterised sample's noise, a DataLoader's shuffling all changed with
+# compression (against plain compiled PyTorch on the same seeds: ``bench_setups.py --compile``), where eager code draws
+# nothing from it. ``daftrain::seed_in_graph`` asks the context that runs the graph instead, which hashes its seed
+# (``config.seed``, else ``torch.initial_seed()`` when it was made), its step and a count of the step's compiled
+# records, as it seeds its eager records: a new context on the same seed rounds alike. The op is tagged
+# ``nondeterministic_seeded``, as torch's random ops are, so that AOTAutograd neither merges two of its calls nor
+# recomputes one in backward; it reads the tensor it seeds, so that no compiler takes it for a constant.
 
 
 @never_a_frame  # the saved-tensor hooks call it first (NOTE [ Callbacks in a compiled function's eager code ])
