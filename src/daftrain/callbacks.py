@@ -12,7 +12,12 @@ from types import CodeType
 from typing import Any, TypeVar
 
 import torch
-from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+except ImportError:  # an older torch: where Dynamo is loaded, a callback may be set
+    def get_eval_frame_callback() -> Any:
+        return "torch._dynamo" in sys.modules
 
 __all__ = ["eagerly", "never_a_frame", "skip_frames", "uncompiled"]
 
@@ -42,7 +47,10 @@ def skip_frames() -> None:
     """Mark the frames ``never_a_frame`` named, once ``torch._dynamo`` is loaded."""
     if not _pending or "torch._dynamo" not in sys.modules:
         return
-    from torch._dynamo.eval_frame import skip_code
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # an older torch has it in C only
+        from torch._C._dynamo.eval_frame import skip_code
 
     with _lock:
         for code in _pending:
@@ -64,7 +72,7 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
 
 @functools.cache
 def _uncompiled() -> Callable[..., Any]:
-    return torch.compiler.disable(_call, reason="daftrain's callbacks run eagerly")
+    return torch.compiler.disable(_call)
 
 
 @never_a_frame
@@ -82,4 +90,4 @@ def uncompiled(fn: _F) -> _F:
     before, when nothing can be compiled."""
     if "torch._dynamo" not in sys.modules:
         return fn
-    return torch.compiler.disable(fn, reason="daftrain's measuring hooks run eagerly")  # type: ignore[return-value]
+    return torch.compiler.disable(fn)  # type: ignore[return-value]

@@ -37,15 +37,12 @@ __all__ = ["compress_forward"]
 # Hugging Face models with gradient checkpointing enabled (before this call, as ``Trainer`` does before
 # its callbacks' ``on_train_begin``) have their layers' checkpointing swapped for daftrain's for as long as the
 # wrapping lasts (``NOTE [ Hugging Face layers checkpointed under compress ]`` in ``saved/checkpoint.py``).
-_EAGER = "daftrain enters and leaves its context eagerly (NOTE [ A compressed forward under torch.compile ])"
-
-
-@torch.compiler.disable(reason=_EAGER)
+@torch.compiler.disable  # NOTE [ A compressed forward under torch.compile ]
 def _enter(ctx: compress) -> None:
     ctx.__enter__()
 
 
-@torch.compiler.disable(reason=_EAGER)
+@torch.compiler.disable
 def _exit(ctx: compress, exc: BaseException | None) -> None:
     ctx.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc is not None else None)
 
@@ -75,7 +72,7 @@ def compress_forward(module: nn.Module, ctx: compress) -> Callable[[], None]:
         _exit(ctx, None)
         return out
 
-    forward = torch.compiler.disable(entered, recursive=False, reason=_EAGER)
+    forward = torch.compiler.disable(entered, recursive=False)
     forward.__daftrain_ctx__ = ctx  # type: ignore[attr-defined]
     module.forward = forward  # type: ignore[method-assign]
     swapped = compress_recomputation(module, ctx)

@@ -324,7 +324,16 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
 # trims as the eager hooks' does; nothing where that context does not tune the allocator (CUDA,
 # ``tune_allocator=False``) or is gone. With decodes at their first use (``NOTE [ Decodes at their first
 # use ]``) a trim comes after the previous layers' decoded tensors were freed.
-@torch.library.custom_op("daftrain::seed_in_graph", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _seeding_op(fn: Callable[..., Any]) -> Any:
+    """``fn`` as the custom op ``daftrain::<its name>``, tagged as a random op where this torch takes tags."""
+    try:
+        return torch.library.custom_op(f"daftrain::{fn.__name__}", fn, mutates_args=(),
+                                       tags=(torch.Tag.nondeterministic_seeded,))
+    except TypeError:  # an older torch: no tags on custom ops (its inputs differ per record: none is merged)
+        return torch.library.custom_op(f"daftrain::{fn.__name__}", fn, mutates_args=())
+
+
+@_seeding_op
 def seed_in_graph(x: torch.Tensor, hooks_id: int) -> torch.Tensor:
     """A fresh 32-bit seed, as an int64 tensor on the CPU, for the record the hook pair ``hooks_id`` makes of ``x``
     (``NOTE [ A fresh seed per compiled call ]``)."""
