@@ -39,11 +39,12 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
-def run_model(name: str, kind: str, overrides: dict[str, Any], widths: list[int], backend: str) -> dict:
+def run_model(name: str, kind: str, overrides: dict[str, Any], widths: list[int], backend: str,
+              keep_dropout: bool = False) -> dict:
     row: dict[str, Any] = {"model": name}
     with recorded(row):
         model, inputs = build_zoo_model(name, kind, overrides)
-        for module in model.modules():
+        for module in model.modules() if not keep_dropout else ():
             if "Dropout" in type(module).__name__ and isinstance(getattr(module, "p", None), float):
                 module.p = 0.0  # nn.Dropout, Dropout1d/2d/3d, AlphaDropout
             for attribute, value in vars(module).items():  # rates passed to F.dropout (T5's attention), drop paths
@@ -86,6 +87,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(SAMPLE), help="zoo model types (default: SAMPLE)")
     parser.add_argument("--bits", type=int, nargs="*", default=[8, 4])
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--keep-dropout", action="store_true",
+                        help="leave dropout and drop paths on (compress must not change compiled masks)")
     parser.add_argument("--out", default="benchmarks/results/zoo_compiled.json")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -93,7 +96,7 @@ def main() -> None:
     entries = {m: (k, o) for m, k, o in zoo_entries("transformers") + zoo_entries("torch")}
     rows = []
     for name in args.models:
-        row = run_model(name, *entries[name], args.bits, args.backend)
+        row = run_model(name, *entries[name], args.bits, args.backend, args.keep_dropout)
         rows.append(row)
         print(row["model"], row["status"], row.get("error", ""), {
             k: f"compiled {v['compiled_cos']:.4f} eager {v['eager_cos']:.4f} {v['quantized']}+{v['bool_packed']}"
