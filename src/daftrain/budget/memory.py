@@ -16,6 +16,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..allocator import malloc_trim
+from ..callbacks import uncompiled
 from ..errors import UnsupportedError
 from ..params import ParameterRegistry, is_parameter_or_view
 from ..rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
@@ -275,7 +276,9 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         self.dropping = dropping
         self.num_tensors = 0
         self.num_skipped = 0
-        super().__init__(self._pack, self._unpack_dropped if dropping else self._unpack)
+        # run eagerly where Dynamo would trace them (a compiled model's custom Function saving; NOTE [ Planning a
+        # compiled model ] in step.py): traced, they built storage references of fake tensors
+        super().__init__(uncompiled(self._pack), uncompiled(self._unpack_dropped if dropping else self._unpack))
 
     @property
     def saved_bytes(self) -> int:
