@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import daftrain.budget.step as step_module
 from daftrain.allocator import glibc as allocator_glibc
@@ -142,6 +143,17 @@ def test_token_mean_loss_weighted_by_tokens():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
 
 
+class _Wrapped(nn.Module):
+    """A model class of the user's around ``inner``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
 def test_a_compiled_model_trains_as_plain_and_is_warned_about(how):
     # NOTE [ Planning a compiled model ]: the measuring hooks, traced into the compiled graph, failed on the
@@ -155,19 +167,19 @@ def test_a_compiled_model_trains_as_plain_and_is_warned_about(how):
         ce(ref, batch).backward()
         opt.step()
     torch._dynamo.reset()
-    model = mlp()
+    model, counter = _Wrapped(mlp()), CompileCounterWithBackend("aot_eager")
     if how == "torch.compile":
-        compiled = torch.compile(model, backend="aot_eager")
-    else:
+        compiled = torch.compile(model, backend=counter)
+    else:  # in place: compiles a model class of the user's (torch.nn's containers are not compiled so)
         compiled = model
-        model.compile(backend="aot_eager")
+        model.compile(backend=counter)
     with pytest.warns(UserWarning, match="compiled with torch.compile"):
         step = BudgetedStep(compiled, ce, torch.optim.SGD(model.parameters(), lr=0.5), budget="100GB",
                             config=PlannerConfig(bits=(None,)), tune_allocator=False)
     for _ in range(2):
         step(batch)
-    assert step.history[0].planning and len(step.history) == 2
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+    assert step.history[0].planning and len(step.history) == 2 and counter.frame_count >= 1
+    for p, q in zip(model.inner.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # float32: summation order over the slices
 
 
