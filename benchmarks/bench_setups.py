@@ -54,28 +54,30 @@ def weighted(model, forward, weights, seed=None):  # type: ignore[no-untyped-def
     return model, step
 
 
-def c_ctc():
+def ctc(inside: bool):  # type: ignore[no-untyped-def]
+    """CTC over a small model's log-probabilities, the loss computed outside the context or ``inside`` it."""
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 20))
     x = torch.randn(50, 4, 32)
     tgt = torch.randint(1, 20, (4, 12))
 
+    def loss(lp):  # type: ignore[no-untyped-def]
+        return F.ctc_loss(lp, tgt, torch.full((4,), 50), torch.full((4,), 12))
+
     def step(m, ctx):
-        lp = ctxed(ctx, lambda: m(x).log_softmax(-1))
-        F.ctc_loss(lp, tgt, torch.full((4,), 50), torch.full((4,), 12)).backward()
+        if inside:
+            ctxed(ctx, lambda: loss(m(x).log_softmax(-1))).backward()
+        else:
+            loss(ctxed(ctx, lambda: m(x).log_softmax(-1))).backward()
 
     return m, step
+
+
+def c_ctc():
+    return ctc(inside=False)
 
 
 def c_ctc_inside():
-    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 20))
-    x = torch.randn(50, 4, 32)
-    tgt = torch.randint(1, 20, (4, 12))
-
-    def step(m, ctx):
-        loss = ctxed(ctx, lambda: F.ctc_loss(m(x).log_softmax(-1), tgt, torch.full((4,), 50), torch.full((4,), 12)))
-        loss.backward()
-
-    return m, step
+    return ctc(inside=True)
 
 
 def c_packed_lstm():
