@@ -7,11 +7,12 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import CodeType
 from typing import Any, TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 try:
     from torch._C._dynamo.eval_frame import get_eval_frame_callback
@@ -19,7 +20,7 @@ except ImportError:  # an older torch: where Dynamo is loaded, a callback may be
     def get_eval_frame_callback() -> Any:
         return "torch._dynamo" in sys.modules
 
-__all__ = ["eagerly", "never_a_frame", "skip_frames", "uncompiled"]
+__all__ = ["EagerMode", "eagerly", "never_a_frame", "skip_frames", "uncompiled"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -91,3 +92,19 @@ def uncompiled(fn: _F) -> _F:
     if "torch._dynamo" not in sys.modules:
         return fn
     return torch.compiler.disable(fn)  # type: ignore[return-value]
+
+
+class EagerMode(TorchFunctionMode):
+    """A torch function mode whose handler, ``_handle(func, args, kwargs)``, Dynamo inlines where it traces the calls
+    and which runs with the frame callback off everywhere else (``NOTE [ Callbacks in a compiled function's eager
+    code ]``)."""
+
+    @never_a_frame
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        if torch.compiler.is_compiling():
+            return self._handle(func, args, kwargs or {})
+        return eagerly(self._handle, func, args, kwargs or {})
+
+    def _handle(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        raise NotImplementedError

@@ -8,9 +8,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from ..callbacks import eagerly, never_a_frame
+from ..callbacks import EagerMode
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..kernels import ops as kernel_ops
 from ..layout import record_seed
@@ -285,7 +284,7 @@ def _measure(slots: list[SlotAllocation], gradients: Callable[..., tuple[list[to
     return squared_distance(grads, base)
 
 
-class LossCatcher(TorchFunctionMode):
+class LossCatcher(EagerMode):
     """While entered, remembers the latest torch function output that is a floating-point scalar in the
     autograd graph: the loss, when it is computed under the context (``NOTE [ A variance target ]`` in
     ``policy.py``). Holds it weakly: a loss the caller dropped is not kept alive."""
@@ -293,13 +292,6 @@ class LossCatcher(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self._latest: weakref.ref[torch.Tensor] | None = None
-
-    @never_a_frame  # NOTE [ Callbacks in a compiled function's eager code ] in callbacks.py
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Mapping[str, Any] | None = None) -> Any:
-        if torch.compiler.is_compiling():
-            return self._handle(func, args, kwargs or {})
-        return eagerly(self._handle, func, args, kwargs or {})
 
     def _handle(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         out = func(*args, **kwargs)

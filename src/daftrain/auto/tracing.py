@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from ..callbacks import eagerly, never_a_frame
+from ..callbacks import EagerMode
 from ..calls import argument as _arg
 from ..kernels import ops as kernel_ops
 from ..lineage import copy_of
@@ -447,7 +446,7 @@ def _writes_in_place(func: Any) -> bool:
     return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
 
 
-class _SaverMode(TorchFunctionMode):
+class _SaverMode(EagerMode):
     """One thread's tracer: attributes each record its forward saves to the call that saved it."""
 
     def __init__(self, tracer: SaveTracer) -> None:
@@ -455,13 +454,6 @@ class _SaverMode(TorchFunctionMode):
         self.tracer = tracer
         self.saved: list[tuple[Observation, torch.Tensor]] = []
         """Records saved (or saved again) inside the traced call in progress, innermost last."""
-
-    @never_a_frame  # NOTE [ Callbacks in a compiled function's eager code ] in callbacks.py
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Mapping[str, Any] | None = None) -> Any:
-        if torch.compiler.is_compiling():
-            return self._handle(func, args, kwargs or {})
-        return eagerly(self._handle, func, args, kwargs or {})
 
     def _handle(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         if args and not torch.compiler.is_compiling() and _writes_in_place(func):

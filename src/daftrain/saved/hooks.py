@@ -726,6 +726,11 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
             return decision
         return dataclasses.replace(decision, encoding=down)
 
+    def compiled_seed(self) -> int:
+        """The seed of the next record a compiled graph packs in this step (``NOTE [ A fresh seed per compiled call ]``
+        in compiled.py): hashed as an eager record's, its index counted apart from theirs."""
+        return record_seed(self._base_seed, self.step, _COMPILED_RECORDS + next(self._compiled_records))
+
     # NOTE [ Double precision stored through float32 ]
     # The kernels quantize float32, float16 and bfloat16 (``layout.QUANTIZABLE_DTYPES``). A float64 activation (a
     # physics-informed network, scientific code trained in double precision) was kept whole: compress stored
@@ -736,11 +741,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     # (``NOTE [ Non-finite activations ]`` in records.py): what is kept then is the float64 tensor itself. A tensor
     # whose values are all tiny (``decide.FLOAT32_SMALLEST_RANGE``), whose groups' steps would be subnormal there,
     # is kept whole by ``decide``.
-    def compiled_seed(self) -> int:
-        """The seed of the next record a compiled graph packs in this step (``NOTE [ A fresh seed per compiled call ]``
-        in compiled.py): hashed as an eager record's, its index counted apart from theirs."""
-        return record_seed(self._base_seed, self.step, _COMPILED_RECORDS + next(self._compiled_records))
-
     def _encode(self, flat: torch.Tensor, decision: Decision, kind: str, assignment: Assignment,
                 index: int, constant_at: tuple[int, Any] | None = None,
                 exact: torch.Tensor | None = None) -> Record | PendingRecord:
