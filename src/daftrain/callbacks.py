@@ -73,7 +73,7 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
 
 @functools.cache
 def _uncompiled() -> Callable[..., Any]:
-    return torch.compiler.disable(_call)
+    return uncompiled(_call)  # called only where a frame callback is set: Dynamo is loaded
 
 
 @never_a_frame
