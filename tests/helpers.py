@@ -57,7 +57,7 @@ def statistics_not_stored() -> Iterator[list[int]]:
     candidate = records.Normalized.candidate
 
     def spy(self, flat, bits, group_size, seed, grids=None):  # type: ignore[no-untyped-def]
-        if self.stores_as_is(flat.dtype, group_size):
+        if self.groups_within_rows(group_size):
             rows = math.prod(size for dim, size in enumerate(self.view) if dim not in self.reduce)
             skipped.append(rows * 4 * (2 if self.center else 1))
         return candidate(self, flat, bits, group_size, seed, grids)

@@ -51,20 +51,21 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         pytest.fail(f"{what} differs at {bad}: fast {ia[ia != ib][:5].tolist()} reference {ib[ia != ib][:5].tolist()}")
 
 
-def check_quantize(x: torch.Tensor, bits: int, group_size: int, seed: int) -> None:
+def check_quantize(x: torch.Tensor, bits: int, group_size: int, seed: int, grid: torch.Tensor | None = None) -> None:
     """Fast quantize_pack (both schedules) and unpack_dequantize against the reference, byte for byte."""
-    ref = reference.quantize_pack(x, bits, group_size, seed)
+    ref = reference.quantize_pack(x, bits, group_size, seed, grid)
+    what = f"bits={bits}, G={group_size}, {x.dtype}, n={x.numel()}, grid={grid is not None}"
     for strategy in (cpu.PER_GROUP, cpu.TWO_LEVEL):
-        got = cpu.quantize_pack_with(strategy, x, bits, group_size, seed)
+        got = cpu.quantize_pack_with(strategy, x, bits, group_size, seed, grid)
         for name, a, b in zip(("codes", "lo", "scale"), got, ref, strict=True):
-            assert_same(a, b, f"{name} ({strategy}, bits={bits}, G={group_size}, {x.dtype}, n={x.numel()})")
+            assert_same(a, b, f"{name} ({strategy}, {what})")
     codes, lo, scale = ref
-    dec = cpu.unpack_dequantize(codes, lo, scale, bits, group_size, x.numel(), x.dtype)
-    ref_dec = reference.unpack_dequantize(codes, lo, scale, bits, group_size, x.numel(), x.dtype)
-    assert_same(dec, ref_dec, f"decoded (bits={bits}, G={group_size}, {x.dtype}, n={x.numel()})")
+    dec = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, x.numel(), x.dtype, grid)
+    ref_dec = reference.unpack_dequantize(codes, lo, scale, bits, group_size, x.numel(), x.dtype, grid)
+    assert_same(dec, ref_dec, f"decoded ({what})")
     into = torch.full((x.numel(),), float("nan"), dtype=x.dtype)  # every value must be overwritten
-    torch.ops.daftrain.unpack_dequantize_into(into, codes, lo, scale, bits, group_size)
-    assert_same(into, ref_dec, f"decoded into (bits={bits}, G={group_size}, {x.dtype}, n={x.numel()})")
+    torch.ops.daftrain.unpack_dequantize_into(into, codes, lo, scale, bits, group_size, grid)
+    assert_same(into, ref_dec, f"decoded into ({what})")
 
 
 def special_inputs(group_size: int) -> dict[str, torch.Tensor]:
@@ -149,6 +150,8 @@ def test_every_16_bit_pattern(dtype: torch.dtype) -> None:
     assert_same(cpu.minmax_per_group(x, 256), reference.group_minmax(x, 256), "stats")
     for bits in (2, 8):
         check_quantize(x, bits, 256, seed=3)
+    for bits in (2, 4):  # the fitted grid's kernels widen and narrow the same 16-bit values
+        check_quantize(x, bits, 256, seed=5, grid=fitted_grid(bits, bits))
 
 
 def test_sorted_patterns_and_huge_group() -> None:

@@ -197,8 +197,8 @@ def test_rows_holding_whole_groups_are_quantized_as_they_are_with_the_same_round
         normalised = records.decided(*enc.normalized_candidate(flat, 2, 256, seed=seed), flat)
         restored = restored + ((normalised.decode() - flat) / spread).double().view(64, -1).square().mean(1)
     assert bool((restored <= error_plain * 1.1).all()), restored / error_plain
-    # other dtypes keep the normalised encoding (float32 x_hat gets a fitted grid on the CPU, they would not)
-    assert isinstance(enc.encode(flat.bfloat16(), 2, 256, seed=0), NormalizedRecord)
+    # other dtypes are quantized as they are too: every dtype gets a fitted grid
+    assert isinstance(enc.encode(flat.bfloat16(), 2, 256, seed=0), PackedRecord)
 
 
 def _outlier_rows(rows: int = 512, cols: int = 96) -> torch.Tensor:

@@ -235,7 +235,7 @@ def _ov_is_f32(a):  # type: ignore[no-untyped-def]
 
 # 16-lane LLVM IR building blocks of the explicit-vector kernels (NOTE [ Explicit vectors ])
 _I32, _F32 = ir.IntType(32), ir.FloatType()
-_V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+_V16I, _V16F, _V16H = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(ir.IntType(16), 16)
 
 
 def _i32x16(values: int | list[int]) -> ir.Constant:
@@ -253,20 +253,71 @@ def _splat(builder: ir.IRBuilder, x: ir.Value, vt: ir.VectorType) -> ir.Value:
     return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(_V16I, [0] * 16))
 
 
+def _widen16(builder: ir.IRBuilder, v: ir.Value, bfloat16: bool) -> ir.Value:
+    """The float32 bits (<16 x i32>) of 16 bfloat16 (``bfloat16``) or float16 bit patterns (<16 x i16>):
+    ``_load_bits``' arithmetic in 16 lanes."""
+    ci = _i32x16
+    h = builder.zext(v, _V16I)
+    if bfloat16:
+        return builder.shl(h, ci(16))
+    r = builder.shl(builder.and_(h, ci(0x7FFF)), ci(13))
+    rebiased = builder.bitcast(builder.fmul(builder.bitcast(r, _V16F), _f32x16(5.192296858534828e33)), _V16I)
+    special = builder.icmp_signed("==", builder.and_(h, ci(0x7C00)), ci(0x7C00))  # inf / NaN: keep the payload
+    b = builder.select(special, builder.or_(r, ci(_INF)), rebiased)
+    return builder.or_(b, builder.shl(builder.and_(h, ci(0x8000)), ci(16)))
+
+
+def _narrow16(builder: ir.IRBuilder, b: ir.Value, bfloat16: bool) -> ir.Value:
+    """16 float32 bit patterns (<16 x i32>) as bfloat16 (``bfloat16``) or float16 bits (<16 x i16>):
+    ``_f32_to_bf16`` / ``_f32_to_f16``'s arithmetic in 16 lanes."""
+    ci = _i32x16
+    a = builder.and_(b, ci(0x7FFFFFFF))
+    if bfloat16:
+        lsb = builder.and_(builder.lshr(b, ci(16)), ci(1))
+        r = builder.lshr(builder.add(b, builder.add(ci(0x7FFF), lsb)), ci(16))
+        r = builder.select(builder.icmp_signed("<=", a, ci(_INF)), r, ci(0xFFFF))
+        return builder.trunc(r, _V16H)
+    sign = builder.and_(builder.lshr(b, ci(16)), ci(0x8000))
+    t = builder.sub(a, ci(0x38000000))
+    r = builder.ashr(builder.add(t, builder.add(ci(0xFFF), builder.and_(builder.ashr(t, ci(13)), ci(1)))), ci(13))
+    f = builder.fmul(builder.bitcast(a, _V16F), _f32x16(16777216.0))
+    sub = builder.sub(builder.bitcast(builder.fadd(f, _f32x16(8388608.0)), _V16I), ci(0x4B000000))
+    r = builder.select(builder.icmp_signed(">=", a, ci(0x38800000)), r, sub)
+    r = builder.select(builder.icmp_signed("<", a, ci(0x477FF000)), r, ci(0x7C00))
+    nan = builder.or_(ci(0x7E00), builder.and_(builder.ashr(a, ci(13)), ci(0x3FF)))
+    r = builder.select(builder.icmp_signed("<=", a, ci(_INF)), r, nan)
+    return builder.trunc(builder.or_(r, sign), _V16H)
+
+
+def _load16(builder: ir.IRBuilder, element: types.Integer, data: ir.Value, i: ir.Value, count: int) -> list[ir.Value]:
+    """``count`` vectors of 16 values from ``data[i]`` on (int32 float32 bits, int16 bfloat16 or uint16
+    float16 bits, by ``element``), as they are: <16 x i32> or <16 x i16>."""
+    vt = _V16I if element.bitwidth == 32 else _V16H
+    src = builder.bitcast(builder.gep(data, [i]), vt.as_pointer())
+    return [builder.load(builder.gep(src, [ir.Constant(_I32, j)]), align=element.bitwidth // 8) for j in range(count)]
+
+
+def _as_f32_bits(builder: ir.IRBuilder, element: types.Integer, v: ir.Value) -> ir.Value:
+    """What ``_load16`` loaded as float32 bits (<16 x i32>)."""
+    return v if element.bitwidth == 32 else _widen16(builder, v, element.signed)
+
+
 @intrinsic
 def _stats16(typingctx, xb, a, n16):  # type: ignore[no-untyped-def]
-    """(min key, max key, min positive bits) of the float32 values ``xb[a:a + 16 * n16]`` (int32 bits)
-    as explicit 16-lane vectors, ``_stats_range``'s arithmetic; see ``NOTE [ Explicit vectors ]``."""
+    """(min key, max key, min positive bits) of the values ``xb[a:a + 16 * n16]`` (float32 as int32 bits,
+    bfloat16 as int16, float16 as uint16) as explicit 16-lane vectors, ``_stats_range``'s arithmetic; see
+    ``NOTE [ Explicit vectors ]``."""
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         x_a = context.make_array(sig.args[0])(context, builder, args[0])
+        element = sig.args[0].dtype
         ci, v16i = _i32x16, _V16I
         kmin_p = cgutils.alloca_once_value(builder, ci(0x7FFFFFFF))
         kmax_p = cgutils.alloca_once_value(builder, ci(-0x80000000))
         pmin_p = cgutils.alloca_once_value(builder, ci(_INF))
-        src = builder.bitcast(builder.gep(x_a.data, [args[1]]), v16i.as_pointer())
         with cgutils.for_range(builder, args[2]) as loop:
-            v = builder.load(builder.gep(src, [loop.index]), align=4)
+            i = builder.add(args[1], builder.mul(loop.index, ir.Constant(loop.index.type, 16)))
+            v = _as_f32_bits(builder, element, _load16(builder, element, x_a.data, i, 1)[0])
             k = builder.xor(v, builder.and_(builder.ashr(v, ci(31)), ci(0x7FFFFFFF)))
             kmin, kmax = builder.load(kmin_p), builder.load(kmax_p)
             builder.store(builder.select(builder.icmp_signed("<", k, kmin), k, kmin), kmin_p)
@@ -291,7 +342,7 @@ def _stats_range(xb, a, b):  # type: ignore[no-untyped-def]
     kmin = np.int32(0x7FFFFFFF)
     kmax = np.int32(-0x80000000)
     pmin = np.int32(_INF)
-    if _is_f32(xb) and b - a >= 16:
+    if b - a >= 16:
         n16 = (b - a) // 16
         kmin, kmax, pmin = _stats16(xb, _U(a), _U(n16))
         a += 16 * n16
@@ -444,11 +495,11 @@ def _deinterleave(builder, vectors, offsets):  # type: ignore[no-untyped-def]
 
 
 def _make_quant_bytes(bits: int, zero_exact: bool, grid: bool = False):  # type: ignore[no-untyped-def]
-    """An intrinsic quantizing ``nruns`` runs of ``128 / bits`` float32 values from ``xb[i]`` (as int32
-    bits) to ``bits``-bit codes with the reference's stochastic rounding, each run packed into 16 bytes,
-    from ``codes[o]`` on, as explicit 16-lane vectors; see ``NOTE [ Explicit vectors ]``. With ``grid``
-    (plain groups), onto the fitted grid and widths of its last two arguments (``NOTE [ Grid kernels
-    without gathers ]``)."""
+    """An intrinsic quantizing ``nruns`` runs of ``128 / bits`` values from ``xb[i]`` (float32 as int32
+    bits, bfloat16 as int16, float16 as uint16) to ``bits``-bit codes with the reference's stochastic
+    rounding, each run packed into 16 bytes, from ``codes[o]`` on, as explicit 16-lane vectors; see ``NOTE
+    [ Explicit vectors ]``. With ``grid`` (plain groups), onto the fitted grid and widths of its last two
+    arguments (``NOTE [ Grid kernels without gathers ]``)."""
     nvec = 8 // bits  # codes per byte: vector j holds the values at j, j + nvec, j + 2 nvec, ...
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
@@ -471,9 +522,10 @@ def _make_quant_bytes(bits: int, zero_exact: bool, grid: bool = False):  # type:
         def splat(x, vt):  # type: ignore[no-untyped-def]
             return _splat(builder, x, vt)
 
-        src = builder.bitcast(builder.gep(x_a.data, [args[1]]), v16i.as_pointer())
-        loaded = [builder.load(builder.gep(src, [ir.Constant(i32, j)]), align=4) for j in range(nvec)]
+        element = sig.args[0].dtype
+        loaded = _load16(builder, element, x_a.data, args[1], nvec)
         xs, offsets = _deinterleave(builder, loaded, [list(range(16 * j, 16 * j + 16)) for j in range(nvec)])
+        xs = [_as_f32_bits(builder, element, v) for v in xs]
         lo_v, inv_v, seed_v = splat(args[2], v16f), splat(args[3], v16f), splat(builder.trunc(args[5], i32), v16i)
         i_v = splat(builder.trunc(args[1], i32), v16i)
         top = builder.fsub(splat(args[4], v16f), cf(1.0)) if zero_exact else splat(args[4], v16f)
@@ -538,8 +590,8 @@ _QUANT_2G, _QUANT_4G = _make_quant_bytes(2, False, grid=True), _make_quant_bytes
 
 @njit(inline="always", **_JIT)
 def _quantize_runs(xb, a, nruns, lo_b, sb, bits, seed, codes, o0):  # type: ignore[no-untyped-def]
-    """Codes of ``nruns`` runs of ``128 / bits`` float32 values from ``a``, 16 bytes each, packed into
-    ``codes`` from byte ``o0``."""
+    """Codes of ``nruns`` runs of ``128 / bits`` values from ``a``, 16 bytes each, packed into ``codes`` from
+    byte ``o0``."""
     lo = bits_f32(lo_b)
     step, zero_exact = _scale_step(sb)
     inv = np.float32(1.0) / step if step > 0 else np.float32(0.0)
@@ -562,13 +614,12 @@ def _quantize_span(  # type: ignore[no-untyped-def]
     """Codes of the values ``a:stop`` (``stop - a`` a multiple of 32, values past ``n`` padding)
     packed into the flat uint8 ``codes`` (``c16``, ``c32``: its word views) from byte ``o0``."""
     b = max(a, min(n, stop))
-    if _is_f32(xb):  # runs of 16 bytes of codes as explicit vectors, the rest below
-        nruns = (b - a) // (128 // bits)
-        _quantize_runs(xb, a, nruns, lo_b, sb, bits, seed, codes, o0)
-        a += nruns * (128 // bits)
-        o0 += 16 * nruns
-        if a == stop:
-            return
+    nruns = (b - a) // (128 // bits)  # runs of 16 bytes of codes as explicit vectors, the rest below
+    _quantize_runs(xb, a, nruns, lo_b, sb, bits, seed, codes, o0)
+    a += nruns * (128 // bits)
+    o0 += 16 * nruns
+    if a == stop:
+        return
     count = stop - a
     _codes_range(xb, a, b, lo_b, sb, bits, seed, scratch)
     for k in range(b - a, count):
@@ -587,11 +638,11 @@ def _quantize_span(  # type: ignore[no-untyped-def]
 # NOTE [ Grid kernels without gathers ]
 # On a fitted grid (``layout.py``) a value's level below and its width, and a code's level, depend on the
 # value: indexing the grid by a computed ``k`` or code is a gather, which kept numba's loops scalar and
-# made them several times slower than the uniform grid's. The float32 kernels pick them with one
-# compare and select per level instead, in the explicit vectors of ``NOTE [ Explicit vectors ]``
+# made them several times slower than the uniform grid's. The kernels pick them with one compare and
+# select per level instead, in the explicit vectors of ``NOTE [ Explicit vectors ]``
 # (``_make_quant_bytes(..., grid=True)``, ``_make_grid_store16``): the grid ascends, so the last level at
 # or below ``t`` wins. The arithmetic is the reference's, operation for operation. The scalar
-# ``_grid_position`` does the same for the tails of groups and other dtypes.
+# ``_grid_position`` does the same for the tails of groups and the column kernels.
 @njit(inline="always", **_JIT)
 def _grid_position(t, grid, widths, inner):  # type: ignore[no-untyped-def]
     """``k + (t - g[k]) * w[k]`` with ``k`` the number of ``g[1..inner]`` at or below ``t``."""
@@ -639,15 +690,14 @@ def _quantize_span_grid(  # type: ignore[no-untyped-def]
         return
     inv = np.float32(1.0) / step if step > 0 else np.float32(0.0)
     b = max(a, min(n, stop))
-    if _is_f32(xb):  # runs of 16 bytes of codes as explicit vectors, the rest below
-        nruns = (b - a) // (128 // bits)
-        levels = np.float32((1 << bits) - 1)
-        args = (xb, _U(a), _U(nruns), lo, inv, levels, seed, codes, _U(o0), grid, widths)
-        _QUANT_2G(*args) if bits == 2 else _QUANT_4G(*args)
-        a += nruns * (128 // bits)
-        o0 += 16 * nruns
-        if a == stop:
-            return
+    nruns = (b - a) // (128 // bits)  # runs of 16 bytes of codes as explicit vectors, the rest below
+    levels = np.float32((1 << bits) - 1)
+    args = (xb, _U(a), _U(nruns), lo, inv, levels, seed, codes, _U(o0), grid, widths)
+    _QUANT_2G(*args) if bits == 2 else _QUANT_4G(*args)
+    a += nruns * (128 // bits)
+    o0 += 16 * nruns
+    if a == stop:
+        return
     count = stop - a
     _codes_range_grid(xb, a, b, lo, inv, bits, seed, grid, widths, scratch)
     for k in range(b - a, count):
@@ -795,38 +845,20 @@ def _decode_special(c, lo, step, zero_exact):  # type: ignore[no-untyped-def]
     return f32_bits(lo + prod)
 
 
-@njit(**_JIT)
-def _decode_words(words, w0, nwords, bits, lo, step, zero_exact, out, o0):  # type: ignore[no-untyped-def]
-    """Decode ``nwords`` words of 8 codes each (``words``' dtype has ``8 * bits`` bits) of a group
-    with finite lo and step into ``out[o0:o0 + 8 * nwords]``."""
-    mask = (1 << bits) - 1
-    if zero_exact:
-        for k in range(nwords):
-            w = words[_U(w0 + k)]
-            for s in range(8):
-                c = np.int32((w >> (bits * s)) & mask)
-                v = lo + np.float32(c - 1) * step
-                _store_bits(out, _U(o0 + 8 * k + s), np.int32(0) if c == 0 else f32_bits(v))
-    else:
-        for k in range(nwords):
-            w = words[_U(w0 + k)]
-            for s in range(8):
-                c = np.int32((w >> (bits * s)) & mask)
-                v = lo + np.float32(c) * step
-                _store_bits(out, _U(o0 + 8 * k + s), f32_bits(v))
-
-
 # NOTE [ Explicit vectors ]
-# numba's LLVM auto-vectorises the word-at-a-time decode of ``_decode_words`` well for plain groups,
-# but not the zero-exact branch (code 0 -> exactly 0, else ``lo + (c - 1) * step``): a ReLU output
-# decoded several times slower than plain values of the same size. For float32 outputs the decode
-# therefore builds the vectors itself: ``_make_store16`` emits LLVM IR over 16 lanes (splat the 1-4
-# words that hold 16 codes, shift each lane by its code's offset, mask, convert, multiply, add, select
-# the zeros, one 64-byte store), so both kinds of group run at the same speed, close to the output's
-# write limit. The arithmetic is the reference's, operation for operation (``lo + float(c) * step``, no
-# fused multiply-add), so the bytes are unchanged; float16 and bfloat16 outputs, and groups with a
-# non-finite lo or step, keep the scalar-per-word path.
-# ``quantize_pack`` of float32 does the same, at every bit-width. ``_stats16`` takes the group's min
+# numba's LLVM auto-vectorised a word-at-a-time decode well for plain groups, but not the zero-exact
+# branch (code 0 -> exactly 0, else ``lo + (c - 1) * step``): a ReLU output decoded several times slower
+# than plain values of the same size. The decode therefore builds the vectors itself: ``_make_store16``
+# emits LLVM IR over 16 lanes (splat the 1-4 words that hold 16 codes, shift each lane by its code's
+# offset, mask, convert, multiply, add, select the zeros, one store), so both kinds of group run at the
+# same speed, close to the output's write limit. The arithmetic is the reference's, operation for
+# operation (``lo + float(c) * step``, no fused multiply-add), so the bytes are unchanged; groups with a
+# non-finite lo or step keep a scalar loop. float16 and bfloat16 take the same vectors: their values are
+# widened to float32 bits on load and narrowed on store in 16 lanes (``_widen16``, ``_narrow16``), the
+# integer arithmetic of the scalar conversions (``_load_bits``, ``_store_bits``), so every dtype runs the
+# same kernels; a scalar loop over 16-bit values (the fitted grid's per-level selects, above all) was
+# several times slower than the vectors.
+# ``quantize_pack`` does the same, at every bit-width. ``_stats16`` takes the group's min
 # key, max key and min positive over 16 lanes (numba's loop used 8). ``_make_quant_bytes`` fills 16
 # bytes of codes per call: it loads the ``128 / bits`` values and de-interleaves them with shuffles so
 # that lane k of vector j holds value ``8 / bits * k + j``; after the noise hash, rounding and clamping
@@ -879,8 +911,14 @@ def _codes16(builder: ir.IRBuilder, words: ir.Value, w: ir.Value, bits: int, fir
     return builder.and_(builder.lshr(lanes, shifts), ir.Constant(_V16I, [(1 << bits) - 1] * 16))
 
 
-def _store16(builder: ir.IRBuilder, out: ir.Value, o: ir.Value, values: ir.Value, streaming: ir.Value) -> None:
-    """Store the <16 x i32> ``values`` at ``out[o:o + 16]``, non-temporally if ``streaming`` is set."""
+def _store16(builder: ir.IRBuilder, element: types.Integer, out: ir.Value, o: ir.Value, values: ir.Value,
+             streaming: ir.Value) -> None:
+    """Store the float32 bits ``values`` (<16 x i32>) at ``out[o:o + 16]``, converted to ``out``'s ``element``
+    (int32: float32, int16: bfloat16, uint16: float16); float32 non-temporally if ``streaming`` is set."""
+    if element.bitwidth == 16:
+        dst = builder.bitcast(builder.gep(out, [o]), _V16H.as_pointer())
+        builder.store(_narrow16(builder, values, element.signed), dst, align=2)
+        return
     dst = builder.bitcast(builder.gep(out, [o]), _V16I.as_pointer())
     is_streaming = builder.icmp_unsigned("!=", streaming, ir.Constant(streaming.type, 0))
     with builder.if_else(is_streaming) as (stream, cached):
@@ -893,8 +931,8 @@ def _store16(builder: ir.IRBuilder, out: ir.Value, o: ir.Value, values: ir.Value
 
 def _make_store16(bits: int, first: int = 0):  # type: ignore[no-untyped-def]
     """An intrinsic decoding 16 codes of ``bits`` of a group (zero-exact or not, ``zero_exact``) from
-    little-endian 32-bit words (codes ``first`` to ``first + 15`` counted from word ``w``) into 16 float32
-    bit patterns at ``out[o:o + 16]``, as one explicit 16-lane vector; see ``NOTE [ Explicit vectors ]``.
+    little-endian 32-bit words (codes ``first`` to ``first + 15`` counted from word ``w``) into
+    ``out[o:o + 16]`` (``_store16``), as one explicit 16-lane vector; see ``NOTE [ Explicit vectors ]``.
     With ``streaming`` the store is non-temporal and ``out + o`` must be 64-byte aligned
     (``NOTE [ Streaming stores ]``)."""
 
@@ -915,7 +953,7 @@ def _make_store16(bits: int, first: int = 0):  # type: ignore[no-untyped-def]
             v = builder.fadd(splat(args[4]), builder.fmul(builder.sitofp(k, v16f), splat(args[5])))
             is0 = builder.and_(builder.icmp_unsigned("==", c, ir.Constant(v16i, [0] * 16)), zx_v)
             vb = builder.select(is0, ir.Constant(v16i, [0] * 16), builder.bitcast(v, v16i))
-            _store16(builder, out_a.data, args[1], vb, args[7])
+            _store16(builder, sig.args[0].dtype, out_a.data, args[1], vb, args[7])
             return context.get_dummy_value()
 
         return types.none(out, o, words, w, lo, step, zero_exact, streaming), codegen
@@ -939,7 +977,7 @@ def _make_grid_store16(bits: int):  # type: ignore[no-untyped-def]
                 g_j = _splat(builder, builder.load(builder.gep(g_a.data, [ir.Constant(_I32, j)])), _V16F)
                 level = builder.select(builder.icmp_unsigned("==", c, _i32x16(j)), g_j, level)
             v = builder.fadd(_splat(builder, args[4], _V16F), builder.fmul(level, _splat(builder, args[5], _V16F)))
-            _store16(builder, out_a.data, args[1], builder.bitcast(v, _V16I), args[7])
+            _store16(builder, sig.args[0].dtype, out_a.data, args[1], builder.bitcast(v, _V16I), args[7])
             return context.get_dummy_value()
 
         return types.none(out, o, words, w, lo, step, grid_values, streaming), codegen
@@ -978,31 +1016,18 @@ def _decode_vec32(c32, w0, n32, bits, zero_exact, lo, step, out, o0, streaming):
 
 
 @njit(inline="always", **_JIT)
-def _decode_group(  # type: ignore[no-untyped-def]
-    codes, c16, c32, c64, c0, bits, count, lo_b, sb, out, o0, streaming
-):
-    """Decode ``count`` values of one group (codes from byte ``c0``; ``c16``/``c32``/``c64``: word
-    views of ``codes``) into ``out[o0:o0 + count]``; ``streaming``: see ``NOTE [ Streaming stores ]``."""
+def _decode_group(codes, c32, c0, bits, count, lo_b, sb, out, o0, streaming):  # type: ignore[no-untyped-def]
+    """Decode ``count`` values of one group (codes from byte ``c0``; ``c32``: the 32-bit word view of
+    ``codes``) into ``out[o0:o0 + count]``; ``streaming``: see ``NOTE [ Streaming stores ]``."""
     lo = bits_f32(lo_b)
     step, zero_exact = _scale_step(sb)
     per = 8 // bits
     mask = (1 << bits) - 1
     full = 0
-    if np.isfinite(lo) and np.isfinite(step) and _is_f32(out):
+    if np.isfinite(lo) and np.isfinite(step):
         full = count // 32
         _decode_vec32(c32, c0 // 4, full, bits, zero_exact, lo, step, out, o0, streaming)
         full *= 32
-    elif np.isfinite(lo) and np.isfinite(step):
-        full = count // 8
-        if bits == 1:
-            _decode_words(codes, c0, full, 1, lo, step, zero_exact, out, o0)
-        elif bits == 2:
-            _decode_words(c16, c0 // 2, full, 2, lo, step, zero_exact, out, o0)
-        elif bits == 4:
-            _decode_words(c32, c0 // 4, full, 4, lo, step, zero_exact, out, o0)
-        else:
-            _decode_words(c64, c0 // 8, full, 8, lo, step, zero_exact, out, o0)
-        full *= 8
     for j in range(full, count):
         c = (codes[_U(c0 + j // per)] >> ((j % per) * bits)) & mask
         _store_bits(out, _U(o0 + j), _decode_special(c, lo, step, zero_exact))
@@ -1021,7 +1046,7 @@ def _dequantize(codes, lo_b, scale_b, bits, group_size, n, out, nchunks, streami
     nt = ng * tpg
     per = (nt + nchunks - 1) // nchunks
     for ci in prange(nchunks):
-        c16, c32, c64 = _word_views(codes)
+        _, c32, _ = _word_views(codes)
         for t in range(ci * per, min(nt, (ci + 1) * per)):
             g = t // tpg
             off = (t % tpg) * tile
@@ -1029,21 +1054,9 @@ def _dequantize(codes, lo_b, scale_b, bits, group_size, n, out, nchunks, streami
             count = min(min(n, (g + 1) * group_size), a + tile) - a
             if count > 0:
                 c0 = g * nbytes + off * bits // 8
-                _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b[g], scale_b[g], out, a, streaming)
+                _decode_group(codes, c32, c0, bits, count, lo_b[g], scale_b[g], out, a, streaming)
         if streaming:
             _store_fence()
-
-
-@njit(inline="always", **_JIT)
-def _grid_decode_words(words, w0, nwords, lo, step, grid, out, o0, bits):  # type: ignore[no-untyped-def]
-    """Decode ``nwords`` words of 8 codes (``words``' dtype has ``8 * bits`` bits) on ``grid``, one value at a
-    time (float16 and bfloat16 outputs)."""
-    mask = (1 << bits) - 1
-    for k in range(nwords):
-        w = words[_U(w0 + k)]
-        for s in range(8):
-            c = (w >> (bits * s)) & mask
-            _store_bits(out, _U(o0 + 8 * k + s), f32_bits(lo + grid[c] * step))
 
 
 @njit(**_PJIT)
@@ -1056,7 +1069,7 @@ def _dequantize_grid(codes, lo_b, scale_b, bits, group_size, n, grid, out, nchun
     mask = (1 << bits) - 1
     per = (ng + nchunks - 1) // nchunks
     for ci in prange(nchunks):
-        c16, c32, c64 = _word_views(codes)
+        _, c32, _ = _word_views(codes)
         for g in range(ci * per, min(ng, (ci + 1) * per)):
             a = g * group_size
             count = min(n, a + group_size) - a
@@ -1064,22 +1077,15 @@ def _dequantize_grid(codes, lo_b, scale_b, bits, group_size, n, grid, out, nchun
             lo = bits_f32(lo_b[g])
             step, zero_exact = _scale_step(scale_b[g])
             if zero_exact or not (np.isfinite(lo) and np.isfinite(step)):
-                _decode_group(codes, c16, c32, c64, c0, bits, count, lo_b[g], scale_b[g], out, a, streaming)
+                _decode_group(codes, c32, c0, bits, count, lo_b[g], scale_b[g], out, a, streaming)
                 continue
-            if _is_f32(out):
-                full = count // 16 * 16
-                w0 = c0 // 4
-                for j in range(count // 16):
-                    if bits == 2:
-                        _GRID_STORE16_2(out, _U(a + 16 * j), c32, _U(w0 + j), lo, step, grid, streaming)
-                    else:
-                        _GRID_STORE16_4(out, _U(a + 16 * j), c32, _U(w0 + 2 * j), lo, step, grid, streaming)
-            else:
-                full = count // 8 * 8
+            full = count // 16 * 16
+            w0 = c0 // 4
+            for j in range(count // 16):
                 if bits == 2:
-                    _grid_decode_words(c16, c0 // 2, count // 8, lo, step, grid, out, a, 2)
+                    _GRID_STORE16_2(out, _U(a + 16 * j), c32, _U(w0 + j), lo, step, grid, streaming)
                 else:
-                    _grid_decode_words(c32, c0 // 4, count // 8, lo, step, grid, out, a, 4)
+                    _GRID_STORE16_4(out, _U(a + 16 * j), c32, _U(w0 + 2 * j), lo, step, grid, streaming)
             for j in range(full, count):
                 c = (codes[_U(c0 + j // per_byte)] >> ((j % per_byte) * bits)) & mask
                 _store_bits(out, _U(a + j), f32_bits(lo + grid[c] * step))

@@ -530,8 +530,7 @@ class Normalized(_Encoding):
     # rounding); a normalisation pass then buys nothing and costs more than the quantization it feeds (a
     # read of x for the statistics, a write and a read of x_hat, another pass to restore). Such a tensor
     # (a batch norm over planes of 256 values or a multiple of it, a layer norm over rows of 768) is
-    # quantized as it is, in memory order. float32 only: on the CPU other dtypes get no fitted grid,
-    # which x_hat (float32) does (``NOTE [ Fitted grids on the CPU take float32 ]``).
+    # quantized as it is, in memory order.
     def groups_within_rows(self, group_size: int) -> bool:
         """Whether every run of ``group_size`` values in memory order lies inside one row (one set of values
         sharing a mean and std): the trailing run of reduced dims of ``view`` is a multiple of it."""
@@ -544,14 +543,9 @@ class Normalized(_Encoding):
             run *= self.view[dim]
         return run % group_size == 0
 
-    def stores_as_is(self, dtype: torch.dtype, group_size: int) -> bool:
-        """Whether ``candidate`` quantizes values of ``dtype`` as they are, not normalised (float32, every
-        group inside one row: ``NOTE [ Normalising only where groups straddle statistics ]``)."""
-        return dtype == torch.float32 and self.groups_within_rows(group_size)
-
     def candidate(self, flat: torch.Tensor, bits: int, group_size: int, seed: int,
                   grids: Grids | None = None) -> tuple[NormalizedRecord | PackedRecord, Checks]:
-        if not self.cols and self.stores_as_is(flat.dtype, group_size):
+        if not self.cols and self.groups_within_rows(group_size):
             return pack_candidate(flat, "quantize", bits, group_size, seed, grids=grids)
         return self.normalized_candidate(flat, bits, group_size, seed, grids)
 
