@@ -558,8 +558,17 @@ def test_uniform_grid_is_no_grid() -> None:
     for bits in (2, 4):
         uniform = torch.arange(float(1 << bits))
         plain = torch.ops.daftrain.quantize_pack(x, bits, 256, 4)
+        # the reference's arithmetic on the uniform grid is its arithmetic without one ...
+        for a, b in zip(reference.quantize_pack(x, bits, 256, 4, uniform), plain, strict=True):
+            assert_same(a, b, f"reference on the uniform grid, bits={bits}")
+        # ... so the kernels run a uniform grid as no grid, and the column kernels (which take it) agree
+        assert cpu._fitted(uniform) is None and cpu._fitted(fitted_grid(bits, 0)) is not None
         for a, b in zip(torch.ops.daftrain.quantize_pack(x, bits, 256, 4, uniform), plain, strict=True):
             assert_same(a, b, f"uniform grid, bits={bits}")
+        columns = reference.columns_first(x[:2560], 10, 256)
+        for a, b in zip(torch.ops.daftrain.quantize_pack_columns(x[:2560], 10, bits, 256, 4, uniform),
+                        torch.ops.daftrain.quantize_pack(columns, bits, 256, 4), strict=True):
+            assert_same(a, b, f"uniform grid down the columns, bits={bits}")
         other = torch.ops.daftrain.quantize_pack(x, bits, 256, 4, fitted_grid(bits, 0))
         assert not torch.equal(other[0], plain[0])  # a fitted grid does change the codes
 

@@ -1581,6 +1581,16 @@ STRATEGIES = {PER_GROUP: minmax_per_group, TWO_LEVEL: minmax_two_level}
 _NO_GRID = np.empty(0, np.float32)
 
 
+def _fitted(grid: torch.Tensor | None) -> np.ndarray | None:
+    """``grid``'s levels, or ``None`` for no grid or the uniform one: the same bytes either way (``layout.py``),
+    and the kernels without a grid are faster (a compiled graph passes the uniform grid where its fit found no
+    gain: ``NOTE [ Fitted grids in compiled graphs ]`` in saved/compiled.py)."""
+    if grid is None:
+        return None
+    levels = grid.numpy()
+    return None if bool((levels == np.arange(levels.shape[0], dtype=np.float32)).all()) else levels
+
+
 def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
     """The op kernels by op name, ``group_minmax`` / ``quantize_pack`` scheduled by ``selector``;
     they trust their arguments (``NOTE [ What the kernels trust ]``)."""
@@ -1610,10 +1620,10 @@ def make_kernels(selector: ReductionSelector) -> dict[str, Callable[..., Any]]:
         # The tiled schedule reads the input twice (stats, then codes); it only pays where the fused
         # one cannot keep the threads busy: few groups per thread. There the selector decides.
         strategy = PER_GROUP if ng >= 8 * threads() else selector.choose(n, group_size, flat.dtype)
-        if grid is not None:  # one schedule: a grid's record reads its groups once, whatever their number
+        levels = _fitted(grid)
+        if levels is not None:  # one schedule: a grid's record reads its groups once, whatever their number
             with _Guard(n) as nt:
-                _quantize_per_group(xb, n, group_size, bits, seed32, grid.numpy(), codes_np, lo_np, sc_np,
-                                    _chunks(ng, nt))
+                _quantize_per_group(xb, n, group_size, bits, seed32, levels, codes_np, lo_np, sc_np, _chunks(ng, nt))
         elif strategy == TWO_LEVEL:
             stats = minmax_two_level(flat, group_size)
             with _Guard(n) as nt:
@@ -1646,10 +1656,10 @@ def unpack_dequantize_into(
         return
     codes_np, lo_np, sc_np = _payload(codes, lo, scale)
     out_np = _raw(out)
+    levels = _fitted(grid)
     with _Guard(numel) as nt:
-        if grid is not None:
-            _dequantize_grid(codes_np, lo_np, sc_np, bits, group_size, numel, grid.numpy(), out_np, 4 * nt,
-                             streams(out))
+        if levels is not None:
+            _dequantize_grid(codes_np, lo_np, sc_np, bits, group_size, numel, levels, out_np, 4 * nt, streams(out))
         else:
             _dequantize(codes_np, lo_np, sc_np, bits, group_size, numel, out_np, 4 * nt, streams(out))
 

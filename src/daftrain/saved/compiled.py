@@ -28,7 +28,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from ..callbacks import eagerly, never_a_frame, skip_frames
 from ..config import CompressionConfig
 from ..errors import UnsupportedError
-from ..layout import QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes, record_seed
+from ..layout import GRID_BITS, QUANTIZABLE_DTYPES, PackedLayout, bool_nbytes, record_seed
 from .graph_order import install_decode_order
 from .graph_rules import GraphRule, graph_rule
 from .records import KeptTensor, normalized_over, restandardized, with_row_sums
@@ -241,11 +241,12 @@ def _normalized(x: torch.Tensor, rule: GraphRule) -> tuple[torch.Tensor, torch.T
 
 @torch.fx.wrap
 def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: int, pack_bool: bool,
-                hooks_id: int = -1) -> Any:
+                fitted_grids: bool = False, hooks_id: int = -1, position: int = -1) -> Any:
     """The pack hook inside a compiled graph: ``x`` kept, or a tuple whose first item says how it was
     stored (``unpack_traced`` reads it): the stored tensors, a carrier of the stored values' shape in
     memory order and ``back``, the permutation to ``x``'s (``NOTE [ The shape travels in an empty tensor
-    ]``, ``NOTE [ Permuted memory formats in compiled graphs ]``), and the constants to restore it."""
+    ]``, ``NOTE [ Permuted memory formats in compiled graphs ]``), and the constants to restore it.
+    ``position`` names the saved value for its fitted grid (``NOTE [ Fitted grids in compiled graphs ]``)."""
     rule = traced_treatment(x, bits, min_numel, pack_bool)
     if rule.kind == "keep":
         return x
@@ -265,8 +266,12 @@ def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: i
         return ("thresholds", torch.ops.daftrain.pack_bool(masks.view(-1)), _shape_carrier(values), back,
                 x.dtype, rule.thresholds, _representatives(rule.thresholds, x.dtype))
     seed = torch.ops.daftrain.seed_in_graph(x, hooks_id)  # NOTE [ A fresh seed per compiled call ]
-    codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(values.reshape(-1), rule.min_bits, group_size, seed)
-    return (rule.kind, codes, lo, scale, _shape_carrier(values), back, x.dtype, rule.min_bits, group_size, *extra)
+    flat = values.reshape(-1)
+    grid = (torch.ops.daftrain.grid_in_graph(flat, rule.min_bits, hooks_id, position)
+            if fitted_grids and rule.min_bits in GRID_BITS else None)
+    codes, lo, scale = torch.ops.daftrain.quantize_pack_seeded(flat, rule.min_bits, group_size, seed, grid)
+    return (rule.kind, codes, lo, scale, grid, _shape_carrier(values), back, x.dtype, rule.min_bits, group_size,
+            *extra)
 
 
 def _restored(flat: torch.Tensor, carrier: torch.Tensor, back: tuple[int, ...]) -> torch.Tensor:
@@ -298,11 +303,11 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
         numel = _carried_shape(carrier)[1]
         masks = torch.ops.daftrain.unpack_bool(data, 2 * len(thresholds) * numel).view(2 * len(thresholds), -1)
         return _restored(_between(masks, thresholds, representatives, dtype), carrier, back)
-    _, codes, lo, scale, carrier, back, dtype, bits, group_size, *extra = packed
+    _, codes, lo, scale, grid, carrier, back, dtype, bits, group_size, *extra = packed
     numel = _carried_shape(carrier)[1]
     stored_dtype = torch.float32 if kind == "normalize" else dtype
     values = _restored(torch.ops.daftrain.decode_in_graph(codes, lo, scale, bits, group_size, numel, stored_dtype,
-                                                          hooks_id), carrier, back)
+                                                          hooks_id, grid), carrier, back)
     if kind in ("probabilities", "log_probabilities"):  # NOTE [ Probabilities keep their sums ] in records.py
         (dim,) = extra
         return with_row_sums(values, dim, kind == "log_probabilities")
@@ -324,8 +329,9 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
 # trims as the eager hooks' does; nothing where that context does not tune the allocator (CUDA,
 # ``tune_allocator=False``) or is gone. With decodes at their first use (``NOTE [ Decodes at their first
 # use ]``) a trim comes after the previous layers' decoded tensors were freed.
-def _seeding_op(fn: Callable[..., Any]) -> Any:
-    """``fn`` as the custom op ``daftrain::<its name>``, tagged as a random op where this torch takes tags."""
+def _stateful_op(fn: Callable[..., Any]) -> Any:
+    """``fn`` as the custom op ``daftrain::<its name>``, tagged as a random op where this torch takes tags: its
+    result depends on more than its inputs, so no compiler may merge two of its calls or recompute one."""
     try:
         return torch.library.custom_op(f"daftrain::{fn.__name__}", fn, mutates_args=(),
                                        tags=(torch.Tag.nondeterministic_seeded,))
@@ -333,7 +339,7 @@ def _seeding_op(fn: Callable[..., Any]) -> Any:
         return torch.library.custom_op(f"daftrain::{fn.__name__}", fn, mutates_args=())
 
 
-@_seeding_op
+@_stateful_op
 def seed_in_graph(x: torch.Tensor, hooks_id: int) -> torch.Tensor:
     """A fresh 32-bit seed, as an int64 tensor on the CPU, for the record the hook pair ``hooks_id`` makes of ``x``
     (``NOTE [ A fresh seed per compiled call ]``)."""
@@ -347,12 +353,39 @@ def _(x: torch.Tensor, hooks_id: int) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
+# NOTE [ Fitted grids in compiled graphs ]
+# Eager records take the grid ``GridChoice`` fits once per forward position (``NOTE [ Fitted grids ]`` in
+# kernels/grids.py); a compiled graph's records kept the uniform grid, since fitting reads the values back to
+# the host, which a traced graph cannot do: compiled models at 4 bits lost what grids give eager ones. The
+# traced pack now gives each saved value a position of its own when it is traced, and
+# ``daftrain::grid_in_graph`` asks the context that runs the graph for that position's grid, fitted and kept by
+# a ``GridChoice`` of the context's as eager positions are (again every ``REESTIMATE_STEPS`` steps or when
+# the values change shape), the uniform grid where the fit found no gain or without a context. The grid travels
+# to the backward with the record, as an eager record's does. The op returns a fresh tensor each call: a
+# compiler may reuse the storage of an op's output once the graph no longer needs it. The CPU kernels run a
+# uniform grid as no grid (the same bytes, ``layout.py``), so positions without a gain pay nothing.
+@_stateful_op
+def grid_in_graph(x: torch.Tensor, bits: int, hooks_id: int, position: int) -> torch.Tensor:
+    """The grid (float32 ``[2**bits]``, on ``x``'s device) for the record the hook pair ``hooks_id`` makes of ``x``
+    at saved-value ``position`` (``NOTE [ Fitted grids in compiled graphs ]``)."""
+    hooks = _HOOKS_BY_ID.get(hooks_id)
+    grid = hooks.grid(position, x, bits) if hooks is not None else None
+    if grid is None:
+        return torch.arange(1 << bits, dtype=torch.float32, device=x.device)
+    return grid.clone()
+
+
+@grid_in_graph.register_fake
+def _(x: torch.Tensor, bits: int, hooks_id: int, position: int) -> torch.Tensor:
+    return x.new_empty(1 << bits, dtype=torch.float32)
+
+
 @torch.library.custom_op("daftrain::decode_in_graph", mutates_args=())
 def decode_in_graph(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
-                    numel: int, dtype: torch.dtype, hooks_id: int) -> torch.Tensor:
+                    numel: int, dtype: torch.dtype, hooks_id: int, grid: torch.Tensor | None = None) -> torch.Tensor:
     """``unpack_dequantize`` whose bytes the hook pair ``hooks_id`` notes (``NOTE [ Heap trims in a compiled
     backward ]``)."""
-    values = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype)
+    values = torch.ops.daftrain.unpack_dequantize(codes, lo, scale, bits, group_size, numel, dtype, grid)
     hooks = _HOOKS_BY_ID.get(hooks_id)
     if hooks is not None:
         hooks.noted(values.numel() * values.element_size())
@@ -361,7 +394,7 @@ def decode_in_graph(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, 
 
 @decode_in_graph.register_fake
 def _(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, numel: int,
-      dtype: torch.dtype, hooks_id: int) -> torch.Tensor:
+      dtype: torch.dtype, hooks_id: int, grid: torch.Tensor | None = None) -> torch.Tensor:
     return codes.new_empty(numel, dtype=dtype)
 
 
@@ -395,10 +428,10 @@ def _describe(packed: Any, x: torch.Tensor, node: Any) -> SavedInGraph:
         return SavedInGraph(name, "bool", 1, raw, bool_nbytes(_hint(x.numel())))
     if packed[0] == "thresholds":
         return SavedInGraph(name, "bool", 1, raw, bool_nbytes(2 * len(packed[5]) * _hint(x.numel())))
-    bits, group_size = packed[7], packed[8]
+    bits, group_size = packed[8], packed[9]
     stored = PackedLayout(bits, group_size, _hint(x.numel())).nbytes
     if packed[0] == "normalize":
-        stored += sum(_hint(t.numel()) * t.element_size() for t in packed[9:11])
+        stored += sum(_hint(t.numel()) * t.element_size() for t in packed[10:12])
     return SavedInGraph(name, "quantized", bits, raw, stored)
 
 
@@ -448,8 +481,9 @@ class CompiledHooks:
     pack goes to the innermost active context.
     """
 
-    def __init__(self, bits: int | None, group_size: int, min_numel: int, pack_bool: bool) -> None:
-        self._constants = (bits, group_size, min_numel, pack_bool)
+    def __init__(self, bits: int | None, group_size: int, min_numel: int, pack_bool: bool,
+                 fitted_grids: bool = False) -> None:
+        self._constants = (bits, group_size, min_numel, pack_bool, fitted_grids)
         self.id = len(_HOOKS_BY_ID)
         _HOOKS_BY_ID[self.id] = self
         self.pack = _Hook(pack_traced, (*self._constants, self.id), self._eager_pack, self._traced_pack)
@@ -459,6 +493,7 @@ class CompiledHooks:
         self._last: weakref.ReferenceType[Any] | None = None
         self._lock = threading.Lock()
         self._seeds = itertools.count()  # without a context (NOTE [ A fresh seed per compiled call ])
+        self._positions = itertools.count()  # of the saved values traced (NOTE [ Fitted grids in compiled graphs ])
         # compile id -> (the forward graph while it is being compiled, its saved tensors by node name)
         self._graphs: dict[str, tuple[weakref.ReferenceType[Any], dict[str, SavedInGraph]]] = {}
         self._watching = False
@@ -506,6 +541,12 @@ class CompiledHooks:
             return ctx.compiled_seed()
         return record_seed(torch.initial_seed(), self.id, next(self._seeds))
 
+    def grid(self, position: int, values: torch.Tensor, bits: int) -> torch.Tensor | None:
+        """The fitted grid of the record packed at ``position`` in a compiled graph, from the context that runs it,
+        or ``None`` (``NOTE [ Fitted grids in compiled graphs ]``)."""
+        ctx = self._active_or_none() or (self._last() if self._last is not None else None)
+        return ctx.compiled_grid(position, values, bits) if ctx is not None else None
+
     def noted(self, nbytes: int) -> None:
         """Count ``nbytes`` decoded in a compiled graph on the context entered last, if it trims the heap
         (``NOTE [ Heap trims in a compiled backward ]``)."""
@@ -528,7 +569,7 @@ class CompiledHooks:
 
     # -- traced ------------------------------------------------------------------------------------
     def _traced_pack(self, x: torch.Tensor) -> Any:
-        packed = pack_traced(x, *self._constants, self.id)
+        packed = pack_traced(x, *self._constants, self.id, next(self._positions))
         saved = _saved_node()
         if saved is None or saved[0] is None:  # traced by someone else than AOTAutograd's inlining
             return packed
@@ -613,7 +654,8 @@ def hooks_for(config: CompressionConfig, traceable: bool) -> CompiledHooks:
     """The one hook pair for these settings (``NOTE [ Hooks inside compiled graphs ]``, point 2): a
     traced path at ``config``'s bits (``None``: bool masks packed, the rest kept), or for untraceable
     settings the identity."""
-    key = (config.bits, config.group_size, config.min_numel, config.pack_bool) if traceable else ("identity",)
+    key = ((config.bits, config.group_size, config.min_numel, config.pack_bool, config.fitted_grids) if traceable
+           else ("identity",))
     with _HOOKS_LOCK:
         hooks = _HOOKS.get(key)
         if hooks is None:
