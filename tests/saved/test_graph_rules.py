@@ -133,6 +133,35 @@ def test_clip_masks_are_exact(backend, monkeypatch):
         assert not torch.equal(_grads(lin, fn, x, daftrain.compress(bits=2, min_numel=0), backend), plain)
 
 
+class _LeakyThenLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(F.leaky_relu(self.first(x), 0.2, inplace=True))  # its backward reads its output
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compared_values_the_backward_also_reads_keep_their_sides(backend, monkeypatch):
+    # A leaky ReLU's output is one saved value for its own backward (its sign picks 1 or the slope) and the
+    # next layer's weight gradient (its values); rounded across 0, the slope flipped (NOTE [ Op rules in
+    # compiled graphs ], 3.). With the sides stored, the first layer's gradient, which reads the output only
+    # through its sign, is plain PyTorch's.
+    model = _LeakyThenLinear()
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    first = sum(p.numel() for p in model.first.parameters())
+    plain = _grads(model, model, x, None, backend)
+    ctx = daftrain.compress(bits=2, min_numel=0)
+    got = _grads(model, model, x, ctx, backend)
+    assert torch.allclose(got[:first], plain[:first], rtol=1e-5, atol=1e-7)
+    assert not torch.equal(got[first:], plain[first:])  # the values were quantized
+    monkeypatch.setattr(graph_rules, "_compared_besides", lambda uses: None)
+    got = _grads(model, model, x, daftrain.compress(bits=2, min_numel=0), backend)
+    assert not torch.allclose(got[:first], plain[:first], rtol=1e-3, atol=1e-5)
+
+
 class _ConvNormClip(nn.Module):
     """conv -> BatchNorm -> ReLU6 with the norm's outputs crowding both bounds of the clip."""
 

@@ -162,7 +162,7 @@ def traced_treatment(x: torch.Tensor, bits: int | None, min_numel: int, pack_boo
     saved = _saved_node()
     rule = graph_rule(saved[0], saved[1], bits) if saved is not None and saved[0] is not None else None
     if (rule is None
-            or (rule.kind == "thresholds" and _representatives(rule.thresholds, x.dtype) is None)
+            or (rule.kind in ("thresholds", "sided") and _representatives(rule.thresholds, x.dtype) is None)
             or (rule.kind == "normalize" and rule.groups and memory_order(x) != ())):  # (N, G, -1) of a permuted x
         return GraphRule("quantize", "", min_bits=bits)
     return dataclasses.replace(rule, min_bits=max(bits, rule.min_bits))
@@ -261,10 +261,13 @@ def pack_traced(x: torch.Tensor, bits: int | None, group_size: int, min_numel: i
     back = _inverse(order) if order else ()
     if rule.kind == "bool":
         return ("bool", torch.ops.daftrain.pack_bool(values.reshape(-1)), _shape_carrier(values), back)
-    if rule.kind == "thresholds":
+    if rule.kind in ("thresholds", "sided"):
         masks = torch.stack([m for t in rule.thresholds for m in (values < t, values == t)])
-        return ("thresholds", torch.ops.daftrain.pack_bool(masks.view(-1)), _shape_carrier(values), back,
-                x.dtype, rule.thresholds, _representatives(rule.thresholds, x.dtype))
+        sides = torch.ops.daftrain.pack_bool(masks.view(-1))
+        if rule.kind == "thresholds":
+            return ("thresholds", sides, _shape_carrier(values), back, x.dtype, rule.thresholds,
+                    _representatives(rule.thresholds, x.dtype))
+        extra = (sides, rule.thresholds)
     seed = torch.ops.daftrain.seed_in_graph(x, hooks_id)  # NOTE [ A fresh seed per compiled call ]
     flat = values.reshape(-1)
     grid = (torch.ops.daftrain.grid_in_graph(flat, rule.min_bits, hooks_id, position)
@@ -288,6 +291,29 @@ def _between(masks: torch.Tensor, thresholds: tuple[float, ...], representatives
     return values
 
 
+def _beside(threshold: float, dtype: torch.dtype, above: bool) -> float:
+    """The value of ``dtype`` next to ``threshold`` (a value of ``dtype``) above or below it; next to 0 the
+    smallest normal number, which no flush of denormals moves onto 0."""
+    if threshold == 0:
+        tiny = torch.finfo(dtype).tiny
+        return tiny if above else -tiny
+    value, word, shift = {torch.float16: ("<e", "<H", 0), torch.bfloat16: ("<f", "<I", 16)}.get(dtype, ("<f", "<I", 0))
+    bits = struct.unpack(word, struct.pack(value, abs(threshold)))[0] >> shift
+    bits += 1 if (threshold > 0) == above else -1
+    return math.copysign(struct.unpack(value, struct.pack(word, bits << shift))[0], threshold)
+
+
+def _on_their_sides(values: torch.Tensor, masks: torch.Tensor, thresholds: tuple[float, ...]) -> torch.Tensor:
+    """``values`` with each one the rounding carried across a threshold put back next to it, on the side the
+    masks (below, equal; per threshold) say: nearer the value it rounds than the rounded one was."""
+    for i, t in enumerate(thresholds):
+        below, equal = masks[2 * i], masks[2 * i + 1]
+        kept_below = values.clamp(max=_beside(t, values.dtype, above=False))
+        kept_above = values.clamp(min=_beside(t, values.dtype, above=True))
+        values = torch.where(equal, t, torch.where(below, kept_below, kept_above))
+    return values
+
+
 @torch.fx.wrap
 def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
     """The unpack hook inside a compiled graph: the inverse of ``pack_traced``; ``hooks_id`` names the hook
@@ -306,11 +332,16 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
     _, codes, lo, scale, grid, carrier, back, dtype, bits, group_size, *extra = packed
     numel = _carried_shape(carrier)[1]
     stored_dtype = torch.float32 if kind == "normalize" else dtype
-    values = _restored(torch.ops.daftrain.decode_in_graph(codes, lo, scale, bits, group_size, numel, stored_dtype,
-                                                          hooks_id, grid), carrier, back)
+    flat = torch.ops.daftrain.decode_in_graph(codes, lo, scale, bits, group_size, numel, stored_dtype, hooks_id, grid)
+    if kind == "sided":
+        sides, thresholds = extra
+        masks = torch.ops.daftrain.unpack_bool(sides, 2 * len(thresholds) * numel).view(2 * len(thresholds), -1)
+        return _restored(_on_their_sides(flat, masks, thresholds), carrier, back)
+    values = _restored(flat, carrier, back)
     if kind in ("probabilities", "log_probabilities"):  # NOTE [ Probabilities keep their sums ] in records.py
         (dim,) = extra
         return with_row_sums(values, dim, kind == "log_probabilities")
+
     if kind != "normalize":
         return values
     mean, std, shape, dims, center = extra
@@ -432,6 +463,8 @@ def _describe(packed: Any, x: torch.Tensor, node: Any) -> SavedInGraph:
     stored = PackedLayout(bits, group_size, _hint(x.numel())).nbytes
     if packed[0] == "normalize":
         stored += sum(_hint(t.numel()) * t.element_size() for t in packed[10:12])
+    if packed[0] == "sided":
+        stored += bool_nbytes(2 * len(packed[11]) * _hint(x.numel()))
     return SavedInGraph(name, "quantized", bits, raw, stored)
 
 

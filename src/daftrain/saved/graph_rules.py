@@ -19,7 +19,8 @@ __all__ = ["GraphRule", "graph_rule", "is_incoming_gradient"]
 class GraphRule:
     """How the traced pack stores one saved value: ``keep`` it, ``quantize`` it at ``min_bits`` or more,
     ``normalize`` it over ``dims`` (of the value, or of its ``(N, groups, -1)`` view) and quantize the
-    normalised values, or store only which side of each of ``thresholds`` it lies on."""
+    normalised values, store only which side of each of ``thresholds`` it lies on, or quantize it and store
+    that too (``sided``)."""
 
     kind: str
     reason: str
@@ -51,7 +52,11 @@ class GraphRule:
 #      partitioner saves a convolution's output and recomputes BatchNorm and the ReLU6 mask from it) is
 #      kept: the recomputed value's bounds, in the saved value's units, depend on the norm's statistics
 #      and weights, which the pack does not see, and a rounded value near them flips the mask that eager
-#      code stores exactly;
+#      code stores exactly. A value the backward compares and also reads (a leaky ReLU's output that the
+#      next convolution saves for its weight's gradient: one saved value serves both, where eager code
+#      saves it twice) is quantized and stored with which side of each constant it lies on; each value the
+#      rounding carried across is restored next to the constant, on its side (nearer its true value than
+#      the rounded one was);
 #   4. at least 8 bits where backward exponentiates the value (``NOTE [ Nonlinear backward ]``) and for
 #      the q and k of a fused attention backward (the eager ``attention_qk`` rule);
 #   5. a normalisation's statistics are kept, as the eager rules keep a norm's mean and rstd: inductor
@@ -110,6 +115,11 @@ def graph_rule(node: Any, bw_graph: Any, bits: int) -> GraphRule | None:
         return GraphRule("quantize", "nonlinear backward", min_bits=max(bits, NONLINEAR_MIN_BITS))
     if any(str(u.target) in _ATTENTION_BACKWARD and _positions(u, p) & {1, 2} for p, u in uses):
         return GraphRule("quantize", "attention_qk", min_bits=max(bits, ATTENTION_MIN_BITS))
+    thresholds = _compared_besides(uses)
+    if thresholds is not None and _non_negative(node):
+        thresholds = tuple(t for t in thresholds if t != 0.0) or None  # 0 is exact in every group of them
+    if thresholds is not None:
+        return GraphRule("sided", "clip_mask", thresholds=thresholds)
     return None
 
 
@@ -212,25 +222,73 @@ _CLIP_BACKWARDS = {"aten.hardtanh_backward.default": (2, 3), "aten.threshold_bac
 """Backward ops that read the saved value (argument 1) only against these constant arguments."""
 
 
+def _comparison(placeholder: Any, user: Any) -> list[float] | None:
+    """The constants ``user`` compares the saved value (``placeholder``) with, if that is all it does with it."""
+    target = str(user.target)
+    if target in _COMPARISONS and _positions(user, placeholder) == {0}:
+        constants = [user.args[_COMPARISONS[target]]]
+    elif target in _CLIP_BACKWARDS and _positions(user, placeholder) == {1}:
+        constants = [user.args[i] for i in _CLIP_BACKWARDS[target]]
+    elif target == "aten.leaky_relu_backward.default" and _positions(user, placeholder) == {1}:
+        constants = [0.0]  # the sign picks 1 or the slope, on the input or on a non-negative slope's output
+    elif target in _SIGNS and _positions(user, placeholder) == {0}:
+        constants = [0.0]  # an absolute value's backward: 1, -1, or 0 at 0
+    else:
+        return None
+    if not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in constants):
+        return None
+    return [float(c) for c in constants]
+
+
 def _compared_only(uses: list[tuple[Any, Any]]) -> tuple[float, ...] | None:
     """The sorted constants the backward compares the saved value with, if that is all it reads (rule 3)."""
     found: set[float] = set()
     for placeholder, user in uses:
-        target = str(user.target)
-        if target in _COMPARISONS and _positions(user, placeholder) == {0}:
-            constants = [user.args[_COMPARISONS[target]]]
-        elif target in _CLIP_BACKWARDS and _positions(user, placeholder) == {1}:
-            constants = [user.args[i] for i in _CLIP_BACKWARDS[target]]
-        elif target == "aten.leaky_relu_backward.default" and _positions(user, placeholder) == {1}:
-            constants = [0.0]  # the sign picks 1 or the slope, on the input or on a non-negative slope's output
-        elif target in _SIGNS and _positions(user, placeholder) == {0}:
-            constants = [0.0]  # an absolute value's backward: 1, -1, or 0 at 0
-        else:
+        constants = _comparison(placeholder, user)
+        if constants is None:
             return None
-        if not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in constants):
-            return None
-        found.update(float(c) for c in constants)
+        found.update(constants)
     return tuple(sorted(found)) if uses and found else None
+
+
+# Ops whose output is >= 0 when their argument at the given position (a lower bound) is: a group of such
+# values whose min is 0 is stored zero-exact, a group without 0 above 0 (``layout.py``), so comparisons
+# with 0 survive rounding.
+_NON_NEGATIVE = {"aten.relu.default": None, "aten.hardtanh.default": 1, "aten.clamp_min.default": 1,
+                 "aten.clamp.default": 1}
+
+
+def _non_negative(node: Any) -> bool:
+    """Whether ``node`` of a forward graph is a ReLU's output (or a clamp's at 0 or above), through views."""
+    for _ in range(_PASS_ON_DEPTH + 1):
+        target = str(node.target) if node.op == "call_function" else ""
+        if target in _NON_NEGATIVE:
+            position = _NON_NEGATIVE[target]
+            if position is None:
+                return True
+            bound = node.args[position] if len(node.args) > position else None
+            return isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound >= 0
+        if target not in _VIEWS or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _compared_besides(uses: list[tuple[Any, Any]]) -> tuple[float, ...] | None:
+    """The sorted constants the backward compares the saved value with, directly or through views (a
+    ``detach``), where it also reads its values (rule 3: a leaky ReLU's output that the next layer saves too)."""
+    found: set[float] = set()
+    frontier = list(uses)
+    for _ in range(_PASS_ON_DEPTH + 1):
+        through_views = []
+        for placeholder, user in frontier:
+            constants = _comparison(placeholder, user)
+            if constants is not None:
+                found.update(constants)
+            elif str(user.target) in _VIEWS and _positions(user, placeholder) == {0}:
+                through_views.extend((user, u) for u in user.users)
+        frontier = through_views
+    return tuple(sorted(found)) if found else None
 
 
 # Elementwise ops through which the backward recomputes a forward value from a saved one, with operands
