@@ -341,7 +341,6 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
     if kind in ("probabilities", "log_probabilities"):  # NOTE [ Probabilities keep their sums ] in records.py
         (dim,) = extra
         return with_row_sums(values, dim, kind == "log_probabilities")
-
     if kind != "normalize":
         return values
     mean, std, shape, dims, center = extra
