@@ -162,6 +162,27 @@ def test_compared_values_the_backward_also_reads_keep_their_sides(backend, monke
     assert not torch.allclose(got[:first], plain[:first], rtol=1e-3, atol=1e-5)
 
 
+def test_relu_outputs_store_no_side_of_zero(monkeypatch):
+    # A ReLU's output keeps its 0 exact in the layout (zero-exact groups), so its sides cost nothing to keep:
+    # the same bytes as with no sides stored, where a leaky ReLU's pay 2 bits per value for them.
+    model = _LeakyThenLinear()
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+
+    def relu_then_linear(x):
+        return model.second(F.relu(model.first(x), inplace=True))
+
+    stored = {}
+    for sides in (True, False):
+        if not sides:
+            monkeypatch.setattr(graph_rules, "_compared_besides", lambda uses: None)
+        for name, fn in (("relu", relu_then_linear), ("leaky", model)):
+            ctx = daftrain.compress(bits=2, min_numel=0)
+            _grads(model, fn, x, ctx, "aot_eager")
+            stored[name, sides] = ctx.stats.compiled_stored_bytes
+    assert stored["relu", True] == stored["relu", False]
+    assert stored["leaky", True] == stored["leaky", False] + 128 * 64 * 2 // 8
+
+
 class _ConvNormClip(nn.Module):
     """conv -> BatchNorm -> ReLU6 with the norm's outputs crowding both bounds of the clip."""
 
