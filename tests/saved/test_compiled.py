@@ -353,32 +353,40 @@ def test_callbacks_are_never_compiled_with_dynamo_loaded_inside_the_context():
     assert (loaded, callbacks, compiled) == ("False", "0 0 0 0", "1 True"), out.stdout
 
 
-@pytest.mark.parametrize("bits", [None, 8])
-def test_dynamic_shapes_compile_with_the_hooks_inlined(bits):
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_dynamic_shapes_compile_with_the_hooks_inlined(bits, monkeypatch):
     # NOTE [ The shape travels in an empty tensor ]: with every size symbolic, returning shapes as tuples of
     # sizes made AOTAutograd rename a shared symbol twice ("used before it has been defined") even at
-    # bits=None, where the dropout masks are still bit-packed.
+    # bits=None, where the dropout masks are still bit-packed. At 4 bits the records take fitted grids, fitted
+    # again for each new length (NOTE [ Fitted grids in compiled graphs ]).
+    from daftrain.saved import grid_choice
+
+    fits: list[tuple[int, ...]] = []
+    monkeypatch.setattr(grid_choice, "fit_grid", lambda values, *args: fits.append(tuple(values.shape)))
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
-    x = torch.randn(4, 12, 32)
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=True)
+    ctx = daftrain.compress(bits=bits, min_numel=0)
 
-    def loss_of(fn, ctx):
+    def loss_of(x, ctx):
         layer.zero_grad()
         torch.manual_seed(1)  # the same dropout masks
         with ctx if ctx is not None else contextlib.nullcontext():
-            out = fn(x, src_mask=nn.Transformer.generate_square_subsequent_mask(12), is_causal=True)
+            out = compiled(x, src_mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]), is_causal=True)
         out.pow(2).sum().backward()
         return grads_of(layer).clone()
 
-    compiled = torch.compile(layer, backend="aot_eager", dynamic=True)
-    plain = loss_of(compiled, None)
-    ctx = daftrain.compress(bits=bits, min_numel=0)
-    got = loss_of(compiled, ctx)
-    assert ctx.stats.compiled_graphs >= 1 and ctx.stats.compiled_bool_packed > 0, ctx.stats.summary()
-    if bits is None:
-        assert torch.equal(got, plain)
-    else:
-        assert _cos(got, plain) >= COSINE_8_BITS
+    for length in (12, 16):
+        x = torch.randn(4, length, 32, generator=torch.Generator().manual_seed(length))
+        plain = loss_of(x, None)
+        got = loss_of(x, ctx)
+        assert ctx.stats.compiled_graphs >= 1 and ctx.stats.compiled_bool_packed > 0, ctx.stats.summary()
+        if bits is None:
+            assert torch.equal(got, plain)
+        else:  # the per-architecture targets: 8 bits >= 0.999, 4 bits >= 0.98 (tests/saved/test_zoo.py)
+            assert _cos(got, plain) >= (COSINE_8_BITS if bits == 8 else 0.98)
+        # 4 bits: each length's values are fitted (one graph for both lengths); none at other bits
+        assert (bits == 4) == any(shape[0] == 4 * length * 32 for shape in fits), fits
 
 
 def test_op_rules_do_not_break_a_compiled_graph():
