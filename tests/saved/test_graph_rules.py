@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from torch import nn
 
 import daftrain
 from daftrain.saved import graph_rules
-from daftrain.saved.compiled import GraphRule, _normalized, _representatives
+from daftrain.saved.compiled import GraphRule, _beside, _normalized, _representatives
 from daftrain.saved.records import Normalized
 
 # Cosine between a compressed gradient and the exact one at 8 bits: the suite's bound for 8-bit
@@ -223,6 +225,21 @@ def test_representatives_compare_as_the_intervals_they_stand_for():
         assert all(lo < r < hi for r, lo, hi in zip(reps, edges[:-1], edges[1:], strict=True))
     # bfloat16 has no value strictly between two neighbours: such thresholds keep plain quantization
     assert _representatives((1.0, 1.0078125), torch.bfloat16) is None
+
+
+def test_the_values_beside_a_threshold_are_its_neighbours_in_the_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for t in (-1.0, 0.0, 0.25, 6.0):
+            below, above = _beside(t, dtype, above=False), _beside(t, dtype, above=True)
+            for v in (below, above):
+                assert torch.tensor(v, dtype=dtype).item() == v  # held exactly
+            assert below < t < above
+            if t != 0:  # nothing of the dtype between them and t (next to 0: the smallest normal number)
+                ref = torch.tensor(t, dtype=dtype)
+                assert torch.nextafter(ref, torch.tensor(-math.inf, dtype=dtype)).item() == below
+                assert torch.nextafter(ref, torch.tensor(math.inf, dtype=dtype)).item() == above
+            else:
+                assert above == torch.finfo(dtype).tiny == -below
 
 
 @pytest.mark.parametrize(("shape", "dims", "center"), [
