@@ -291,6 +291,11 @@ def _between(masks: torch.Tensor, thresholds: tuple[float, ...], representatives
     return values
 
 
+def _sides(data: torch.Tensor, thresholds: tuple[float, ...], numel: int) -> torch.Tensor:
+    """The masks ``pack_traced`` packed for ``numel`` values: below and equal to each threshold, one row each."""
+    return torch.ops.daftrain.unpack_bool(data, 2 * len(thresholds) * numel).view(2 * len(thresholds), -1)
+
+
 def _beside(threshold: float, dtype: torch.dtype, above: bool) -> float:
     """The value of ``dtype`` next to ``threshold`` (a value of ``dtype``) above or below it; next to 0 the
     smallest normal number, which no flush of denormals moves onto 0."""
@@ -326,8 +331,7 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
         return _restored(torch.ops.daftrain.unpack_bool(data, _carried_shape(carrier)[1]), carrier, back)
     if kind == "thresholds":
         _, data, carrier, back, dtype, thresholds, representatives = packed
-        numel = _carried_shape(carrier)[1]
-        masks = torch.ops.daftrain.unpack_bool(data, 2 * len(thresholds) * numel).view(2 * len(thresholds), -1)
+        masks = _sides(data, thresholds, _carried_shape(carrier)[1])
         return _restored(_between(masks, thresholds, representatives, dtype), carrier, back)
     _, codes, lo, scale, grid, carrier, back, dtype, bits, group_size, *extra = packed
     numel = _carried_shape(carrier)[1]
@@ -335,8 +339,7 @@ def unpack_traced(packed: Any, hooks_id: int = -1) -> torch.Tensor:
     flat = torch.ops.daftrain.decode_in_graph(codes, lo, scale, bits, group_size, numel, stored_dtype, hooks_id, grid)
     if kind == "sided":
         sides, thresholds = extra
-        masks = torch.ops.daftrain.unpack_bool(sides, 2 * len(thresholds) * numel).view(2 * len(thresholds), -1)
-        return _restored(_on_their_sides(flat, masks, thresholds), carrier, back)
+        return _restored(_on_their_sides(flat, _sides(sides, thresholds, numel), thresholds), carrier, back)
     values = _restored(flat, carrier, back)
     if kind in ("probabilities", "log_probabilities"):  # NOTE [ Probabilities keep their sums ] in records.py
         (dim,) = extra
@@ -389,11 +392,12 @@ def _(x: torch.Tensor, hooks_id: int) -> torch.Tensor:
 # the host, which a traced graph cannot do: compiled models at 4 bits lost what grids give eager ones. The
 # traced pack now gives each saved value a position of its own when it is traced, and
 # ``daftrain::grid_in_graph`` asks the context that runs the graph for that position's grid, fitted and kept by
-# a ``GridChoice`` of the context's as eager positions are (again every ``REESTIMATE_STEPS`` steps or when
-# the values change shape), the uniform grid where the fit found no gain or without a context. The grid travels
-# to the backward with the record, as an eager record's does. The op returns a fresh tensor each call: a
-# compiler may reuse the storage of an op's output once the graph no longer needs it. The CPU kernels run a
-# uniform grid as no grid (the same bytes, ``layout.py``), so positions without a gain pay nothing.
+# the context's ``GridChoice`` beside its eager positions, numbered apart from them as compiled seeds are (again
+# every ``REESTIMATE_STEPS`` steps or when the values change shape), the uniform grid where the fit found no gain
+# or without a context. The grid travels to the backward with the record, as an eager record's does. The op
+# returns a fresh tensor each call: a compiler may reuse the storage of an op's output once the graph no longer
+# needs it. The CPU kernels run a uniform grid as no grid (the same bytes, ``layout.py``), so positions without a
+# gain pay nothing.
 @_stateful_op
 def grid_in_graph(x: torch.Tensor, bits: int, hooks_id: int, position: int) -> torch.Tensor:
     """The grid (float32 ``[2**bits]``, on ``x``'s device) for the record the hook pair ``hooks_id`` makes of ``x``
@@ -568,7 +572,7 @@ class CompiledHooks:
     def next_seed(self) -> int:
         """The seed of the next record packed in a compiled graph, from the context that runs it (``NOTE [ A fresh
         seed per compiled call ]``)."""
-        ctx = self._active_or_none() or (self._last() if self._last is not None else None)
+        ctx = self._running()
         if ctx is not None:
             return ctx.compiled_seed()
         return record_seed(torch.initial_seed(), self.id, next(self._seeds))
@@ -576,7 +580,7 @@ class CompiledHooks:
     def grid(self, position: int, values: torch.Tensor, bits: int) -> torch.Tensor | None:
         """The fitted grid of the record packed at ``position`` in a compiled graph, from the context that runs it,
         or ``None`` (``NOTE [ Fitted grids in compiled graphs ]``)."""
-        ctx = self._active_or_none() or (self._last() if self._last is not None else None)
+        ctx = self._running()
         return ctx.compiled_grid(position, values, bits) if ctx is not None else None
 
     def noted(self, nbytes: int) -> None:
@@ -590,6 +594,11 @@ class CompiledHooks:
     def _active_or_none(self) -> Any:
         stack = self._stack()
         return stack[-1] if stack else None
+
+    def _running(self) -> Any:
+        """The context a compiled graph runs under: the innermost entered on this thread, else the one entered last
+        on any thread (a backward on autograd's thread), or ``None``."""
+        return self._active_or_none() or (self._last() if self._last is not None else None)
 
     # -- eager -------------------------------------------------------------------------------------
     def _eager_pack(self, t: torch.Tensor) -> Any:

@@ -122,7 +122,8 @@ class _NoTracer:
 _NO_TRACER = _NoTracer()
 
 _COMPILED_RECORDS = 1 << 31
-"""Where the indices that seed compiled graphs' records start, apart from the eager records' (``compiled_seed``)."""
+"""Where the indices of compiled graphs' records start, apart from the eager records' (``compiled_seed``,
+``compiled_grid``)."""
 
 RECOMPUTATION_SHARE_BITS = 8
 """The bits a ``bits="auto", error_share=...`` context's recomputation stores at (``recomputation_context``)."""
@@ -246,8 +247,6 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
         self._record_bits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._column_choice = ColumnChoice(self.config.group_size)
         self._grid_choice = GridChoice(self.config.group_size) if self.config.fitted_grids else None
-        # compiled graphs' records, by the position the traced pack gave each (``compiled_grid``)
-        self._compiled_grid_choice = GridChoice(self.config.group_size) if self.config.fitted_grids else None
         # NOTE [ Constants found not lossless ]: forward positions whose constant was kept exact
         self._not_lossless: PerPosition[bool] = PerPosition()
         self._calibration_pass: CalibrationPass | None = None
@@ -731,9 +730,9 @@ class compress(torch.autograd.graph.saved_tensors_hooks):
     def compiled_grid(self, position: int, values: torch.Tensor, bits: int) -> torch.Tensor | None:
         """The fitted grid of the record a compiled graph packs at its saved-value ``position`` in this step, or
         ``None`` for the uniform grid (``NOTE [ Fitted grids in compiled graphs ]`` in compiled.py)."""
-        if self._compiled_grid_choice is None:
+        if self._grid_choice is None:
             return None
-        return self._compiled_grid_choice.grid(self.step, position, values, bits)
+        return self._grid_choice.grid(self.step, _COMPILED_RECORDS + position, values, bits)
 
     def compiled_seed(self) -> int:
         """The seed of the next record a compiled graph packs in this step (``NOTE [ A fresh seed per compiled call ]``
